@@ -1,0 +1,26 @@
+"""npmegatron.autograd: a minimal tape-based autograd over NumPy and CuPy arrays.
+
+Plays the role PyTorch's autograd plays under Megatron-LM: `Tensor`, `Function` (forward and
+backward side by side on plain arrays), a reverse-topological `backward`, and the ops GPT-2 needs.
+"""
+from .backend import InputError, get_array_module
+from .tensor import Tensor, no_grad, is_grad_enabled
+from .function import Function
+from .engine import backward
+from .ops import (
+    add, sub, mul, div, neg, pow, matmul, linear,
+    reshape, transpose, split, concatenate, getitem,
+    sum, mean, max,
+    exp, log, tanh, gelu,
+    softmax, layer_norm, dropout, embedding, cross_entropy,
+)
+from .gradcheck import gradcheck, numerical_grad
+
+__all__ = [
+    "InputError", "get_array_module", "Tensor", "no_grad", "is_grad_enabled", "Function", "backward",
+    "add", "sub", "mul", "div", "neg", "pow", "matmul", "linear",
+    "reshape", "transpose", "split", "concatenate", "getitem",
+    "sum", "mean", "max", "exp", "log", "tanh", "gelu",
+    "softmax", "layer_norm", "dropout", "embedding", "cross_entropy",
+    "gradcheck", "numerical_grad",
+]

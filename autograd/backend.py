@@ -1,0 +1,52 @@
+"""Array-module helpers: one place decides NumPy or CuPy, so every op is written once.
+
+Chainer's `get_array_module` idea; CuPy is optional and imported only when an array lives on a GPU.
+"""
+import numpy
+
+
+class InputError(ValueError):
+    """Bad input from a user: the message is one sentence naming the bad value and the fix."""
+
+
+def get_array_module(*arrays):
+    """numpy, or cupy when any of the arrays is a CuPy array."""
+    for a in arrays:
+        if type(a).__module__.startswith("cupy"):
+            import cupy
+            return cupy
+    return numpy
+
+
+def array_module_for(device):
+    """The array module for a device name: 'cpu' is NumPy, 'gpu' is CuPy."""
+    if device == "cpu":
+        return numpy
+    if device == "gpu":
+        import cupy
+        return cupy
+    raise InputError(f"unknown device {device!r}; use 'cpu' or 'gpu'")
+
+
+def to_numpy(a):
+    """A NumPy copy of an array that may live on the GPU."""
+    return a.get() if hasattr(a, "get") else numpy.asarray(a)
+
+
+def scatter_add(target, index, values):
+    """target[index] += values, with repeated indices summed (embedding backward)."""
+    xp = get_array_module(target)
+    if xp is numpy:
+        numpy.add.at(target, index, values)
+    else:
+        import cupyx
+        cupyx.scatter_add(target, index, values)
+
+
+def erf(x):
+    """The error function on either array module (exact GeLU)."""
+    if get_array_module(x) is numpy:
+        from scipy.special import erf as _erf
+    else:
+        from cupyx.scipy.special import erf as _erf
+    return _erf(x)

@@ -1,0 +1,114 @@
+"""backward(): walk the tape in reverse topological order, iteratively (no recursion limit).
+
+The explicit-gradient form `backward(tensors, grad_tensors)` never reads the outputs' data, so a
+pipeline stage may free an output after sending it and still backpropagate through its graph
+(Megatron's `deallocate_output_tensor` + `custom_backward`).
+"""
+from .backend import InputError, get_array_module
+from .tensor import Tensor
+
+
+def _count_consumers(roots):
+    """How many edges point at each node reachable from the roots (Kahn's in-degrees)."""
+    consumers = {}
+    seen = set()
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        for edge in node.edges:
+            if edge is not None:
+                child = edge[0]
+                consumers[child] = consumers.get(child, 0) + 1
+                stack.append(child)
+    return consumers
+
+
+def _seed(t, g):
+    if g is None:
+        if t.data.size != 1:
+            raise InputError(f"backward() on a tensor of shape {tuple(t.shape)} needs an explicit "
+                             "gradient: pass one of the same shape, or reduce it to a scalar first "
+                             "(e.g. .sum())")
+        return get_array_module(t.data).ones_like(t.data)
+    return g.data if isinstance(g, Tensor) else g
+
+
+def backward(tensors, grad_tensors=None):
+    """Accumulate d(sum_i <grad_i, tensor_i>)/d(leaf) into every leaf's `.grad`.
+
+    `grad_tensors` may be omitted for scalar outputs. Saved arrays and intermediate gradients are
+    dropped as soon as they are used, so the graph can be walked only once.
+    """
+    if isinstance(tensors, Tensor):
+        tensors = [tensors]
+    if grad_tensors is None:
+        grad_tensors = [None] * len(tensors)
+    elif not isinstance(grad_tensors, (list, tuple)):
+        grad_tensors = [grad_tensors]
+    if len(grad_tensors) != len(tensors):
+        raise InputError(f"backward() got {len(tensors)} tensors but {len(grad_tensors)} gradients; "
+                         "pass one gradient per tensor")
+
+    buffers = {}     # node -> list of gradients, one slot per output
+    roots = []
+    for t, g in zip(tensors, grad_tensors):
+        if not t.requires_grad:
+            raise InputError("backward() on a tensor that does not require grad: no parameter "
+                             "it depends on has requires_grad=True")
+        g = _seed(t, g)
+        if t.grad_fn is None:
+            node, index = t._accumulator or _make_accumulator(t), 0
+        else:
+            node, index = t.grad_fn, t.output_index
+        _accumulate(buffers, node, index, g)
+        roots.append(node)
+
+    consumers = _count_consumers(roots)
+    ready = [n for n in dict.fromkeys(roots) if consumers.get(n, 0) == 0]
+    while ready:
+        node = ready.pop()
+        grads = buffers.pop(node)
+        for edge, g in zip(node.edges, node.run(grads)):
+            if edge is None:
+                continue
+            child, index = edge
+            if g is not None:
+                _accumulate(buffers, child, index, g)
+            consumers[child] -= 1
+            if consumers[child] == 0:
+                if child in buffers:
+                    ready.append(child)
+                else:
+                    _release(child, consumers, ready, buffers)
+
+
+def _release(node, consumers, ready, buffers):
+    """A node no gradient reached: free its saved arrays and release its inputs in turn."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if getattr(n, "ctx", None) is not None:
+            n.ctx = None
+        for edge in n.edges:
+            if edge is None:
+                continue
+            child = edge[0]
+            consumers[child] -= 1
+            if consumers[child] == 0:
+                (ready.append(child) if child in buffers else stack.append(child))
+
+
+def _make_accumulator(t):
+    from .function import _edge
+    return _edge(t)[0]
+
+
+def _accumulate(buffers, node, index, g):
+    slots = buffers.get(node)
+    if slots is None:
+        slots = buffers[node] = [None] * getattr(node, "n_outputs", 1)
+    # out of place: g may be shared with another consumer of the same backward result
+    slots[index] = g if slots[index] is None else slots[index] + g

@@ -1,0 +1,99 @@
+"""Function: forward and backward on plain arrays, side by side, and the tape node it records.
+
+As in Chainer and PyTorch, a Function saves only what it asks for (`ctx.save_for_backward`) and
+reads `ctx.needs_input_grad` so it never computes a gradient nobody wants.
+"""
+from . import tensor as _tensor
+from .tensor import Tensor
+
+
+class Context:
+    """What one call of a Function keeps for its backward."""
+
+    def __init__(self, needs_input_grad):
+        self.needs_input_grad = needs_input_grad
+        self.saved = ()
+
+    def save_for_backward(self, *arrays):
+        self.saved = arrays
+
+
+class AccumulateGrad:
+    """The tape node of a leaf tensor: adds the incoming gradient into `tensor.grad`."""
+
+    name = "AccumulateGrad"
+
+    def __init__(self, leaf):
+        self.leaf = leaf
+        self.edges = ()
+        self.hooks = []
+
+    def run(self, grads):
+        (g,) = grads
+        leaf = self.leaf
+        # The first gradient is copied: backward functions may hand the same array to several
+        # inputs, and a leaf's grad must be its own (optimizers and all-reduces write into it).
+        leaf.grad = g.copy() if leaf.grad is None else leaf.grad + g
+        for hook in self.hooks:
+            hook(leaf)
+        return ()
+
+
+class Node:
+    """One recorded call: the Function, its context, and edges to the nodes of its inputs."""
+
+    def __init__(self, function, ctx, edges, n_outputs):
+        self.function = function
+        self.ctx = ctx
+        self.edges = edges          # per input: (node, output_index) or None
+        self.n_outputs = n_outputs
+        self.name = function.__name__
+
+    def run(self, grads):
+        if self.ctx is None:
+            raise RuntimeError(f"backward through {self.name} a second time: its saved arrays were "
+                               "freed after the first backward; run the forward again")
+        result = self.function.backward(self.ctx, *grads)
+        self.ctx = None     # drop saved arrays as soon as they are used
+        return result if isinstance(result, tuple) else (result,)
+
+
+def _edge(x):
+    if not isinstance(x, Tensor) or not x.requires_grad:
+        return None
+    if x.grad_fn is not None:
+        return (x.grad_fn, x.output_index)
+    if x._accumulator is None:
+        x._accumulator = AccumulateGrad(x)
+    return (x._accumulator, 0)
+
+
+class Function:
+    """Subclass with static `forward(ctx, *arrays, **params)` and `backward(ctx, *grads)`.
+
+    `backward` returns one gradient per positional input of forward (None where not needed).
+    Call through `apply`, which unwraps tensors and records a node when a gradient may be needed.
+    """
+
+    @staticmethod
+    def forward(ctx, *arrays, **params):
+        raise NotImplementedError
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError
+
+    @classmethod
+    def apply(cls, *inputs, **params):
+        arrays = [x.data if isinstance(x, Tensor) else x for x in inputs]
+        needs = tuple(isinstance(x, Tensor) and x.requires_grad for x in inputs)
+        ctx = Context(needs)
+        out = cls.forward(ctx, *arrays, **params)
+        record = _tensor.is_grad_enabled() and any(needs)
+        outs = out if isinstance(out, tuple) else (out,)
+        tensors = tuple(Tensor(o, requires_grad=record) for o in outs)
+        if record:
+            node = Node(cls, ctx, tuple(_edge(x) for x in inputs), len(outs))
+            for i, t in enumerate(tensors):
+                t.grad_fn, t.output_index = node, i
+        return tensors if isinstance(out, tuple) else tensors[0]

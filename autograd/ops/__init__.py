@@ -1,0 +1,40 @@
+"""The ops, and the operator methods they give Tensor (`a + b`, `a @ b`, `x[i]`, `x.sum()`)."""
+from .arithmetic import add, sub, mul, div, neg, pow, matmul, linear
+from .shape import reshape, transpose, split, concatenate, getitem
+from .reduce import sum, mean, max
+from .elementwise import exp, log, tanh, gelu
+from .nn import softmax, layer_norm, dropout, embedding, cross_entropy
+from ..tensor import Tensor
+
+
+def _reflected(op):
+    return lambda self, other: op(Tensor(_as_array(other, self)), self)
+
+
+def _as_array(x, like):
+    from .arithmetic import _operand
+    return _operand(x, like)
+
+
+Tensor.__add__ = add
+Tensor.__radd__ = lambda self, other: add(self, other)
+Tensor.__sub__ = sub
+Tensor.__rsub__ = _reflected(sub)
+Tensor.__mul__ = mul
+Tensor.__rmul__ = lambda self, other: mul(self, other)
+Tensor.__truediv__ = div
+Tensor.__rtruediv__ = _reflected(div)
+Tensor.__neg__ = neg
+Tensor.__pow__ = pow
+Tensor.__rpow__ = _reflected(pow)
+Tensor.__matmul__ = matmul
+Tensor.__getitem__ = getitem
+Tensor.reshape = reshape
+Tensor.transpose = transpose
+Tensor.T = property(lambda self: transpose(self))
+Tensor.sum = sum
+Tensor.mean = mean
+Tensor.max = max
+Tensor.exp = exp
+Tensor.log = log
+Tensor.tanh = tanh

@@ -1,0 +1,199 @@
+"""Broadcasting arithmetic and matrix products; gradients are summed back to each input's shape."""
+from ..backend import InputError, get_array_module
+from ..function import Function
+from ..tensor import Tensor
+
+
+def unbroadcast(grad, shape):
+    """Sum a broadcast gradient back to `shape` (the conjugate of broadcasting)."""
+    if grad.shape == tuple(shape):
+        return grad
+    lead = grad.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(
+        lead + i for i, n in enumerate(shape) if n == 1 and grad.shape[lead + i] != 1)
+    return grad.sum(axis=axes).reshape(shape)
+
+
+def _check_broadcast(op, a, b):
+    try:
+        get_array_module(a, b).broadcast_shapes(a.shape, b.shape)
+    except ValueError:
+        raise InputError(f"cannot {op} shapes {tuple(a.shape)} and {tuple(b.shape)}: they do not "
+                         "broadcast; make trailing dimensions equal or 1") from None
+
+
+def _operand(x, like):
+    """Python numbers become 0-d arrays of the tensor's dtype, so float32 stays float32."""
+    if isinstance(x, Tensor) or hasattr(x, "shape"):
+        return x
+    data = like.data if isinstance(like, Tensor) else like
+    return get_array_module(data).asarray(x, dtype=data.dtype)
+
+
+class Add(Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        _check_broadcast("add", a, b)
+        ctx.shapes = a.shape, b.shape
+        return a + b
+
+    @staticmethod
+    def backward(ctx, g):
+        sa, sb = ctx.shapes
+        na, nb = ctx.needs_input_grad
+        return (unbroadcast(g, sa) if na else None), (unbroadcast(g, sb) if nb else None)
+
+
+class Mul(Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        _check_broadcast("multiply", a, b)
+        ctx.save_for_backward(a, b)
+        return a * b
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved
+        na, nb = ctx.needs_input_grad
+        return (unbroadcast(g * b, a.shape) if na else None), (unbroadcast(g * a, b.shape) if nb else None)
+
+
+class Div(Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        _check_broadcast("divide", a, b)
+        ctx.save_for_backward(a, b)
+        return a / b
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved
+        na, nb = ctx.needs_input_grad
+        ga = unbroadcast(g / b, a.shape) if na else None
+        gb = unbroadcast(-g * a / (b * b), b.shape) if nb else None
+        return ga, gb
+
+
+class Pow(Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        _check_broadcast("raise", a, b)
+        out = a ** b
+        ctx.save_for_backward(a, b, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b, out = ctx.saved
+        na, nb = ctx.needs_input_grad
+        ga = unbroadcast(g * b * a ** (b - 1), a.shape) if na else None
+        gb = unbroadcast(g * out * get_array_module(a).log(a), b.shape) if nb else None
+        return ga, gb
+
+
+class Neg(Function):
+    @staticmethod
+    def forward(ctx, a):
+        return -a
+
+    @staticmethod
+    def backward(ctx, g):
+        return -g
+
+
+def _swap(x):
+    return x.swapaxes(-1, -2)
+
+
+def _check_matmul(a, b):
+    if a.ndim < 2 or b.ndim < 2:
+        raise InputError(f"matmul needs arrays of at least 2 dimensions, got shapes {tuple(a.shape)} "
+                         f"and {tuple(b.shape)}; reshape vectors to (1, n) or (n, 1)")
+    if a.shape[-1] != b.shape[-2]:
+        raise InputError(f"cannot matmul shapes {tuple(a.shape)} and {tuple(b.shape)}: inner "
+                         f"dimensions {a.shape[-1]} and {b.shape[-2]} differ")
+    try:
+        get_array_module(a, b).broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    except ValueError:
+        raise InputError(f"cannot matmul shapes {tuple(a.shape)} and {tuple(b.shape)}: batch "
+                         "dimensions do not broadcast") from None
+
+
+def _weight_grad(x, g):
+    """x^T g summed over all leading dimensions in one GEMM (no per-batch temporaries)."""
+    return x.reshape(-1, x.shape[-1]).T @ g.reshape(-1, g.shape[-1])
+
+
+class MatMul(Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        _check_matmul(a, b)
+        ctx.save_for_backward(a, b)
+        return a @ b
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved
+        na, nb = ctx.needs_input_grad
+        ga = unbroadcast(g @ _swap(b), a.shape) if na else None
+        if not nb:
+            gb = None
+        elif b.ndim == 2:
+            gb = _weight_grad(a, g)
+        else:
+            gb = unbroadcast(_swap(a) @ g, b.shape)
+        return ga, gb
+
+
+class Linear(Function):
+    """x @ w + b with w of shape (in, out): one GEMM each way, bias added in place."""
+
+    @staticmethod
+    def forward(ctx, x, w, b=None):
+        _check_matmul(x, w)
+        ctx.save_for_backward(x, w)
+        out = x @ w
+        if b is not None:
+            out += b
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved
+        need = ctx.needs_input_grad
+        gx = g @ w.T if need[0] else None
+        gw = _weight_grad(x, g) if need[1] else None
+        gb = g.reshape(-1, g.shape[-1]).sum(axis=0) if len(need) > 2 and need[2] else None
+        return gx, gw, gb
+
+
+def add(a, b):
+    return Add.apply(a, _operand(b, a))
+
+
+def sub(a, b):
+    return Add.apply(a, neg(_operand(b, a)))
+
+
+def mul(a, b):
+    return Mul.apply(a, _operand(b, a))
+
+
+def div(a, b):
+    return Div.apply(a, _operand(b, a))
+
+
+def neg(a):
+    return Neg.apply(a) if isinstance(a, Tensor) else -a
+
+
+def pow(a, b):
+    return Pow.apply(a, _operand(b, a))
+
+
+def matmul(a, b):
+    return MatMul.apply(a, b)
+
+
+def linear(x, w, b=None):
+    return Linear.apply(x, w, b) if b is not None else Linear.apply(x, w)

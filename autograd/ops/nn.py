@@ -1,0 +1,203 @@
+"""Fused neural-network ops: softmax, LayerNorm, dropout, embedding and cross-entropy.
+
+Fused means one Function with a hand-written backward, as Megatron's fused kernels
+(FusedScaleMaskSoftmax, fused LayerNorm), instead of a chain of primitives each saving arrays.
+"""
+from ..backend import InputError, get_array_module, scatter_add
+from ..function import Function
+from ..tensor import Tensor
+
+
+def _causal_bias(xp, t_q, t_k, dtype):
+    """0 where a query may attend, -inf after it; queries are the last t_q of t_k positions."""
+    q = xp.arange(t_k - t_q, t_k)[:, None]
+    k = xp.arange(t_k)[None, :]
+    return xp.where(k > q, -xp.inf, 0.0).astype(dtype)
+
+
+class Softmax(Function):
+    """softmax(scale * x) over the last axis, optionally causally masked; numerically stable."""
+
+    @staticmethod
+    def forward(ctx, x, scale, causal):
+        xp = get_array_module(x)
+        z = x * x.dtype.type(scale)
+        if causal:
+            z += _causal_bias(xp, x.shape[-2], x.shape[-1], x.dtype)
+        z -= z.max(axis=-1, keepdims=True)
+        xp.exp(z, out=z)
+        z /= z.sum(axis=-1, keepdims=True)
+        ctx.scale = scale
+        ctx.save_for_backward(z)
+        return z
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved
+        gx = g * y
+        dot = gx.sum(axis=-1, keepdims=True)
+        dot *= y.dtype.type(-1)
+        gx += dot * y  # y * (g - <g, y>)
+        if ctx.scale != 1.0:
+            gx *= y.dtype.type(ctx.scale)
+        return gx
+
+
+class LayerNorm(Function):
+    """(x - mean) / sqrt(var + eps) * weight + bias over the last axis, fused both ways."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        xp = get_array_module(x)
+        mu = x.mean(axis=-1, keepdims=True)
+        xhat = x - mu
+        var = (xhat * xhat).mean(axis=-1, keepdims=True)
+        rstd = 1.0 / xp.sqrt(var + eps)
+        xhat *= rstd
+        ctx.save_for_backward(xhat, rstd, weight)
+        out = xhat * weight
+        out += bias
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        xhat, rstd, weight = ctx.saved
+        need_x, need_w, need_b = ctx.needs_input_grad
+        g2 = g.reshape(-1, g.shape[-1])
+        gw = (g2 * xhat.reshape(g2.shape)).sum(axis=0) if need_w else None
+        gb = g2.sum(axis=0) if need_b else None
+        gx = None
+        if need_x:
+            # dx = rstd * (gh - mean(gh) - xhat * mean(gh * xhat)), gh = g * weight
+            gh = g * weight
+            gx = gh - gh.mean(axis=-1, keepdims=True)
+            gx -= xhat * (gh * xhat).mean(axis=-1, keepdims=True)
+            gx *= rstd
+        return gx, gw, gb
+
+
+class Dropout(Function):
+    """Zero each element with probability p and scale the rest by 1/(1-p); the mask is drawn
+    from the generator passed in, so callers decide which RNG stream (paper Appendix B.2)."""
+
+    @staticmethod
+    def forward(ctx, x, p, generator):
+        keep = generator.random(x.shape, dtype=x.dtype) >= p
+        if get_array_module(x) is not get_array_module(keep):
+            keep = get_array_module(x).asarray(keep)
+        ctx.scale = x.dtype.type(1.0 / (1.0 - p))
+        ctx.save_for_backward(keep)
+        out = x * keep
+        out *= ctx.scale
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        gx = g * ctx.saved[0]
+        gx *= ctx.scale
+        return gx
+
+
+def _check_ids(ids, size, what, fix, ignore_index=None):
+    xp = get_array_module(ids)
+    if ids.dtype.kind not in "iu":
+        raise InputError(f"{what} must be integers, got dtype {ids.dtype}; convert with .astype(int)")
+    if ids.size == 0:
+        return
+    valid = ids if ignore_index is None else ids[ids != ignore_index]
+    if valid.size == 0:
+        return
+    lo, hi = int(valid.min()), int(valid.max())
+    if lo < 0 or hi >= size:
+        bad = hi if hi >= size else lo
+        raise InputError(f"{what} {bad} is outside the vocabulary [0, {size}); {fix}")
+
+
+class Embedding(Function):
+    """weight[ids]; backward scatter-adds rows (a token seen twice gets both gradients)."""
+
+    @staticmethod
+    def forward(ctx, ids, weight):
+        _check_ids(ids, weight.shape[0], "token id",
+                   "tokenize with the model's vocabulary or raise --vocab-size")
+        ctx.ids, ctx.shape, ctx.dtype = ids, weight.shape, weight.dtype
+        return weight[ids]
+
+    @staticmethod
+    def backward(ctx, g):
+        xp = get_array_module(g)
+        gw = xp.zeros(ctx.shape, ctx.dtype)
+        scatter_add(gw, ctx.ids.reshape(-1), g.reshape(-1, ctx.shape[1]))
+        return None, gw
+
+
+class CrossEntropy(Function):
+    """Mean over tokens of -log softmax(logits)[target]; tokens equal to ignore_index count not.
+
+    Backward is (softmax - one_hot) / n, computed in the saved softmax buffer itself.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, ignore_index):
+        xp = get_array_module(logits)
+        vocab = logits.shape[-1]
+        if targets.shape != logits.shape[:-1]:
+            raise InputError(f"targets of shape {tuple(targets.shape)} do not match logits of shape "
+                             f"{tuple(logits.shape)}; targets need the logits' shape without the last axis")
+        _check_ids(targets, vocab, "target id", "targets must index the logits' last axis",
+                   ignore_index)
+        z = logits.reshape(-1, vocab) - logits.reshape(-1, vocab).max(axis=-1, keepdims=True)
+        t = targets.reshape(-1)
+        valid = xp.ones(t.shape, bool) if ignore_index is None else t != ignore_index
+        t = xp.where(valid, t, 0)
+        rows = xp.arange(t.size)
+        target_z = z[rows, t]
+        xp.exp(z, out=z)
+        sum_exp = z.sum(axis=-1)
+        z /= sum_exp[:, None]
+        count = max(int(valid.sum()), 1)
+        losses = (xp.log(sum_exp) - target_z) * valid
+        ctx.save_for_backward(z, t, valid)
+        ctx.count, ctx.shape = count, logits.shape
+        return losses.sum(keepdims=False) / logits.dtype.type(count)
+
+    @staticmethod
+    def backward(ctx, g):
+        probs, t, valid = ctx.saved
+        xp = get_array_module(probs)
+        # The saved softmax is ours alone and freed right after: reuse it as the gradient.
+        probs[xp.arange(t.size), t] -= 1
+        probs *= (valid * (g / ctx.count)).astype(probs.dtype)[:, None]
+        return probs.reshape(ctx.shape), None
+
+
+def softmax(x, scale=1.0, causal=False):
+    """softmax(scale * x) over the last axis; causal masks keys after each query (last two axes)."""
+    return Softmax.apply(x, scale=scale, causal=causal)
+
+
+def layer_norm(x, weight, bias, eps=1e-5):
+    if weight.shape != x.shape[-1:] or bias.shape != x.shape[-1:]:
+        raise InputError(f"LayerNorm weight {tuple(weight.shape)} and bias {tuple(bias.shape)} must "
+                         f"match the last axis of input {tuple(x.shape)}")
+    return LayerNorm.apply(x, weight, bias, eps=eps)
+
+
+def dropout(x, p, generator, training=True):
+    """Inverted dropout; identity when p == 0 or not training."""
+    if not 0.0 <= p < 1.0:
+        raise InputError(f"dropout probability {p} is outside [0, 1); use e.g. 0.1")
+    if p == 0.0 or not training:
+        return x
+    return Dropout.apply(x, p=p, generator=generator)
+
+
+def embedding(ids, weight):
+    """Rows of weight (vocab, hidden) for integer ids of any shape."""
+    ids = ids.data if isinstance(ids, Tensor) else ids
+    return Embedding.apply(ids, weight)
+
+
+def cross_entropy(logits, targets, ignore_index=None):
+    targets = targets.data if isinstance(targets, Tensor) else targets
+    return CrossEntropy.apply(logits, targets, ignore_index=ignore_index)

@@ -1,0 +1,130 @@
+"""Shape ops: reshape, transpose, split, concatenate and indexing. Each backward is the inverse."""
+from ..backend import InputError, get_array_module, scatter_add
+from ..function import Function
+from ..tensor import Tensor
+
+
+class Reshape(Function):
+    @staticmethod
+    def forward(ctx, x, shape):
+        ctx.in_shape = x.shape
+        try:
+            return x.reshape(shape)
+        except ValueError:
+            raise InputError(f"cannot reshape shape {tuple(x.shape)} ({x.size} elements) into "
+                             f"{tuple(shape)}; the number of elements must stay the same") from None
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.reshape(ctx.in_shape)
+
+
+class Transpose(Function):
+    @staticmethod
+    def forward(ctx, x, axes):
+        ctx.axes = axes
+        return x.transpose(axes)
+
+    @staticmethod
+    def backward(ctx, g):
+        inverse = [0] * len(ctx.axes)
+        for i, a in enumerate(ctx.axes):
+            inverse[a] = i
+        return g.transpose(inverse)
+
+
+class Split(Function):
+    """Several outputs (views); backward concatenates their gradients (zeros where none came)."""
+
+    @staticmethod
+    def forward(ctx, x, sections, axis):
+        xp = get_array_module(x)
+        ctx.axis, ctx.shape, ctx.dtype = axis, x.shape, x.dtype
+        parts = xp.split(x, sections, axis=axis)
+        ctx.part_shapes = [p.shape for p in parts]
+        return tuple(parts)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        xp = get_array_module(*[g for g in grads if g is not None])
+        filled = [g if g is not None else xp.zeros(s, ctx.dtype) for g, s in zip(grads, ctx.part_shapes)]
+        return xp.concatenate(filled, axis=ctx.axis)
+
+
+class Concatenate(Function):
+    @staticmethod
+    def forward(ctx, *xs, axis):
+        xp = get_array_module(*xs)
+        ctx.axis = axis
+        ctx.offsets = []
+        total = 0
+        for x in xs[:-1]:
+            total += x.shape[axis]
+            ctx.offsets.append(total)
+        try:
+            return xp.concatenate(xs, axis=axis)
+        except ValueError:
+            raise InputError(f"cannot concatenate shapes {[tuple(x.shape) for x in xs]} along axis "
+                             f"{axis}; all other dimensions must match") from None
+
+    @staticmethod
+    def backward(ctx, g):
+        parts = get_array_module(g).split(g, ctx.offsets, axis=ctx.axis)
+        return tuple(p if need else None for p, need in zip(parts, ctx.needs_input_grad))
+
+
+def _is_basic(index):
+    items = index if isinstance(index, tuple) else (index,)
+    return all(i is None or i is Ellipsis or isinstance(i, (int, slice)) for i in items)
+
+
+class GetItem(Function):
+    @staticmethod
+    def forward(ctx, x, index):
+        ctx.index, ctx.shape, ctx.dtype = index, x.shape, x.dtype
+        return x[index]
+
+    @staticmethod
+    def backward(ctx, g):
+        xp = get_array_module(g)
+        gx = xp.zeros(ctx.shape, ctx.dtype)
+        if _is_basic(ctx.index):
+            gx[ctx.index] = g
+        else:           # advanced indexing may repeat an element: sum, do not overwrite
+            scatter_add(gx, ctx.index, g)
+        return gx
+
+
+def reshape(x, *shape):
+    shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
+    return Reshape.apply(x, shape=tuple(shape))
+
+
+def transpose(x, *axes):
+    axes = axes[0] if len(axes) == 1 and (axes[0] is None or isinstance(axes[0], (tuple, list))) else axes
+    axes = tuple(axes) if axes else tuple(reversed(range(x.ndim)))
+    if sorted(a % x.ndim for a in axes) != list(range(x.ndim)):
+        raise InputError(f"transpose axes {axes} are not a permutation of the {x.ndim} axes of "
+                         f"shape {tuple(x.shape)}")
+    return Transpose.apply(x, axes=tuple(a % x.ndim for a in axes))
+
+
+def split(x, sections, axis=-1):
+    """Split into `sections` equal parts (an int) or at the given indices (a list)."""
+    axis = axis % x.ndim
+    if isinstance(sections, int) and x.shape[axis] % sections:
+        raise InputError(f"cannot split axis {axis} of length {x.shape[axis]} into {sections} equal "
+                         "parts; pass split indices instead")
+    return Split.apply(x, sections=sections, axis=axis)
+
+
+def concatenate(xs, axis=0):
+    return Concatenate.apply(*xs, axis=axis)
+
+
+def getitem(x, index):
+    if isinstance(index, Tensor):
+        index = index.data
+    elif isinstance(index, tuple):
+        index = tuple(i.data if isinstance(i, Tensor) else i for i in index)
+    return GetItem.apply(x, index=index)

@@ -1,0 +1,98 @@
+"""`npmegatron bench step`: time forward + backward + an optimizer step, and in the same run the
+machine's matmul FLOP/s at the model's own GEMM shapes, so the ratio holds on a noisy machine."""
+import json
+import statistics
+import time
+
+import numpy
+
+from .autograd.backend import array_module_for
+from .model import GPT, GPTConfig, model_flops
+from .optimizer import SGD
+
+
+def _synchronize(xp):
+    if xp is not numpy:
+        xp.cuda.Device().synchronize()
+
+
+def model_gemms(cfg, batch, seq):
+    """(count, m, k, n) of every forward GEMM in one step; backward repeats each shape twice
+    (input gradient and weight gradient), measured separately below."""
+    tokens, h, heads, d = batch * seq, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+    per_layer = [(1, tokens, h, 3 * h), (1, tokens, h, h), (1, tokens, h, cfg.ffn_hidden_size),
+                 (1, tokens, cfg.ffn_hidden_size, h),
+                 (batch * heads, seq, d, seq), (batch * heads, seq, seq, d)]
+    return [(c * cfg.num_layers, m, k, n) for c, m, k, n in per_layer] + [(1, tokens, h, cfg.vocab_size)]
+
+
+def _time_gemm(xp, dtype, m, k, n, batch, repeats):
+    rng = numpy.random.default_rng(0)
+    a = xp.asarray(rng.standard_normal((batch, m, k)).astype(dtype))
+    b = xp.asarray(rng.standard_normal((batch, k, n)).astype(dtype))
+    a, b = (a[0], b[0]) if batch == 1 else (a, b)
+    a @ b
+    _synchronize(xp)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        _synchronize(xp)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def gemm_ceiling(cfg, batch, seq, repeats=5):
+    """FLOP/s of the model's GEMMs run alone: total GEMM FLOPs / total best time, where each
+    forward shape (m,k,n) is timed with its backward shapes (m,n,k) and (k,m,n)."""
+    xp, dtype = array_module_for(cfg.device), numpy.dtype(cfg.dtype)
+    flops = seconds = 0.0
+    for count, m, k, n in model_gemms(cfg, batch, seq):
+        bmm = count if count > cfg.num_layers else 1     # attention GEMMs are batched
+        calls = count // bmm
+        for shape in ((m, k, n), (m, n, k), (k, m, n)):
+            seconds += calls * _time_gemm(xp, dtype, *shape, bmm, repeats)
+            flops += calls * 2.0 * bmm * m * k * n
+    return flops / seconds
+
+
+def bench_step(cfg: GPTConfig, batch, seq, warmup=2, iters=5):
+    model = GPT(cfg)
+    xp = model.xp
+    rng = numpy.random.default_rng(cfg.seed)
+    ids = rng.integers(0, cfg.vocab_size, (batch, seq + 1))
+    inputs, targets = xp.asarray(ids[:, :-1]), xp.asarray(ids[:, 1:])
+    optimizer = SGD(model.parameters(), lr=1e-4)
+    times = []
+    for i in range(warmup + iters):
+        _synchronize(xp)
+        start = time.perf_counter()
+        model.zero_grad()
+        _, loss = model(inputs, targets)
+        loss.backward()
+        optimizer.step()
+        _synchronize(xp)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    step_s = statistics.median(times)
+    flops = model_flops(cfg, model.num_parameters(), batch, seq)
+    gemm = gemm_ceiling(cfg, batch, seq)
+    return {
+        "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
+        "num_attention_heads": cfg.num_attention_heads, "seq_length": seq, "micro_batch_size": batch,
+        "vocab_size": cfg.vocab_size, "dtype": cfg.dtype, "device": cfg.device,
+        "parameters": model.num_parameters(), "step_s": step_s,
+        "model_flops_per_step": flops, "model_flops_per_s": flops / step_s,
+        "gemm_flops_per_s": gemm, "ratio": flops / step_s / gemm,
+    }
+
+
+def format_table(result):
+    rows = [("parameters", f"{result['parameters']:,}"),
+            ("step time (median)", f"{result['step_s'] * 1e3:.1f} ms"),
+            ("model FLOPs per step", f"{result['model_flops_per_step'] / 1e9:.2f} GFLOP"),
+            ("model FLOP/s", f"{result['model_flops_per_s'] / 1e9:.2f} GFLOP/s"),
+            ("GEMM FLOP/s at the model's shapes", f"{result['gemm_flops_per_s'] / 1e9:.2f} GFLOP/s"),
+            ("ratio", f"{result['ratio'] * 100:.1f} %")]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows) + "\n" + json.dumps(result)

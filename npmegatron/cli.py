@@ -1,0 +1,108 @@
+"""The `npmegatron` command line (click): train, bench step. Megatron-LM's flag names."""
+import functools
+import sys
+
+import click
+
+from .autograd import InputError
+
+
+def user_errors(command):
+    """Bad input ends the command with its one-sentence message and exit code 1, no traceback."""
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except InputError as error:
+            raise click.ClickException(str(error)) from None
+    return wrapper
+
+
+def model_options(defaults):
+    """Megatron's model-shape flags, shared by `train` and `bench step`."""
+    options = [
+        click.option("--num-layers", type=int, default=defaults["num_layers"], show_default=True,
+                     help="Transformer layers."),
+        click.option("--hidden-size", type=int, default=defaults["hidden_size"], show_default=True,
+                     help="Hidden (embedding) size."),
+        click.option("--num-attention-heads", type=int, default=defaults["num_attention_heads"],
+                     show_default=True, help="Attention heads; must divide --hidden-size."),
+        click.option("--seq-length", type=int, default=defaults["seq_length"], show_default=True,
+                     help="Tokens per sample."),
+        click.option("--micro-batch-size", type=int, default=defaults["micro_batch_size"],
+                     show_default=True, help="Samples per forward/backward."),
+        click.option("--dtype", type=click.Choice(["float32", "float64"]), default="float32",
+                     show_default=True, help="Parameter and activation precision."),
+        click.option("--device", type=click.Choice(["cpu", "gpu"]), default="cpu",
+                     show_default=True, help="NumPy on the CPU or CuPy on the GPU."),
+    ]
+    return lambda f: functools.reduce(lambda g, option: option(g), reversed(options), f)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main():
+    """npmegatron: Megatron-LM's model parallelism on NumPy and CuPy."""
+
+
+@main.command()
+@model_options({"num_layers": 4, "hidden_size": 128, "num_attention_heads": 4, "seq_length": 128,
+                "micro_batch_size": 16})
+@click.option("--max-position-embeddings", type=int, default=None,
+              help="Length of the position table (default: --seq-length).")
+@click.option("--train-iters", type=int, default=500, show_default=True, help="Optimizer steps.")
+@click.option("--lr", type=float, default=1e-3, show_default=True, help="Peak learning rate.")
+@click.option("--min-lr", type=float, default=1e-4, show_default=True, help="Final learning rate.")
+@click.option("--lr-warmup-iters", type=int, default=50, show_default=True, help="Linear warmup steps.")
+@click.option("--lr-decay-style", type=click.Choice(["cosine", "linear", "constant"]),
+              default="cosine", show_default=True, help="Decay after warmup.")
+@click.option("--weight-decay", type=float, default=0.01, show_default=True,
+              help="AdamW decay (not on biases and LayerNorm).")
+@click.option("--clip-grad", type=float, default=1.0, show_default=True,
+              help="Global gradient-norm clip (0: off).")
+@click.option("--hidden-dropout", type=float, default=0.0, show_default=True,
+              help="Dropout on embeddings and residual branches.")
+@click.option("--attention-dropout", type=float, default=0.0, show_default=True,
+              help="Dropout on attention probabilities.")
+@click.option("--seed", type=int, default=1234, show_default=True, help="Seed of weights, data, dropout.")
+@click.option("--log-interval", type=int, default=25, show_default=True, help="Steps per log line.")
+@click.option("--eval-interval", type=int, default=100, show_default=True,
+              help="Steps between validation losses.")
+@click.option("--eval-iters", type=int, default=10, show_default=True, help="Validation batches.")
+@click.option("--log-file", type=click.Path(dir_okay=False), default=None,
+              help="Write metrics as JSON lines here.")
+@user_errors
+def train(**options):
+    """Train GPT-2 on the embedded corpus (the standard library's .py files, byte-level)."""
+    from .training import TrainArgs, train as run_training
+    args = TrainArgs(**options)
+    losses = run_training(args, echo=click.echo)
+    click.echo(f"done: loss {losses[0]:.4f} -> {sum(losses[-10:]) / len(losses[-10:]):.4f} "
+               f"(mean of the last {min(10, len(losses))} steps)")
+
+
+@main.group()
+def bench():
+    """Benchmarks that report a ratio to the machine's own ceiling."""
+
+
+@bench.command("step")
+@model_options({"num_layers": 4, "hidden_size": 512, "num_attention_heads": 8, "seq_length": 256,
+                "micro_batch_size": 8})
+@click.option("--vocab-size", type=int, default=256, show_default=True, help="Vocabulary size.")
+@click.option("--warmup", type=int, default=2, show_default=True, help="Untimed steps first.")
+@click.option("--iters", type=int, default=5, show_default=True, help="Timed steps (median reported).")
+@user_errors
+def bench_step_command(num_layers, hidden_size, num_attention_heads, seq_length, micro_batch_size,
+                       dtype, device, vocab_size, warmup, iters):
+    """Time forward + backward + SGD step against the matmul FLOP/s at the model's GEMM shapes."""
+    from .bench import bench_step, format_table
+    from .model import GPTConfig
+    cfg = GPTConfig(num_layers=num_layers, hidden_size=hidden_size,
+                    num_attention_heads=num_attention_heads, vocab_size=vocab_size,
+                    max_position_embeddings=seq_length, hidden_dropout=0.0, attention_dropout=0.0,
+                    dtype=dtype, device=device)
+    click.echo(format_table(bench_step(cfg, micro_batch_size, seq_length, warmup, iters)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""Optimizers (AdamW, plain SGD), the learning-rate schedule and global-norm gradient clipping,
+as in Megatron's training loop (paper §4.2: warmup, cosine decay to a minimum)."""
+import math
+
+
+class SGD:
+    """p -= lr * grad: the 'plain optimizer step' of the step benchmark."""
+
+    def __init__(self, params, lr=1e-3):
+        self.params, self.lr = list(params), lr
+
+    def step(self, lr=None):
+        lr = self.lr if lr is None else lr
+        for p in self.params:
+            if p.grad is not None:
+                p.data -= p.dtype.type(lr) * p.grad
+
+
+class AdamW:
+    """Adam with decoupled weight decay. Biases and LayerNorm parameters (the 1-D ones) are not
+    decayed, as in Megatron and nanoGPT."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+        self.params = list(params)
+        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        self.step_count = 0
+        self.exp_avg = [p.xp.zeros_like(p.data) for p in self.params]
+        self.exp_avg_sq = [p.xp.zeros_like(p.data) for p in self.params]
+
+    def step(self, lr=None):
+        lr = self.lr if lr is None else lr
+        beta1, beta2 = self.betas
+        self.step_count += 1
+        bias1 = 1 - beta1 ** self.step_count
+        bias2 = 1 - beta2 ** self.step_count
+        for p, m, v in zip(self.params, self.exp_avg, self.exp_avg_sq):
+            g = p.grad
+            if g is None:
+                continue
+            cast = p.dtype.type
+            if self.weight_decay and p.ndim >= 2:
+                p.data *= cast(1 - lr * self.weight_decay)
+            m *= cast(beta1)
+            m += cast(1 - beta1) * g
+            v *= cast(beta2)
+            v += cast(1 - beta2) * (g * g)
+            denom = p.xp.sqrt(v)
+            denom *= cast(1 / math.sqrt(bias2))
+            denom += cast(self.eps)
+            p.data -= cast(lr / bias1) * (m / denom)
+
+
+def learning_rate(step, lr, min_lr, warmup_iters, decay_iters, style="cosine"):
+    """Linear warmup to lr, then decay to min_lr by decay_iters ('cosine', 'linear', 'constant')."""
+    if warmup_iters and step < warmup_iters:
+        return lr * (step + 1) / warmup_iters
+    if style == "constant" or decay_iters <= warmup_iters:
+        return lr
+    progress = min(1.0, (step - warmup_iters) / (decay_iters - warmup_iters))
+    if style == "linear":
+        return lr - (lr - min_lr) * progress
+    return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def clip_grad_norm(params, max_norm):
+    """Scale all gradients so their global L2 norm is at most max_norm; returns the norm before."""
+    total = 0.0
+    for p in params:
+        if p.grad is not None:
+            total += float((p.grad * p.grad).sum())
+    norm = math.sqrt(total)
+    if max_norm and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for p in params:
+            if p.grad is not None:
+                p.grad *= p.dtype.type(scale)
+    return norm

@@ -1,0 +1,32 @@
+"""One distribution, three import names: npmegatron, npmegatron.autograd, npmegatron.comm.
+
+The autograd/ and comm/ folders are mapped under npmegatron (package_dir) and never installed as
+top-level `autograd` or `comm`: those names belong to HIPS autograd and Jupyter's comm.
+"""
+from setuptools import setup
+
+setup(
+    name="npmegatron",
+    version="0.1.0",
+    description="Megatron-LM's model parallelism rebuilt on NumPy and CuPy, with its own autograd",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.9",
+    packages=["npmegatron", "npmegatron.autograd", "npmegatron.autograd.ops", "npmegatron.comm"],
+    package_dir={"npmegatron": "npmegatron", "npmegatron.autograd": "autograd",
+                 "npmegatron.comm": "comm"},
+    install_requires=[
+        "numpy>=1.24",
+        "scipy>=1.10",          # erf for the exact GeLU
+        "mpi4py>=4.0",          # finds MPI in the environment (the mpich wheel, or a system MPI)
+        "click>=8.0",
+        "tqdm>=4.60",
+        "threadpoolctl>=3.0",
+    ],
+    extras_require={
+        "mpi": ["mpich"],               # MPI itself from PyPI; leave out on clusters with a system MPI
+        "test": ["pytest>=7"],
+        "gpu": ["cupy-cuda12x"],        # cupy-cuda13x for CUDA 13
+    },
+    entry_points={"console_scripts": ["npmegatron=npmegatron.cli:main"]},
+)
