@@ -1,0 +1,67 @@
+"""Optimizer, schedule and a short real training run on the embedded corpus."""
+import math
+
+import numpy as np
+import pytest
+
+from npmegatron.autograd import InputError, Tensor
+from npmegatron.data import WindowSampler, load_default_corpus, stdlib_python_files
+from npmegatron.optimizer import AdamW, clip_grad_norm, learning_rate
+from npmegatron.training import TrainArgs, train
+
+
+def test_embedded_corpus_is_the_standard_library_split_by_file():
+    files = stdlib_python_files()
+    assert files == sorted(files) and len(files) > 100
+    assert not any("site-packages" in f for f in files)
+    train_tokens, valid_tokens = load_default_corpus()
+    assert train_tokens.dtype == np.uint8 and len(train_tokens) > 10 * len(valid_tokens) > 0
+    again, _ = load_default_corpus()
+    assert np.array_equal(train_tokens[:100000], again[:100000])
+
+
+def test_sampler_is_deterministic_per_step():
+    tokens = np.arange(1000) % 256
+    s = WindowSampler(tokens, 16, 4, seed=3)
+    x, y = s.batch(5)
+    np.testing.assert_array_equal(x, s.batch(5)[0])
+    np.testing.assert_array_equal(x[:, 1:], y[:, :-1])
+    with pytest.raises(InputError, match="too few for --seq-length"):
+        WindowSampler(tokens[:10], 16, 4, 0)
+
+
+def test_learning_rate_warmup_then_cosine_to_minimum():
+    lrs = [learning_rate(s, 1.5e-4, 1e-5, 10, 100) for s in range(100)]
+    assert lrs[0] == pytest.approx(1.5e-5) and lrs[9] == pytest.approx(1.5e-4)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+    assert learning_rate(100, 1.5e-4, 1e-5, 10, 100) == pytest.approx(1e-5)
+
+
+def test_adamw_matches_the_formula_and_skips_decay_on_1d():
+    w = Tensor(np.array([[1.0, -2.0]]), requires_grad=True)
+    b = Tensor(np.array([0.5]), requires_grad=True)
+    w.grad, b.grad = np.array([[0.1, 0.2]]), np.array([0.3])
+    AdamW([w, b], lr=0.1, weight_decay=0.5).step()
+    # first step: m/sqrt(v) with bias correction is sign(g); decay only on the matrix
+    np.testing.assert_allclose(w.data, np.array([[1.0, -2.0]]) * (1 - 0.05) - 0.1, rtol=1e-6)
+    np.testing.assert_allclose(b.data, [0.5 - 0.1], rtol=1e-6)
+
+
+def test_clip_grad_norm():
+    a = Tensor(np.ones(4), requires_grad=True)
+    a.grad = np.full(4, 3.0)
+    assert clip_grad_norm([a], 1.0) == pytest.approx(6.0)
+    assert math.sqrt((a.grad ** 2).sum()) == pytest.approx(1.0, rel=1e-5)
+
+
+def test_training_on_the_embedded_corpus_lowers_the_loss(tmp_path):
+    args = TrainArgs(num_layers=2, hidden_size=64, num_attention_heads=2, seq_length=64,
+                     micro_batch_size=8, train_iters=60, lr=3e-3, lr_warmup_iters=10,
+                     log_interval=20, eval_interval=60, eval_iters=2,
+                     log_file=str(tmp_path / "metrics.jsonl"))
+    lines = []
+    losses = train(args, echo=lines.append)
+    assert losses[0] > 4.5
+    assert np.mean(losses[-10:]) < 3.3
+    records = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(records) == 3 and '"val_loss"' in records[-1]
