@@ -1,4 +1,23 @@
-"""npmegatron.comm: the communication layer (MPI through mpi4py, NCCL through CuPy).
+"""npmegatron.comm: the communication layer, over mpi4py (host arrays) and NCCL through CuPy
+(GPU arrays), with one process grid, accounting of every call and a debug mode.
 
-Its collectives, process grid and accounting arrive with the comm issue; nothing here yet.
+    from npmegatron import comm
+    world = comm.init()
+    grid = comm.ProcessGrid(tp=2, pp=1, dp=2)
+    y = comm.all_reduce(x, grid.tp_group)
 """
+from .collectives import all_gather, all_reduce, barrier, broadcast, reduce_scatter
+from .debug import CommMismatchError
+from .grid import ProcessGrid, grid_coordinates, grid_ranks
+from .group import Group
+from .p2p import P2POp, Request, batch_isend_irecv, irecv, isend, recv, send, sendrecv, wait_all
+from .runtime import blas_threads, init, is_initialized, local_rank, local_size, report_and_abort
+from .stats import Stats, reset_stats, stats
+
+__all__ = [
+    "init", "is_initialized", "local_rank", "local_size", "blas_threads", "report_and_abort",
+    "Group", "ProcessGrid", "grid_ranks", "grid_coordinates",
+    "all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier",
+    "send", "recv", "isend", "irecv", "sendrecv", "batch_isend_irecv", "P2POp", "Request", "wait_all",
+    "stats", "reset_stats", "Stats", "CommMismatchError",
+]

@@ -1,0 +1,97 @@
+"""Collectives on a group: all_reduce, all_gather, reduce_scatter, broadcast, barrier.
+
+Each returns at once when its group has one rank, accepts non-contiguous input, checks
+agreement in debug mode and records op, group, bytes and seconds for comm.stats().
+"""
+import time
+
+from npmegatron.autograd.backend import InputError, get_array_module
+
+from . import debug
+from .backends import backend_for
+from .stats import record
+
+REDUCE_OPS = ("sum", "max", "min")
+
+
+def contiguous(x):
+    """x itself when C-contiguous, else a C-ordered copy (0-d arrays stay 0-d, unlike
+    ascontiguousarray)."""
+    return x if x.flags.c_contiguous else x.copy(order="C")
+
+
+def _run(name, group, x, call, detail=""):
+    """Debug check, then the call, timed and recorded."""
+    if debug.enabled():
+        debug.check_agreement(group, f"{name}(shape={tuple(x.shape)}, dtype={x.dtype}{detail})")
+    start = time.perf_counter()
+    result = call()
+    record(name, group.name, x.nbytes, time.perf_counter() - start)
+    return result
+
+
+def _check_op(op):
+    if op not in REDUCE_OPS:
+        raise InputError(f"unknown reduction {op!r}; use one of {', '.join(REDUCE_OPS)}")
+
+
+def all_reduce(x, group, op="sum"):
+    """Every rank gets the elementwise reduction (sum, max or min) of all ranks' x."""
+    _check_op(op)
+    if group.size == 1:
+        return x
+    x = contiguous(x)
+    return _run("all_reduce", group, x, lambda: backend_for(x).all_reduce(group, x, op), f", op={op}")
+
+
+def all_gather(x, group, axis=0):
+    """Concatenation of all ranks' x along `axis`, in group-rank order."""
+    if group.size == 1:
+        return x
+    axis = axis % x.ndim
+    x = contiguous(x)
+
+    def call():
+        stacked = backend_for(x).all_gather(group, x)              # (size, *x.shape)
+        shape = x.shape[:axis] + (group.size * x.shape[axis],) + x.shape[axis + 1:]
+        if axis == 0:
+            return stacked.reshape(shape)
+        xp = get_array_module(stacked)
+        merged = xp.moveaxis(stacked, 0, axis)                     # (..., size, n_axis, ...)
+        return xp.ascontiguousarray(merged).reshape(shape)
+
+    return _run("all_gather", group, x, call, f", axis={axis}")
+
+
+def reduce_scatter(x, group, axis=0, op="sum"):
+    """The reduction of all ranks' x, split along `axis`; rank i keeps block i."""
+    _check_op(op)
+    if group.size == 1:
+        return x
+    axis = axis % x.ndim
+    if x.shape[axis] % group.size:
+        raise InputError(f"reduce_scatter along axis {axis} of length {x.shape[axis]} needs a "
+                         f"multiple of the group size {group.size}; pad or choose another axis")
+    xp = get_array_module(x)
+    block = x.shape[axis] // group.size
+    blocks = x.reshape(x.shape[:axis] + (group.size, block) + x.shape[axis + 1:])
+    stacked = xp.ascontiguousarray(xp.moveaxis(blocks, axis, 0))  # (size, ..., block, ...)
+    return _run("reduce_scatter", group, x,
+                lambda: backend_for(x).reduce_scatter(group, stacked, op), f", axis={axis}, op={op}")
+
+
+def broadcast(x, group, root=0):
+    """Every rank gets root's x (root is a rank of the group); x has the same shape everywhere."""
+    if group.size == 1:
+        return x
+    x = contiguous(x)
+    return _run("broadcast", group, x, lambda: backend_for(x).broadcast(group, x, root), f", root={root}")
+
+
+def barrier(group):
+    if group.size == 1:
+        return
+    from .backends import MPIBackend
+    start = time.perf_counter()
+    MPIBackend().barrier(group)
+    record("barrier", group.name, 0, time.perf_counter() - start)

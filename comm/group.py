@@ -1,0 +1,21 @@
+"""A communication group: a name (for the accounting), its global ranks and its MPI communicator.
+
+Groups are passed to every call, never looked up globally; a group of one rank makes every
+collective a no-op, so TP=1 is the serial model itself.
+"""
+
+
+class Group:
+    def __init__(self, name, mpi_comm, ranks):
+        self.name = name
+        self.mpi = mpi_comm
+        self.ranks = tuple(ranks)           # global rank of each member, in group-rank order
+        self.rank = mpi_comm.Get_rank()
+        self.size = mpi_comm.Get_size()
+        self.nccl = None                    # created on the first GPU collective in this group
+
+    def global_rank(self, group_rank):
+        return self.ranks[group_rank]
+
+    def __repr__(self):
+        return f"Group({self.name}, ranks={list(self.ranks)}, rank={self.rank})"
