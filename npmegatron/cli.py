@@ -1,5 +1,8 @@
 """The `npmegatron` command line (click): train, bench step. Megatron-LM's flag names."""
 import functools
+import os
+import shutil
+import subprocess
 import sys
 
 import click
@@ -8,14 +11,35 @@ from .autograd import InputError
 
 
 def user_errors(command):
-    """Bad input ends the command with its one-sentence message and exit code 1, no traceback."""
+    """Bad input ends the command with its one-sentence message and a non-zero exit, no
+    traceback; under mpirun it is printed once and the whole job is aborted."""
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
         except InputError as error:
+            from . import comm
+            if comm.is_initialized() and comm.init().size > 1:
+                comm.report_and_abort(error)
             raise click.ClickException(str(error)) from None
     return wrapper
+
+
+def launched_by_mpi():
+    """True inside an mpiexec/mpirun launch (MPICH's PMI or Open MPI's variables are set)."""
+    return any(v in os.environ for v in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK"))
+
+
+def relaunch_under_mpiexec(ranks):
+    """Run this same command line on `ranks` ranks with the environment's mpiexec."""
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if not os.path.exists(mpiexec):
+        mpiexec = shutil.which("mpiexec") or shutil.which("mpirun")
+    if mpiexec is None:
+        raise InputError("no mpiexec found; install the MPI extra (pip install 'npmegatron[mpi]') "
+                         "or launch this command with your MPI's mpirun")
+    command = [mpiexec, "-n", str(ranks), sys.executable, "-m", "npmegatron.cli"] + sys.argv[1:]
+    return subprocess.call(command)
 
 
 def model_options(defaults):
@@ -102,6 +126,30 @@ def bench_step_command(num_layers, hidden_size, num_attention_heads, seq_length,
                     max_position_embeddings=seq_length, hidden_dropout=0.0, attention_dropout=0.0,
                     dtype=dtype, device=device)
     click.echo(format_table(bench_step(cfg, micro_batch_size, seq_length, warmup, iters)))
+
+
+@bench.command("comm")
+@click.option("--ranks", type=int, default=None,
+              help="Launch this many ranks with mpiexec (default: run on the ranks mpirun started).")
+@click.option("--min-bytes", type=int, default=1024, show_default=True, help="Smallest message.")
+@click.option("--max-bytes", type=int, default=64 * 2 ** 20, show_default=True, help="Largest message.")
+@click.option("--device", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True,
+              help="NumPy buffers through MPI, or CuPy buffers (NCCL when each rank has a GPU).")
+@user_errors
+def bench_comm_command(ranks, min_bytes, max_bytes, device):
+    """All-reduce, all-gather, reduce-scatter and send/recv bandwidth with an alpha-beta fit."""
+    if not 1 <= min_bytes <= max_bytes:
+        raise InputError(f"--min-bytes {min_bytes} and --max-bytes {max_bytes} must satisfy "
+                         "1 <= min <= max")
+    if ranks is not None and ranks < 1:
+        raise InputError(f"--ranks {ranks} must be a positive integer")
+    if ranks is not None and not launched_by_mpi():
+        sys.exit(relaunch_under_mpiexec(ranks))
+    from . import comm
+    from .bench_comm import bench_comm, format_report
+    result = bench_comm(min_bytes, max_bytes, device)
+    if comm.init().rank == 0:
+        click.echo(format_report(result))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ def run(args, timeout=120):
     return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
-@pytest.mark.parametrize("command", [[], ["train"], ["bench"], ["bench", "step"]], ids=str)
+@pytest.mark.parametrize("command", [[], ["train"], ["bench"], ["bench", "step"], ["bench", "comm"]], ids=str)
 def test_every_command_has_help(command):
     result = run(CLI + command + ["--help"])
     assert result.returncode == 0, result.stderr
