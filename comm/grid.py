@@ -70,6 +70,21 @@ class ProcessGrid:
         self.pp_next_rank = ring[(self.pp_rank + 1) % pp]     # global ranks, wrapping as Megatron
         self.pp_prev_rank = ring[(self.pp_rank - 1) % pp]
 
+    @classmethod
+    def single(cls):
+        """The 1 x 1 x 1 grid of a serial run, without MPI."""
+        grid = cls.__new__(cls)
+        grid.world = Group.single("world")
+        grid.rank, grid.world_size = 0, 1
+        grid.tp_size = grid.pp_size = grid.dp_size = 1
+        grid.tp_rank = grid.dp_rank = grid.pp_rank = 0
+        for name in ("tp", "dp", "pp", "mp"):
+            setattr(grid, f"{name}_group", Group.single(name))
+        grid.embedding_group = Group.single("embd")
+        grid.pp_is_first = grid.pp_is_last = True
+        grid.pp_next_rank = grid.pp_prev_rank = 0
+        return grid
+
     def __str__(self):
         return f"TP({self.tp_size})-PP({self.pp_size})-DP({self.dp_size})-Rank({self.rank})"
 

@@ -14,6 +14,14 @@ class Group:
         self.size = mpi_comm.Get_size()
         self.nccl = None                    # created on the first GPU collective in this group
 
+    @classmethod
+    def single(cls, name, rank=0):
+        """A group of one rank that needs no MPI: every collective on it returns at once."""
+        group = cls.__new__(cls)
+        group.name, group.mpi, group.ranks = name, None, (rank,)
+        group.rank, group.size, group.nccl = 0, 1, None
+        return group
+
     def global_rank(self, group_rank):
         return self.ranks[group_rank]
 

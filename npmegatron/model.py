@@ -1,8 +1,7 @@
-"""GPT-2 with the semantics of HF GPT2LMHeadModel, written on npmegatron.autograd.
-
-Pre-LayerNorm blocks, causal multi-head attention, 4h GeLU MLP, learned positions, output layer
-tied to the token embedding; init as in the Megatron paper (§4.2). This serial model is the
-reference every parallel configuration must equal.
+"""GPT-2 with the semantics of HF GPT2LMHeadModel, split over a tensor-parallel group the way
+the Megatron paper does (§3): attention heads and MLP columns per rank, replicated LayerNorm,
+vocabulary-parallel embedding tied to the output layer, fused vocab-parallel cross-entropy, and
+optionally sequence parallelism. With a TP group of one rank it is the serial reference model.
 """
 import math
 from dataclasses import dataclass
@@ -11,9 +10,13 @@ from typing import Optional
 import numpy
 
 from . import autograd as ag
+from . import comm
 from .autograd import InputError
 from .autograd.backend import array_module_for
-from .module import Module, parameter
+from .module import Module, ParamSpec, parameter
+from .tensor_parallel import (DEFAULT, MODEL_PARALLEL, ColumnParallelLinear, RNGTracker,
+                              RowParallelLinear, VocabParallelEmbedding, pad_vocab_size,
+                              vocab_parallel_cross_entropy)
 
 
 @dataclass
@@ -29,6 +32,8 @@ class GPTConfig:
     layernorm_epsilon: float = 1e-5
     init_method_std: float = 0.02          # paper §4.2
     gelu: str = "tanh"                     # GPT-2's approximation; 'none' for exact erf
+    sequence_parallel: bool = False        # LayerNorm and dropout on a sequence shard per TP rank
+    make_vocab_size_divisible_by: int = 128  # padding unit, times the TP size
     dtype: str = "float32"                 # float32, or float64 for exact comparisons
     device: str = "cpu"                    # 'gpu' puts every array on CuPy
     seed: int = 1234                       # weights and dropout streams derive from it
@@ -57,56 +62,58 @@ class GPTConfig:
         return self.hidden_size // self.num_attention_heads
 
 
-class Linear(Module):
-    """y = x @ weight + bias, weight stored (in, out)."""
-
-    def __init__(self, xp, dtype, in_features, out_features, std):
-        self.weight = parameter(xp, (in_features, out_features), dtype)
-        self.bias = parameter(xp, (out_features,), dtype)
-        self.inits = {"weight": std, "bias": "zeros"}
-
-    def forward(self, x):
-        return ag.linear(x, self.weight, self.bias)
-
-
 class LayerNorm(Module):
-    def __init__(self, xp, dtype, size, eps):
+    """Replicated on every TP rank; under sequence parallelism each rank normalises its own
+    sequence shard, so its gradients are partial and summed over the TP group."""
+
+    def __init__(self, xp, dtype, size, eps, sequence_parallel=False):
         self.weight = parameter(xp, (size,), dtype)
         self.bias = parameter(xp, (size,), dtype)
         self.eps = eps
-        self.inits = {"weight": "ones", "bias": "zeros"}
+        self.specs = {"weight": ParamSpec("ones", (size,), sp_partial=sequence_parallel),
+                      "bias": ParamSpec("zeros", (size,), sp_partial=sequence_parallel)}
 
     def forward(self, x):
         return ag.layer_norm(x, self.weight, self.bias, self.eps)
 
 
-class Attention(Module):
-    """Causal self-attention. The fused QKV columns are laid out head by head as (q, k, v), so a
-    contiguous slice of columns is a set of whole heads (what tensor parallelism will split)."""
+class ParallelAttention(Module):
+    """Causal self-attention with this rank's heads: fused QKV column-parallel, softmax local,
+    output projection row-parallel; one all-reduce forward (g) and one backward (f). The QKV
+    columns are laid out head by head as (q, k, v), so a contiguous column shard is whole heads."""
 
-    def __init__(self, cfg, xp, dtype, rng):
-        h = cfg.hidden_size
+    def __init__(self, cfg, xp, dtype, group, rng):
+        h, sp = cfg.hidden_size, cfg.sequence_parallel
         self.cfg, self.rng = cfg, rng
-        self.qkv = Linear(xp, dtype, h, 3 * h, cfg.init_method_std)
-        self.proj = Linear(xp, dtype, h, h, cfg.init_method_std / math.sqrt(2 * cfg.num_layers))
+        self.local_heads = cfg.num_attention_heads // group.size
+        self.qkv = ColumnParallelLinear(xp, dtype, h, 3 * h, cfg.init_method_std, group, sp)
+        self.proj = RowParallelLinear(xp, dtype, h, h, cfg.init_method_std / math.sqrt(2 * cfg.num_layers),
+                                      group, sp)
 
     def forward(self, x):
-        b, t, _ = x.shape
-        heads, d = self.cfg.num_attention_heads, self.cfg.head_dim
-        qkv = self.qkv(x).reshape(b, t, heads, 3, d)
+        qkv = self.qkv(x)
+        b, t, _ = qkv.shape
+        heads, d = self.local_heads, self.cfg.head_dim
+        qkv = qkv.reshape(b, t, heads, 3, d)
         q, k, v = (part.reshape(b, t, heads, d).transpose(0, 2, 1, 3) for part in ag.split(qkv, 3, axis=3))
         probs = ag.softmax(q @ k.transpose(0, 1, 3, 2), scale=1.0 / math.sqrt(d), causal=True)
-        probs = ag.dropout(probs, self.cfg.attention_dropout, self.rng, self.training)
+        # Inside the TP region each rank has different heads: a stream of its own (Appendix B.2).
+        probs = ag.dropout(probs, self.cfg.attention_dropout, self.rng[MODEL_PARALLEL], self.training)
         y = (probs @ v).transpose(0, 2, 1, 3).reshape(b, t, heads * d)
         return self.proj(y)
 
 
-class MLP(Module):
-    def __init__(self, cfg, xp, dtype):
+class ParallelMLP(Module):
+    """Column-parallel h -> 4h, GeLU on each rank's columns (no communication: the point of
+    splitting the first GEMM by columns, paper §3), row-parallel 4h -> h."""
+
+    def __init__(self, cfg, xp, dtype, group):
+        sp = cfg.sequence_parallel
         self.cfg = cfg
-        self.fc = Linear(xp, dtype, cfg.hidden_size, cfg.ffn_hidden_size, cfg.init_method_std)
-        self.proj = Linear(xp, dtype, cfg.ffn_hidden_size, cfg.hidden_size,
-                           cfg.init_method_std / math.sqrt(2 * cfg.num_layers))
+        self.fc = ColumnParallelLinear(xp, dtype, cfg.hidden_size, cfg.ffn_hidden_size,
+                                       cfg.init_method_std, group, sp)
+        self.proj = RowParallelLinear(xp, dtype, cfg.ffn_hidden_size, cfg.hidden_size,
+                                      cfg.init_method_std / math.sqrt(2 * cfg.num_layers), group, sp)
 
     def forward(self, x):
         return self.proj(ag.gelu(self.fc(x), self.cfg.gelu))
@@ -115,54 +122,106 @@ class MLP(Module):
 class Block(Module):
     """x + drop(attn(ln_1(x))), then x + drop(mlp(ln_2(x))): GPT-2's pre-LayerNorm block."""
 
-    def __init__(self, cfg, xp, dtype, rng):
+    def __init__(self, cfg, xp, dtype, group, rng):
+        sp = cfg.sequence_parallel
         self.cfg, self.rng = cfg, rng
-        self.ln_1 = LayerNorm(xp, dtype, cfg.hidden_size, cfg.layernorm_epsilon)
-        self.attn = Attention(cfg, xp, dtype, rng)
-        self.ln_2 = LayerNorm(xp, dtype, cfg.hidden_size, cfg.layernorm_epsilon)
-        self.mlp = MLP(cfg, xp, dtype)
+        self.ln_1 = LayerNorm(xp, dtype, cfg.hidden_size, cfg.layernorm_epsilon, sp)
+        self.attn = ParallelAttention(cfg, xp, dtype, group, rng)
+        self.ln_2 = LayerNorm(xp, dtype, cfg.hidden_size, cfg.layernorm_epsilon, sp)
+        self.mlp = ParallelMLP(cfg, xp, dtype, group)
 
     def forward(self, x):
         p = self.cfg.hidden_dropout
-        x = x + ag.dropout(self.attn(self.ln_1(x)), p, self.rng, self.training)
-        return x + ag.dropout(self.mlp(self.ln_2(x)), p, self.rng, self.training)
+        stream = self.rng[hidden_dropout_stream(self.cfg)]
+        x = x + ag.dropout(self.attn(self.ln_1(x)), p, stream, self.training)
+        return x + ag.dropout(self.mlp(self.ln_2(x)), p, stream, self.training)
+
+
+def hidden_dropout_stream(cfg):
+    """Replicated activations share masks across TP ranks; sequence shards need their own."""
+    return MODEL_PARALLEL if cfg.sequence_parallel else DEFAULT
 
 
 class GPT(Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, grid=None):
         self.cfg = cfg
+        self.grid = grid or comm.ProcessGrid.single()
+        group = self.tp_group = self.grid.tp_group
+        if cfg.num_attention_heads % group.size:
+            raise InputError(f"{cfg.num_attention_heads} attention heads are not divisible by "
+                             f"tensor-parallel size {group.size}; choose a TP size that divides the "
+                             "number of heads")
         self.xp = xp = array_module_for(cfg.device)
         dtype = numpy.dtype(cfg.dtype)
-        # One dropout stream, seeded apart from the weights (seed + 1): resuming or changing
-        # dropout never changes the initial weights.
-        self.rng = (xp.random.default_rng(cfg.seed + 1))
-        self.wte = parameter(xp, (cfg.vocab_size, cfg.hidden_size), dtype)
+        sp = cfg.sequence_parallel
+        # Dropout streams are seeded apart from the weights (seed + 1): changing dropout never
+        # changes the initial weights.
+        self.rng = RNGTracker(cfg.seed + 1, group.rank, xp)
+        self.padded_vocab_size = pad_vocab_size(cfg.vocab_size, group.size, cfg.make_vocab_size_divisible_by)
+        self.wte = VocabParallelEmbedding(xp, dtype, cfg.vocab_size, self.padded_vocab_size,
+                                          cfg.hidden_size, cfg.init_method_std, group, sp)
         self.wpe = parameter(xp, (cfg.max_position_embeddings, cfg.hidden_size), dtype)
-        self.inits = {"wte": cfg.init_method_std, "wpe": cfg.init_method_std}
-        self.blocks = [Block(cfg, xp, dtype, self.rng) for _ in range(cfg.num_layers)]
-        self.ln_f = LayerNorm(xp, dtype, cfg.hidden_size, cfg.layernorm_epsilon)
+        self.specs = {"wpe": ParamSpec(cfg.init_method_std, tuple(self.wpe.shape), sp_partial=sp)}
+        self.blocks = [Block(cfg, xp, dtype, group, self.rng) for _ in range(cfg.num_layers)]
+        self.ln_f = LayerNorm(xp, dtype, cfg.hidden_size, cfg.layernorm_epsilon, sp)
         self.initialize(cfg.seed)
 
-    def forward(self, ids, targets=None):
-        """ids (batch, seq) integers -> (logits (batch, seq, vocab), mean cross-entropy or None)."""
-        ids = self.xp.asarray(ids)
+    def _check(self, ids):
         if ids.ndim != 2:
             raise InputError(f"token ids must have shape (batch, seq), got {tuple(ids.shape)}")
+        if ids.dtype.kind not in "iu":
+            raise InputError(f"token ids must be integers, got dtype {ids.dtype}")
         t = ids.shape[1]
         if t > self.cfg.max_position_embeddings:
             raise InputError(f"sequence length {t} is longer than the position table "
                              f"({self.cfg.max_position_embeddings}); use shorter sequences or a "
                              "larger --max-position-embeddings")
-        x = ag.embedding(ids, self.wte) + ag.embedding(self.xp.arange(t), self.wpe)
-        x = ag.dropout(x, self.cfg.hidden_dropout, self.rng, self.training)
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size):
+            bad = int(ids.max()) if int(ids.max()) >= self.cfg.vocab_size else int(ids.min())
+            raise InputError(f"token id {bad} is outside the vocabulary [0, {self.cfg.vocab_size}); "
+                             "tokenize with the model's vocabulary or raise --vocab-size")
+        if self.cfg.sequence_parallel and t % self.tp_group.size:
+            raise InputError(f"sequence length {t} is not divisible by the tensor-parallel size "
+                             f"{self.tp_group.size}, as sequence parallelism needs; change --seq-length")
+
+    def forward(self, ids, targets=None):
+        """ids (batch, seq) -> (this rank's vocabulary shard of the logits, mean loss or None).
+        Use full_logits() for the whole vocabulary."""
+        ids = self.xp.asarray(ids)
+        self._check(ids)
+        t = ids.shape[1]
+        positions = self.xp.arange(t)
+        if self.cfg.sequence_parallel:
+            block = t // self.tp_group.size
+            positions = positions[self.tp_group.rank * block:(self.tp_group.rank + 1) * block]
+        x = self.wte(ids) + ag.embedding(positions, self.wpe)
+        x = ag.dropout(x, self.cfg.hidden_dropout, self.rng[hidden_dropout_stream(self.cfg)], self.training)
         for block in self.blocks:
             x = block(x)
-        logits = self.ln_f(x) @ self.wte.T   # output layer tied to the token embedding
-        loss = None if targets is None else ag.cross_entropy(logits, self.xp.asarray(targets))
+        logits = self.wte.logits(self.ln_f(x))   # output layer tied to the token embedding
+        loss = None
+        if targets is not None:
+            loss = vocab_parallel_cross_entropy(logits, self.xp.asarray(targets), self.tp_group,
+                                                self.wte.vocab_start, self.cfg.vocab_size)
         return logits, loss
 
+    def full_logits(self, logits):
+        """All TP ranks' vocabulary shards joined, padding columns dropped: (batch, seq, vocab)."""
+        data = logits.data if isinstance(logits, ag.Tensor) else logits
+        return comm.all_gather(data, self.tp_group, axis=-1)[..., :self.cfg.vocab_size]
+
+    def finalize_grads(self):
+        """Under sequence parallelism, sum the partial gradients of the replicated parameters
+        (LayerNorm, row-parallel biases, positions) over the TP group (Megatron does the same)."""
+        if not self.cfg.sequence_parallel:
+            return
+        for _, param, spec in self.named_specs():
+            if spec.sp_partial and param.grad is not None:
+                param.grad = comm.all_reduce(param.grad, self.tp_group)
+
     def num_parameters(self):
-        return sum(p.size for p in self.parameters())
+        """Parameters of the whole (unsharded, unpadded) model."""
+        return sum(int(numpy.prod(spec.shape)) for _, _, spec in self.named_specs())
 
 
 def model_flops(cfg, num_params, batch, seq):

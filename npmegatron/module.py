@@ -1,18 +1,43 @@
 """Module: a container of parameters and sub-modules, with seeded, name-keyed initialisation.
 
-Each parameter is drawn from a generator seeded by (seed, its full name), so the weights do not
-depend on construction order: a model split across ranks draws exactly what the serial one does.
+Each parameter is drawn whole (its master shape) from a generator seeded by (seed, its full name)
+and then sliced to this rank's part, so weights depend neither on construction order nor on the
+tensor-parallel size: TP=1 and TP=k start from identical parameters (Megatron's CPU init path).
 """
 import zlib
+from dataclasses import dataclass
+from typing import Optional
 
 import numpy
 
 from .autograd import Tensor
 
 
+@dataclass
+class ParamSpec:
+    """How a parameter starts and how it is laid out over the tensor-parallel ranks."""
+    init: object                        # 'zeros', 'ones', or the std of N(0, std)
+    shape: tuple                        # the master (unsharded, unpadded) shape
+    index: tuple = ()                   # this rank's slice of the (padded) master
+    tp_axis: Optional[int] = None       # axis split over TP ranks; None: replicated
+    padded_rows: Optional[int] = None   # master padded with zero rows to this many (vocabulary)
+    sp_partial: bool = False            # under sequence parallelism each rank holds a partial grad
+
+    def master(self, seed, name):
+        if self.init == "zeros":
+            host = numpy.zeros(self.shape)
+        elif self.init == "ones":
+            host = numpy.ones(self.shape)
+        else:
+            rng = numpy.random.default_rng([seed, zlib.crc32(name.encode())])
+            host = rng.normal(0.0, self.init, self.shape)
+        if self.padded_rows is not None:
+            host = numpy.concatenate([host, numpy.zeros((self.padded_rows - self.shape[0],) + self.shape[1:])])
+        return host
+
+
 class Module:
-    """Parameters are Tensor attributes with requires_grad; `inits` maps their names to how they
-    start: a float is N(0, std), or 'zeros' / 'ones'."""
+    """Parameters are Tensor attributes with requires_grad, each described in `self.specs`."""
 
     training = True
 
@@ -34,6 +59,12 @@ class Module:
                 if isinstance(value, Tensor) and value.requires_grad:
                     yield prefix + name, value
 
+    def named_specs(self):
+        """(full name, parameter, ParamSpec) for every parameter."""
+        for prefix, module in self.named_modules():
+            for name, spec in getattr(module, "specs", {}).items():
+                yield prefix + name, getattr(module, name), spec
+
     def parameters(self):
         return [p for _, p in self.named_parameters()]
 
@@ -50,19 +81,10 @@ class Module:
         return self.train(False)
 
     def initialize(self, seed):
-        """Fill every parameter from its own seeded stream, drawn in float64 then cast."""
-        for prefix, module in self.named_modules():
-            for name, spec in getattr(module, "inits", {}).items():
-                param = getattr(module, name)
-                full = param.shape
-                if spec == "zeros":
-                    host = numpy.zeros(full)
-                elif spec == "ones":
-                    host = numpy.ones(full)
-                else:
-                    rng = numpy.random.default_rng([seed, zlib.crc32((prefix + name).encode())])
-                    host = rng.normal(0.0, spec, full)
-                param.data[...] = param.xp.asarray(host.astype(param.dtype))
+        """Fill every parameter with its slice of its master weight, drawn in float64."""
+        for name, param, spec in self.named_specs():
+            host = spec.master(seed, name)[spec.index]
+            param.data[...] = param.xp.asarray(host.astype(param.dtype))
 
 
 def parameter(xp, shape, dtype):

@@ -1,0 +1,31 @@
+"""How many bytes the autograd tape holds: arrays saved for backward by the nodes reachable
+from some outputs, grouped by Function. Views count their base buffer once."""
+
+
+def _arrays(ctx):
+    values = list(ctx.saved or ()) + list(vars(ctx).values())
+    for v in values:
+        if hasattr(v, "nbytes") and hasattr(v, "shape"):
+            yield v
+
+
+def saved_bytes_by_function(tensors):
+    """{Function name: bytes of distinct buffers its nodes keep for backward}."""
+    totals, seen_buffers, seen_nodes = {}, set(), set()
+    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen_nodes:
+            continue
+        seen_nodes.add(id(node))
+        ctx = getattr(node, "ctx", None)
+        if ctx is not None:
+            for a in _arrays(ctx):
+                base = a
+                while getattr(base, "base", None) is not None:
+                    base = base.base
+                if id(base) not in seen_buffers:
+                    seen_buffers.add(id(base))
+                    totals[node.name] = totals.get(node.name, 0) + base.nbytes
+        stack.extend(edge[0] for edge in node.edges if edge is not None)
+    return totals

@@ -1,0 +1,128 @@
+"""Tensor-parallel layers (paper §3, Fig. 3): column- and row-parallel linear layers and the
+vocabulary-parallel embedding. With a TP group of one rank they are the serial layers."""
+from npmegatron import autograd as ag
+from npmegatron.autograd import Function, InputError
+from npmegatron.autograd.backend import get_array_module, scatter_add
+from npmegatron.module import Module, ParamSpec, parameter
+
+from .mappings import (copy_to_tp_region, gather_from_sp_region, gather_from_tp_region,
+                       reduce_from_tp_region, reduce_scatter_to_sp_region)
+
+
+def divide(numerator, denominator, what):
+    if numerator % denominator:
+        raise InputError(f"{what} {numerator} is not divisible by the tensor-parallel size "
+                         f"{denominator}; choose a TP size that divides it")
+    return numerator // denominator
+
+
+def pad_vocab_size(vocab_size, tp_size, divisible_by=128):
+    """Round the vocabulary up to a multiple of divisible_by * TP (paper §5.1: 50,257 -> 51,200
+    at TP=8), so every rank holds an equal shard of whole 128-column blocks."""
+    if divisible_by < 1:
+        raise InputError(f"--make-vocab-size-divisible-by {divisible_by} must be a positive integer")
+    multiple = divisible_by * tp_size
+    return -(-vocab_size // multiple) * multiple
+
+
+class ColumnParallelLinear(Module):
+    """y = x W + b with the columns (outputs) of W and b split over the TP ranks. Its input
+    enters the TP region through f (identity forward, all-reduce backward), or under sequence
+    parallelism through an all-gather of the sequence; the output stays split unless gathered."""
+
+    def __init__(self, xp, dtype, in_features, out_features, std, group, sequence_parallel=False,
+                 gather_output=False):
+        local = divide(out_features, group.size, "output size")
+        cols = slice(group.rank * local, (group.rank + 1) * local)
+        self.group, self.sequence_parallel, self.gather_output = group, sequence_parallel, gather_output
+        self.weight = parameter(xp, (in_features, local), dtype)
+        self.bias = parameter(xp, (local,), dtype)
+        self.specs = {"weight": ParamSpec(std, (in_features, out_features), (slice(None), cols), tp_axis=1),
+                      "bias": ParamSpec("zeros", (out_features,), (cols,), tp_axis=0)}
+
+    def forward(self, x):
+        if self.sequence_parallel:
+            x = gather_from_sp_region(x, self.group)
+        else:
+            x = copy_to_tp_region(x, self.group)
+        y = ag.linear(x, self.weight, self.bias)
+        return gather_from_tp_region(y, self.group) if self.gather_output else y
+
+
+class RowParallelLinear(Module):
+    """y = x W + b with the rows (inputs) of W split: each rank multiplies its slice of the
+    input, and the partial sums leave the TP region through g (all-reduce forward, identity
+    backward), or under sequence parallelism through a reduce-scatter of the sequence. The bias
+    is added once, after the reduction; added before, it would be summed TP times."""
+
+    def __init__(self, xp, dtype, in_features, out_features, std, group, sequence_parallel=False):
+        local = divide(in_features, group.size, "input size")
+        rows = slice(group.rank * local, (group.rank + 1) * local)
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = parameter(xp, (local, out_features), dtype)
+        self.bias = parameter(xp, (out_features,), dtype)
+        self.specs = {"weight": ParamSpec(std, (in_features, out_features), (rows,), tp_axis=0),
+                      "bias": ParamSpec("zeros", (out_features,), sp_partial=sequence_parallel)}
+
+    def forward(self, x):
+        partial = ag.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sp_region(partial, self.group)
+        else:
+            y = reduce_from_tp_region(partial, self.group)
+        return y + self.bias
+
+
+class _ShardLookup(Function):
+    """Rows of this rank's vocabulary shard; tokens outside [start, start + rows) read zeros and
+    send no gradient (another rank owns them)."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, start):
+        xp = get_array_module(weight)
+        local = ids - start
+        outside = (local < 0) | (local >= weight.shape[0])
+        local = xp.where(outside, 0, local)
+        out = weight[local]
+        out[outside] = 0
+        ctx.local, ctx.outside, ctx.shape, ctx.dtype = local, outside, weight.shape, weight.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        xp = get_array_module(g)
+        keep = ~ctx.outside.reshape(-1)
+        gw = xp.zeros(ctx.shape, ctx.dtype)
+        scatter_add(gw, ctx.local.reshape(-1)[keep], g.reshape(-1, ctx.shape[1])[keep])
+        return None, gw
+
+
+class VocabParallelEmbedding(Module):
+    """The word embedding with its (padded) vocabulary rows split over the TP ranks; partial
+    lookups are summed with g (or reduce-scattered over the sequence under SP). The same weight,
+    transposed, is the output layer (GPT-2 ties them)."""
+
+    def __init__(self, xp, dtype, vocab_size, padded_vocab_size, hidden_size, std, group,
+                 sequence_parallel=False):
+        local = divide(padded_vocab_size, group.size, "padded vocabulary size")
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.vocab_size, self.vocab_start = vocab_size, group.rank * local
+        self.weight = parameter(xp, (local, hidden_size), dtype)
+        self.specs = {"weight": ParamSpec(std, (vocab_size, hidden_size),
+                                          (slice(self.vocab_start, self.vocab_start + local),),
+                                          tp_axis=0, padded_rows=padded_vocab_size)}
+
+    def forward(self, ids):
+        partial = _ShardLookup.apply(ids, self.weight, start=self.vocab_start)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sp_region(partial, self.group)
+        return reduce_from_tp_region(partial, self.group)
+
+    def logits(self, hidden):
+        """This rank's vocabulary columns of hidden @ weight^T; the input enters the TP region
+        through f (or an all-gather of the sequence under SP)."""
+        if self.sequence_parallel:
+            hidden = gather_from_sp_region(hidden, self.group)
+        else:
+            hidden = copy_to_tp_region(hidden, self.group)
+        return hidden @ self.weight.T

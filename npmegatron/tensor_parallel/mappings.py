@@ -1,0 +1,138 @@
+"""Differentiable communication between tensor-parallel ranks, as conjugate pairs (paper §3,
+Megatron-LM's tensor_parallel/mappings.py). Each forward is the adjoint of the other's backward:
+
+    copy_to_tp_region        f: identity        / all-reduce        (enter a TP region)
+    reduce_from_tp_region    g: all-reduce      / identity          (leave a TP region)
+    scatter_to_tp_region        split last axis / all-gather last axis
+    gather_from_tp_region       all-gather last / split last axis
+    scatter_to_sp_region        split sequence  / all-gather sequence
+    gather_from_sp_region       all-gather seq  / reduce-scatter seq (before column-parallel)
+    reduce_scatter_to_sp_region reduce-scatter  / all-gather seq     (after row-parallel)
+
+Activations are (batch, sequence, hidden): the sequence axis is 1.
+"""
+from npmegatron import comm
+from npmegatron.autograd import Function
+
+SEQUENCE_AXIS = 1
+
+
+def _split(x, group, axis):
+    """This rank's block of x along axis (a copy: the block must outlive x's other blocks)."""
+    if group.size == 1:
+        return x
+    block = x.shape[axis] // group.size
+    index = [slice(None)] * x.ndim
+    index[axis] = slice(group.rank * block, (group.rank + 1) * block)
+    return x[tuple(index)].copy()
+
+
+class _CopyToTPRegion(Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return comm.all_reduce(g, ctx.group)
+
+
+class _ReduceFromTPRegion(Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return comm.all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class _ScatterToTPRegion(Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, group, -1)
+
+    @staticmethod
+    def backward(ctx, g):
+        return comm.all_gather(g, ctx.group, axis=-1)
+
+
+class _GatherFromTPRegion(Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return comm.all_gather(x, group, axis=-1)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _split(g, ctx.group, -1)
+
+
+class _ScatterToSPRegion(Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, group, SEQUENCE_AXIS)
+
+    @staticmethod
+    def backward(ctx, g):
+        return comm.all_gather(g, ctx.group, axis=SEQUENCE_AXIS)
+
+
+class _GatherFromSPRegion(Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return comm.all_gather(x, group, axis=SEQUENCE_AXIS)
+
+    @staticmethod
+    def backward(ctx, g):
+        return comm.reduce_scatter(g, ctx.group, axis=SEQUENCE_AXIS)
+
+
+class _ReduceScatterToSPRegion(Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return comm.reduce_scatter(x, group, axis=SEQUENCE_AXIS)
+
+    @staticmethod
+    def backward(ctx, g):
+        return comm.all_gather(g, ctx.group, axis=SEQUENCE_AXIS)
+
+
+def copy_to_tp_region(x, group):
+    """f — forward: identity; backward: all-reduce over the TP group."""
+    return _CopyToTPRegion.apply(x, group=group)
+
+
+def reduce_from_tp_region(x, group):
+    """g — forward: all-reduce over the TP group; backward: identity."""
+    return _ReduceFromTPRegion.apply(x, group=group)
+
+
+def scatter_to_tp_region(x, group):
+    """forward: keep this rank's block of the last axis; backward: all-gather the last axis."""
+    return _ScatterToTPRegion.apply(x, group=group)
+
+
+def gather_from_tp_region(x, group):
+    """forward: all-gather the last axis; backward: keep this rank's block of the last axis."""
+    return _GatherFromTPRegion.apply(x, group=group)
+
+
+def scatter_to_sp_region(x, group):
+    """forward: keep this rank's block of the sequence; backward: all-gather the sequence."""
+    return _ScatterToSPRegion.apply(x, group=group)
+
+
+def gather_from_sp_region(x, group):
+    """forward: all-gather the sequence; backward: reduce-scatter the sequence."""
+    return _GatherFromSPRegion.apply(x, group=group)
+
+
+def reduce_scatter_to_sp_region(x, group):
+    """forward: reduce-scatter the sequence; backward: all-gather the sequence."""
+    return _ReduceScatterToSPRegion.apply(x, group=group)
