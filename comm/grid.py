@@ -53,7 +53,7 @@ class ProcessGrid:
         if dp is None:
             if world.size % (tp * pp):
                 raise InputError(f"world size {world.size} is not divisible by TP x PP = {tp * pp}; "
-                                 "launch a multiple of TP x PP ranks")
+                                 "launch a multiple of TP x PP ranks (mpirun -n N)")
             dp = world.size // (tp * pp)
         layout = grid_ranks(world.size, tp, pp, dp)
         self.world, self.rank, self.world_size = world, world.rank, world.size

@@ -53,6 +53,11 @@ def init():
     return _state["world"]
 
 
+def launched_by_mpi():
+    """True inside an mpiexec/mpirun launch (MPICH's PMI or Open MPI's variables are set)."""
+    return any(v in os.environ for v in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK"))
+
+
 def is_initialized():
     return "world" in _state
 
@@ -92,3 +97,4 @@ def report_and_abort(exc, tb=None):
     sys.stderr.flush()
     time.sleep(OUTPUT_DRAIN_S)
     world.Abort(1)
+    os._exit(1)     # Abort may return while the job is already being torn down: never fall through

@@ -19,15 +19,10 @@ def user_errors(command):
             return command(*args, **kwargs)
         except InputError as error:
             from . import comm
-            if comm.is_initialized() and comm.init().size > 1:
+            if comm.launched_by_mpi() and comm.init().size > 1:
                 comm.report_and_abort(error)
             raise click.ClickException(str(error)) from None
     return wrapper
-
-
-def launched_by_mpi():
-    """True inside an mpiexec/mpirun launch (MPICH's PMI or Open MPI's variables are set)."""
-    return any(v in os.environ for v in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK"))
 
 
 def relaunch_under_mpiexec(ranks):
@@ -71,6 +66,9 @@ def main():
 @main.command()
 @model_options({"num_layers": 4, "hidden_size": 128, "num_attention_heads": 4, "seq_length": 128,
                 "micro_batch_size": 16})
+@click.option("--tensor-model-parallel-size", "--tp", "tensor_model_parallel_size", type=int, default=1,
+              show_default=True, help="Tensor-parallel ranks (launch with mpirun -n TP).")
+@click.option("--sequence-parallel", is_flag=True, help="LayerNorm and dropout on sequence shards.")
 @click.option("--max-position-embeddings", type=int, default=None,
               help="Length of the position table (default: --seq-length).")
 @click.option("--train-iters", type=int, default=500, show_default=True, help="Optimizer steps.")
@@ -96,12 +94,11 @@ def main():
               help="Write metrics as JSON lines here.")
 @user_errors
 def train(**options):
-    """Train GPT-2 on the embedded corpus (the standard library's .py files, byte-level)."""
+    """Train GPT-2 on the embedded corpus (the standard library's .py files, byte-level);
+    under mpirun with --tp N, tensor-parallel over N ranks."""
     from .training import TrainArgs, train as run_training
     args = TrainArgs(**options)
-    losses = run_training(args, echo=click.echo)
-    click.echo(f"done: loss {losses[0]:.4f} -> {sum(losses[-10:]) / len(losses[-10:]):.4f} "
-               f"(mean of the last {min(10, len(losses))} steps)")
+    run_training(args, echo=click.echo)
 
 
 @main.group()
@@ -143,9 +140,9 @@ def bench_comm_command(ranks, min_bytes, max_bytes, device):
                          "1 <= min <= max")
     if ranks is not None and ranks < 1:
         raise InputError(f"--ranks {ranks} must be a positive integer")
-    if ranks is not None and not launched_by_mpi():
-        sys.exit(relaunch_under_mpiexec(ranks))
     from . import comm
+    if ranks is not None and not comm.launched_by_mpi():
+        sys.exit(relaunch_under_mpiexec(ranks))
     from .bench_comm import bench_comm, format_report
     result = bench_comm(min_bytes, max_bytes, device)
     if comm.init().rank == 0:

@@ -2,6 +2,8 @@
 as in Megatron's training loop (paper §4.2: warmup, cosine decay to a minimum)."""
 import math
 
+import numpy
+
 
 class SGD:
     """p -= lr * grad: the 'plain optimizer step' of the step benchmark."""
@@ -62,12 +64,18 @@ def learning_rate(step, lr, min_lr, warmup_iters, decay_iters, style="cosine"):
     return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def clip_grad_norm(params, max_norm):
-    """Scale all gradients so their global L2 norm is at most max_norm; returns the norm before."""
+def clip_grad_norm(params, max_norm, group=None, skip=()):
+    """Scale all gradients so their global L2 norm is at most max_norm; returns the norm before.
+
+    With a model-parallel group the squares are summed over its ranks; `skip` holds the ids of
+    replicated parameters this rank must not count (they are counted once, on TP rank 0)."""
     total = 0.0
     for p in params:
-        if p.grad is not None:
+        if p.grad is not None and id(p) not in skip:
             total += float((p.grad * p.grad).sum())
+    if group is not None and group.size > 1:
+        from . import comm
+        total = float(comm.all_reduce(numpy.array([total]), group)[0])
     norm = math.sqrt(total)
     if max_norm and norm > max_norm:
         scale = max_norm / (norm + 1e-6)

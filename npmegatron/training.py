@@ -12,6 +12,7 @@ from typing import Optional
 import numpy
 from tqdm import tqdm
 
+from . import comm
 from .autograd import InputError, no_grad
 from .data import BYTE_VOCAB_SIZE, WindowSampler, load_default_corpus
 from .model import GPT, GPTConfig, model_flops
@@ -20,6 +21,8 @@ from .optimizer import AdamW, clip_grad_norm, learning_rate
 
 @dataclass
 class TrainArgs:
+    tensor_model_parallel_size: int = 1
+    sequence_parallel: bool = False
     num_layers: int = 4
     hidden_size: int = 128
     num_attention_heads: int = 4
@@ -61,7 +64,8 @@ class TrainArgs:
             num_attention_heads=self.num_attention_heads, vocab_size=BYTE_VOCAB_SIZE,
             max_position_embeddings=self.max_position_embeddings,
             hidden_dropout=self.hidden_dropout, attention_dropout=self.attention_dropout,
-            dtype=self.dtype, device=self.device, seed=self.seed)
+            sequence_parallel=self.sequence_parallel, dtype=self.dtype, device=self.device,
+            seed=self.seed)
 
 
 def evaluate(model, sampler, iters):
@@ -72,10 +76,32 @@ def evaluate(model, sampler, iters):
     return float(numpy.mean(losses))
 
 
+def build_grid(args):
+    """The process grid: serial without mpirun, else TP ranks per model replica."""
+    tp = args.tensor_model_parallel_size
+    if tp < 1:
+        raise InputError(f"--tensor-model-parallel-size {tp} must be a positive integer")
+    if tp == 1 and not comm.launched_by_mpi():
+        return comm.ProcessGrid.single()
+    world = comm.init()
+    grid = comm.ProcessGrid(tp=tp, pp=1)
+    if grid.dp_size > 1:
+        raise InputError(f"world size {world.size} with TP {tp} leaves {grid.dp_size} data-parallel "
+                         f"replicas, and data parallelism is not implemented yet; launch exactly "
+                         f"{tp} ranks (mpirun -n {tp})")
+    return grid
+
+
 def train(args: TrainArgs, echo=print):
-    """Train on the embedded corpus; returns the list of per-step losses."""
+    """Train on the embedded corpus; returns the list of per-step losses (the same on every rank)."""
     cfg = args.model_config()
-    model = GPT(cfg)
+    grid = build_grid(args)
+    leader = grid.rank == 0
+    if not leader:
+        echo = lambda *a, **k: None
+    model = GPT(cfg, grid)
+    replicated = {id(p) for _, p, spec in model.named_specs() if spec.tp_axis is None}
+    skip = replicated if grid.tp_rank != 0 else set()
     train_tokens, valid_tokens = load_default_corpus()
     sampler = WindowSampler(train_tokens, args.seq_length, args.micro_batch_size, args.seed)
     valid_sampler = WindowSampler(valid_tokens, args.seq_length, args.micro_batch_size, args.seed + 1)
@@ -84,11 +110,12 @@ def train(args: TrainArgs, echo=print):
     tokens_per_step = args.micro_batch_size * args.seq_length
     flops_per_step = model_flops(cfg, model.num_parameters(), args.micro_batch_size, args.seq_length)
     echo(f"GPT: {model.num_parameters():,} parameters, {cfg.num_layers} layers, hidden "
-         f"{cfg.hidden_size}, {cfg.num_attention_heads} heads, {cfg.dtype} on {cfg.device}; corpus "
+         f"{cfg.hidden_size}, {cfg.num_attention_heads} heads, {cfg.dtype} on {cfg.device}, "
+         f"{grid}{' sequence-parallel' if cfg.sequence_parallel else ''}; corpus "
          f"{len(train_tokens):,} training / {len(valid_tokens):,} validation bytes")
-    log = open(args.log_file, "w") if args.log_file else None
+    log = open(args.log_file, "w") if args.log_file and leader else None
     losses, window_start = [], time.perf_counter()
-    bar = tqdm(range(args.train_iters), desc="training", unit="it", leave=False)
+    bar = tqdm(range(args.train_iters), desc="training", unit="it", leave=False, disable=not leader)
     for step in bar:
         lr = learning_rate(step, args.lr, args.min_lr, args.lr_warmup_iters, args.train_iters,
                            args.lr_decay_style)
@@ -96,7 +123,8 @@ def train(args: TrainArgs, echo=print):
         model.zero_grad()
         _, loss = model(inputs, targets)
         loss.backward()
-        grad_norm = clip_grad_norm(params, args.clip_grad)
+        model.finalize_grads()
+        grad_norm = clip_grad_norm(params, args.clip_grad, grid.mp_group, skip)
         optimizer.step(lr)
         losses.append(loss.item())
         if not math.isfinite(losses[-1]):
@@ -112,7 +140,8 @@ def train(args: TrainArgs, echo=print):
                       "tflops": steps * flops_per_step / elapsed / 1e12}
             if done % args.eval_interval == 0 or done == args.train_iters:
                 record["val_loss"] = evaluate(model, valid_sampler, args.eval_iters)
-            bar.write(_format(record, args.train_iters))
+            if leader:
+                bar.write(_format(record, args.train_iters))
             if log:
                 log.write(json.dumps(record) + "\n")
                 log.flush()
@@ -120,6 +149,8 @@ def train(args: TrainArgs, echo=print):
     bar.close()
     if log:
         log.close()
+    echo(f"done: loss {losses[0]:.4f} -> {numpy.mean(losses[-10:]):.4f} (mean of the last "
+         f"{min(10, len(losses))} steps)")
     return losses
 
 
