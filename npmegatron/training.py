@@ -6,7 +6,7 @@ names for the settings.
 import json
 import math
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy
@@ -159,7 +159,3 @@ def _format(r, total):
             f"grad norm {r['grad_norm']:.3f} | {r['tokens_per_s']:,.0f} tok/s | "
             f"{r['tflops']:.4f} TFLOP/s")
     return line + (f" | val loss {r['val_loss']:.4f}" if "val_loss" in r else "")
-
-
-def train_args_fields():
-    return [f.name for f in fields(TrainArgs)]
