@@ -5,6 +5,8 @@ blocks stacked on axis 0) and return new arrays. The backend follows where the a
 NumPy goes through MPI; CuPy goes through NCCL when every local rank has a GPU of its own, else
 through MPI staged in host memory (NCCL refuses two ranks on one GPU).
 """
+import functools
+
 import numpy
 
 from npmegatron.autograd.backend import get_array_module, to_numpy
@@ -55,9 +57,6 @@ class MPIBackend:
         host = numpy.array(self._host(x), copy=True)
         group.mpi.Bcast(host, root=root)
         return self._like(x, host)
-
-    def barrier(self, group):
-        group.mpi.Barrier()
 
     def isend(self, group, x, peer, tag):
         host = self._host(x)
@@ -136,11 +135,6 @@ class NCCLBackend:
         self._comm(group).bcast(out.data.ptr, out.size, self.types[out.dtype], root, self._stream())
         return out
 
-    def barrier(self, group):
-        import cupy
-        cupy.cuda.get_current_stream().synchronize()
-        group.mpi.Barrier()
-
     def isend(self, group, x, peer, tag):
         self._comm(group).send(x.data.ptr, x.size, self.types[x.dtype], peer, self._stream())
         return StreamRequest(keep=x)
@@ -170,30 +164,24 @@ class StreamRequest:
         return self.result
 
 
-_backends = {}
-
-
+@functools.lru_cache(maxsize=None)
 def nccl_usable():
     """NCCL needs one GPU per rank: true when cupy's NCCL imports and the local ranks fit."""
-    if "nccl_ok" not in _backends:
-        try:
-            import cupy
-            from cupy.cuda import nccl  # noqa: F401
-            from .runtime import local_size
-            _backends["nccl_ok"] = local_size() <= cupy.cuda.runtime.getDeviceCount()
-        except Exception:
-            _backends["nccl_ok"] = False
-    return _backends["nccl_ok"]
+    try:
+        import cupy
+        from cupy.cuda import nccl  # noqa: F401
+        from .runtime import local_size
+        return local_size() <= cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def _backend(name):
+    return NCCLBackend() if name == "nccl" else MPIBackend()
 
 
 def backend_for(x):
     """MPI for host arrays; NCCL for GPU arrays where each rank has its own GPU."""
-    if get_array_module(x) is numpy or not nccl_usable():
-        key = "mpi"
-        if key not in _backends:
-            _backends[key] = MPIBackend()
-    else:
-        key = "nccl"
-        if key not in _backends:
-            _backends[key] = NCCLBackend()
-    return _backends[key]
+    on_host = get_array_module(x) is numpy
+    return _backend("mpi" if on_host or not nccl_usable() else "nccl")

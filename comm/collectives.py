@@ -91,7 +91,6 @@ def broadcast(x, group, root=0):
 def barrier(group):
     if group.size == 1:
         return
-    from .backends import MPIBackend
     start = time.perf_counter()
-    MPIBackend().barrier(group)
+    group.mpi.Barrier()
     record("barrier", group.name, 0, time.perf_counter() - start)

@@ -13,6 +13,7 @@ from . import autograd as ag
 from . import comm
 from .autograd import InputError
 from .autograd.backend import array_module_for
+from .autograd.ops.nn import check_ids
 from .module import Module, ParamSpec, parameter
 from .tensor_parallel import (DEFAULT, MODEL_PARALLEL, ColumnParallelLinear, RNGTracker,
                               RowParallelLinear, VocabParallelEmbedding, pad_vocab_size,
@@ -169,17 +170,13 @@ class GPT(Module):
     def _check(self, ids):
         if ids.ndim != 2:
             raise InputError(f"token ids must have shape (batch, seq), got {tuple(ids.shape)}")
-        if ids.dtype.kind not in "iu":
-            raise InputError(f"token ids must be integers, got dtype {ids.dtype}")
         t = ids.shape[1]
         if t > self.cfg.max_position_embeddings:
             raise InputError(f"sequence length {t} is longer than the position table "
                              f"({self.cfg.max_position_embeddings}); use shorter sequences or a "
                              "larger --max-position-embeddings")
-        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size):
-            bad = int(ids.max()) if int(ids.max()) >= self.cfg.vocab_size else int(ids.min())
-            raise InputError(f"token id {bad} is outside the vocabulary [0, {self.cfg.vocab_size}); "
-                             "tokenize with the model's vocabulary or raise --vocab-size")
+        check_ids(ids, self.cfg.vocab_size, "token id",
+                  "tokenize with the model's vocabulary or raise --vocab-size")
         if self.cfg.sequence_parallel and t % self.tp_group.size:
             raise InputError(f"sequence length {t} is not divisible by the tensor-parallel size "
                              f"{self.tp_group.size}, as sequence parallelism needs; change --seq-length")

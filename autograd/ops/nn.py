@@ -98,8 +98,8 @@ class Dropout(Function):
         return gx
 
 
-def _check_ids(ids, size, what, fix, ignore_index=None):
-    xp = get_array_module(ids)
+def check_ids(ids, size, what, fix, ignore_index=None):
+    """Integer ids within [0, size) (ignore_index excepted), or one InputError sentence."""
     if ids.dtype.kind not in "iu":
         raise InputError(f"{what} must be integers, got dtype {ids.dtype}; convert with .astype(int)")
     if ids.size == 0:
@@ -118,7 +118,7 @@ class Embedding(Function):
 
     @staticmethod
     def forward(ctx, ids, weight):
-        _check_ids(ids, weight.shape[0], "token id",
+        check_ids(ids, weight.shape[0], "token id",
                    "tokenize with the model's vocabulary or raise --vocab-size")
         ctx.ids, ctx.shape, ctx.dtype = ids, weight.shape, weight.dtype
         return weight[ids]
@@ -144,7 +144,7 @@ class CrossEntropy(Function):
         if targets.shape != logits.shape[:-1]:
             raise InputError(f"targets of shape {tuple(targets.shape)} do not match logits of shape "
                              f"{tuple(logits.shape)}; targets need the logits' shape without the last axis")
-        _check_ids(targets, vocab, "target id", "targets must index the logits' last axis",
+        check_ids(targets, vocab, "target id", "targets must index the logits' last axis",
                    ignore_index)
         z = logits.reshape(-1, vocab) - logits.reshape(-1, vocab).max(axis=-1, keepdims=True)
         t = targets.reshape(-1)

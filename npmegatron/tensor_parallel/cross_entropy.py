@@ -6,6 +6,7 @@ Padded vocabulary columns are excluded from the softmax, so every TP size is the
 from npmegatron import comm
 from npmegatron.autograd import Function, InputError, Tensor
 from npmegatron.autograd.backend import get_array_module
+from npmegatron.autograd.ops.nn import check_ids
 
 
 class _VocabParallelCrossEntropy(Function):
@@ -16,10 +17,7 @@ class _VocabParallelCrossEntropy(Function):
         flat = logits.reshape(-1, local_vocab)
         real = max(0, min(local_vocab, vocab_size - vocab_start))   # columns before the padding
         t = xp.asarray(targets).reshape(-1)
-        if t.size and (int(t.min()) < 0 or int(t.max()) >= vocab_size):
-            bad = int(t.max()) if int(t.max()) >= vocab_size else int(t.min())
-            raise InputError(f"target id {bad} is outside the vocabulary [0, {vocab_size}); "
-                             "targets must be token ids of the model's vocabulary")
+        check_ids(t, vocab_size, "target id", "targets must be token ids of the model's vocabulary")
         local_max = flat[:, :real].max(axis=-1) if real else xp.full(flat.shape[0], -xp.inf, flat.dtype)
         global_max = comm.all_reduce(local_max, group, "max")
         z = flat - global_max[:, None]
