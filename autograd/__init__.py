@@ -5,7 +5,7 @@ backward side by side on plain arrays), a reverse-topological `backward`, and th
 """
 from .backend import InputError, get_array_module
 from .tensor import Tensor, no_grad, is_grad_enabled
-from .function import Function
+from .function import Function, grad_accumulator
 from .engine import backward
 from .ops import (
     add, sub, mul, div, neg, pow, matmul, linear,
@@ -17,7 +17,7 @@ from .ops import (
 from .gradcheck import gradcheck, numerical_grad
 
 __all__ = [
-    "InputError", "get_array_module", "Tensor", "no_grad", "is_grad_enabled", "Function", "backward",
+    "InputError", "get_array_module", "Tensor", "no_grad", "is_grad_enabled", "Function", "grad_accumulator", "backward",
     "add", "sub", "mul", "div", "neg", "pow", "matmul", "linear",
     "reshape", "transpose", "split", "concatenate", "getitem",
     "sum", "mean", "max", "exp", "log", "tanh", "gelu",

@@ -33,7 +33,11 @@ class AccumulateGrad:
         leaf = self.leaf
         # The first gradient is copied: backward functions may hand the same array to several
         # inputs, and a leaf's grad must be its own (optimizers and all-reduces write into it).
-        leaf.grad = g.copy() if leaf.grad is None else leaf.grad + g
+        # Later ones are added in place: grad may be a view into a data-parallel bucket.
+        if leaf.grad is None:
+            leaf.grad = g.copy()
+        else:
+            leaf.grad += g
         for hook in self.hooks:
             hook(leaf)
         return ()
@@ -58,14 +62,20 @@ class Node:
         return result if isinstance(result, tuple) else (result,)
 
 
+def grad_accumulator(leaf):
+    """The AccumulateGrad node of a leaf tensor (created if needed); append to its `hooks` to
+    run code as soon as the leaf's gradient of a backward pass is complete."""
+    if leaf._accumulator is None:
+        leaf._accumulator = AccumulateGrad(leaf)
+    return leaf._accumulator
+
+
 def _edge(x):
     if not isinstance(x, Tensor) or not x.requires_grad:
         return None
     if x.grad_fn is not None:
         return (x.grad_fn, x.output_index)
-    if x._accumulator is None:
-        x._accumulator = AccumulateGrad(x)
-    return (x._accumulator, 0)
+    return (grad_accumulator(x), 0)
 
 
 class Function:

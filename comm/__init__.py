@@ -6,7 +6,7 @@
     grid = comm.ProcessGrid(tp=2, pp=1, dp=2)
     y = comm.all_reduce(x, grid.tp_group)
 """
-from .collectives import all_gather, all_reduce, barrier, broadcast, reduce_scatter
+from .collectives import all_gather, all_reduce, all_reduce_async, barrier, broadcast, reduce_scatter
 from .debug import CommMismatchError
 from .grid import ProcessGrid, grid_coordinates, grid_ranks
 from .group import Group
@@ -18,7 +18,7 @@ from .stats import Stats, reset_stats, stats
 __all__ = [
     "init", "is_initialized", "launched_by_mpi", "local_rank", "local_size", "blas_threads", "report_and_abort",
     "Group", "ProcessGrid", "grid_ranks", "grid_coordinates",
-    "all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier",
+    "all_reduce", "all_reduce_async", "all_gather", "reduce_scatter", "broadcast", "barrier",
     "send", "recv", "isend", "irecv", "sendrecv", "batch_isend_irecv", "P2POp", "Request", "wait_all",
     "stats", "reset_stats", "Stats", "CommMismatchError",
 ]

@@ -53,6 +53,12 @@ class MPIBackend:
         group.mpi.Reduce_scatter_block(host, out, op=self._ops()[op])
         return self._like(x, out)
 
+    def iall_reduce(self, group, x, op):
+        """Non-blocking, in place on host arrays (GPU arrays are staged through host memory)."""
+        host = self._host(x)
+        request = group.mpi.Iallreduce(_mpi().IN_PLACE, host, op=self._ops()[op])
+        return MPIRequest(request, result=host, xp=get_array_module(x))
+
     def broadcast(self, group, x, root):
         host = numpy.array(self._host(x), copy=True)
         group.mpi.Bcast(host, root=root)
@@ -76,6 +82,10 @@ class MPIBackend:
 class MPIRequest:
     def __init__(self, request, result=None, keep=None, xp=numpy):
         self.request, self.result, self.keep, self.xp = request, result, keep, xp
+
+    def test(self):
+        """Drive MPI's progress engine; true once complete."""
+        return self.request.Test()
 
     def wait(self):
         self.request.Wait()
@@ -130,6 +140,12 @@ class NCCLBackend:
                                         self.ops[op], self._stream())
         return out
 
+    def iall_reduce(self, group, x, op):
+        """In place, queued on the current stream: already asynchronous to the host."""
+        self._comm(group).allReduce(x.data.ptr, x.data.ptr, x.size, self.types[x.dtype],
+                                    self.ops[op], self._stream())
+        return StreamRequest(result=x)
+
     def broadcast(self, group, x, root):
         out = x.copy()
         self._comm(group).bcast(out.data.ptr, out.size, self.types[out.dtype], root, self._stream())
@@ -156,6 +172,9 @@ class StreamRequest:
 
     def __init__(self, result=None, keep=None):
         self.result, self.keep = result, keep
+
+    def test(self):
+        return False
 
     def wait(self):
         import cupy

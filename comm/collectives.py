@@ -44,6 +44,31 @@ def all_reduce(x, group, op="sum"):
     return _run("all_reduce", group, x, lambda: backend_for(x).all_reduce(group, x, op), f", op={op}")
 
 
+def all_reduce_async(x, group, op="sum"):
+    """Start an all-reduce of the contiguous array x in place and return a Request; wait() gives
+    the reduced array (x itself on host). Lets gradient buckets reduce while backward runs."""
+    from .p2p import Request
+    _check_op(op)
+    if group.size == 1:
+        return _Done(x)
+    if not x.flags.c_contiguous:
+        raise InputError("all_reduce_async reduces in place and needs a contiguous array")
+    if debug.enabled():
+        debug.check_agreement(group, f"all_reduce_async(shape={tuple(x.shape)}, dtype={x.dtype}, op={op})")
+    return Request(backend_for(x).iall_reduce(group, x, op), "all_reduce_async", group, x.nbytes)
+
+
+class _Done:
+    def __init__(self, value):
+        self.value = value
+
+    def test(self):
+        return True
+
+    def wait(self):
+        return self.value
+
+
 def all_gather(x, group, axis=0):
     """Concatenation of all ranks' x along `axis`, in group-rank order."""
     if group.size == 1:

@@ -24,6 +24,10 @@ class Request:
         self.inner, self.op, self.group, self.nbytes = inner, op, group, nbytes
         self.done, self.value = False, None
 
+    def test(self):
+        """Give the transfer a chance to progress without blocking."""
+        return self.done or bool(self.inner.test())
+
     def wait(self):
         if not self.done:
             start = time.perf_counter()

@@ -71,6 +71,8 @@ def main():
 @click.option("--sequence-parallel", is_flag=True, help="LayerNorm and dropout on sequence shards.")
 @click.option("--max-position-embeddings", type=int, default=None,
               help="Length of the position table (default: --seq-length).")
+@click.option("--global-batch-size", type=int, default=None,
+              help="Samples per optimizer step = micro-batch x accumulation x DP (default: micro-batch x DP).")
 @click.option("--train-iters", type=int, default=500, show_default=True, help="Optimizer steps.")
 @click.option("--lr", type=float, default=1e-3, show_default=True, help="Peak learning rate.")
 @click.option("--min-lr", type=float, default=1e-4, show_default=True, help="Final learning rate.")
@@ -92,13 +94,57 @@ def main():
 @click.option("--eval-iters", type=int, default=10, show_default=True, help="Validation batches.")
 @click.option("--log-file", type=click.Path(dir_okay=False), default=None,
               help="Write metrics as JSON lines here.")
+@click.option("--data-path", default=None,
+              help="PREFIX written by `npmegatron preprocess` (default: the embedded corpus).")
+@click.option("--save", default=None, help="Checkpoint folder to write.")
+@click.option("--load", default=None, help="Checkpoint folder to resume from.")
+@click.option("--save-interval", type=int, default=None, help="Steps between checkpoints (default: at the end).")
+@click.option("--ddp-bucket-size", type=int, default=2 ** 20, show_default=True,
+              help="Parameters per data-parallel gradient all-reduce.")
+@click.option("--sample-tokens", type=int, default=200, show_default=True,
+              help="Tokens to generate at the end (0: none).")
 @user_errors
 def train(**options):
-    """Train GPT-2 on the embedded corpus (the standard library's .py files, byte-level);
-    under mpirun with --tp N, tensor-parallel over N ranks."""
+    """Train GPT-2 on the embedded corpus (the standard library's .py files, byte-level) or on
+    --data-path. Under mpirun -n N with --tp T: T-way tensor parallel, N/T-way data parallel."""
     from .training import TrainArgs, train as run_training
     args = TrainArgs(**options)
     run_training(args, echo=click.echo)
+
+
+@main.command()
+@click.argument("inputs", nargs=-1, required=True)
+@click.option("--output", "-o", required=True, help="PREFIX: writes PREFIX.bin and PREFIX.json.")
+@click.option("--tokenizer", "tokenizer_file", default=None,
+              help="A local Hugging Face tokenizer.json (default: byte-level, vocabulary 256).")
+@user_errors
+def preprocess(inputs, output, tokenizer_file):
+    """Tokenize text files or folders into a memory-mapped token file for --data-path."""
+    from .data import preprocess as run_preprocess
+    index = run_preprocess(inputs, output, tokenizer_file)
+    click.echo(f"{output}.bin: {index['num_tokens']:,} tokens ({index['dtype']}) from "
+               f"{len(index['sources'])} documents, vocabulary {index['vocab_size']:,}")
+
+
+@main.command()
+@click.option("--load", required=True, help="Checkpoint folder (a --save folder).")
+@click.option("--prompt", required=True, help="Text to continue.")
+@click.option("--max-tokens", type=int, default=200, show_default=True, help="Tokens to generate.")
+@click.option("--temperature", type=float, default=0.8, show_default=True, help="0: greedy.")
+@click.option("--top-k", type=int, default=40, show_default=True, help="Sample among the k likeliest (0: all).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed.")
+@click.option("--device", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True)
+@user_errors
+def generate(load, prompt, max_tokens, temperature, top_k, seed, device):
+    """Continue a prompt from a checkpoint with a key/value cache; tensor-parallel under
+    mpirun -n TP (the checkpoint's TP size)."""
+    if max_tokens < 1:
+        raise InputError(f"--max-tokens {max_tokens} must be a positive integer")
+    from .generation import generate as run_generate, load_for_generation
+    model, tokenizer = load_for_generation(load, device)
+    ids = run_generate(model, tokenizer.encode(prompt), max_tokens, temperature, top_k or None, seed)
+    if model.grid.rank == 0:
+        click.echo(tokenizer.decode(ids))
 
 
 @main.group()

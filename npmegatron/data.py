@@ -1,13 +1,27 @@
-"""Data: the embedded default corpus (the Python standard library's own .py files, byte-level)
-and a deterministic sampler of fixed-length training windows."""
+"""Data: the embedded default corpus, `npmegatron preprocess` token files, tokenizers, and the
+deterministic window sampler.
+
+A preprocessed dataset is two files, as Megatron's indexed datasets and nanoGPT's train.bin:
+PREFIX.bin, every document's tokens back to back (uint16 when the vocabulary fits, else uint32),
+read through a memory map; and PREFIX.json, the index (document boundaries, vocabulary size,
+tokenizer). A Hugging Face tokenizer is copied beside them as PREFIX.tokenizer.json, so the
+dataset (and a checkpoint trained on it) can decode text without the original file.
+"""
+import json
 import os
+import shutil
 import sysconfig
 
 import numpy
 
+from .autograd import InputError
+
 BYTE_VOCAB_SIZE = 256
+INDEX_FORMAT = "npmegatron-tokens-1"
 _SKIPPED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
+
+# ---- the embedded corpus ------------------------------------------------------------------------
 
 def stdlib_python_files():
     """Sorted paths of the standard library's .py files (no third-party packages): the same
@@ -31,20 +45,181 @@ def load_default_corpus(validation_every=20):
     return as_tokens(train), as_tokens(valid)
 
 
+# ---- tokenizers ---------------------------------------------------------------------------------
+
+class ByteTokenizer:
+    """UTF-8 bytes are the tokens: vocabulary 256, nothing to download."""
+    spec = {"type": "bytes"}
+    vocab_size = BYTE_VOCAB_SIZE
+
+    def encode(self, text):
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids):
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A local Hugging Face tokenizer.json, through the `tokenizers` package (no network)."""
+
+    def __init__(self, path):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise InputError("a tokenizer.json needs the `tokenizers` package; install it with "
+                             "pip install 'npmegatron[hf]'") from None
+        if not os.path.isfile(path):
+            raise InputError(f"tokenizer file {path} does not exist; pass a Hugging Face tokenizer.json")
+        try:
+            self.tokenizer = Tokenizer.from_file(path)
+        except Exception as error:
+            raise InputError(f"tokenizer file {path} could not be read ({error}); pass a Hugging "
+                             "Face tokenizer.json") from None
+        self.path = path
+        self.vocab_size = self.tokenizer.get_vocab_size()
+        self.spec = {"type": "huggingface"}
+
+    def encode(self, text):
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids):
+        return self.tokenizer.decode([int(i) for i in ids])
+
+
+def tokenizer_from_spec(spec, tokenizer_file=None):
+    """The tokenizer an index or checkpoint describes; Hugging Face ones read `tokenizer_file`."""
+    if spec.get("type") == "huggingface":
+        return HFTokenizer(tokenizer_file)
+    return ByteTokenizer()
+
+
+# ---- preprocessing ------------------------------------------------------------------------------
+
+def _input_files(inputs):
+    files = []
+    for item in inputs:
+        if os.path.isdir(item):
+            for folder, dirs, names in os.walk(item):
+                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+                files.extend(os.path.join(folder, n) for n in sorted(names) if not n.startswith("."))
+        elif os.path.isfile(item):
+            files.append(item)
+        else:
+            raise InputError(f"input {item} does not exist; pass text files or folders of them")
+    return files
+
+
+def preprocess(inputs, output_prefix, tokenizer_file=None):
+    """Tokenize text files (folders are walked in sorted order; each file is a document) into
+    PREFIX.bin and PREFIX.json. Returns the index."""
+    tokenizer = HFTokenizer(tokenizer_file) if tokenizer_file else ByteTokenizer()
+    files = _input_files(inputs)
+    dtype = numpy.uint16 if tokenizer.vocab_size <= 2 ** 16 else numpy.uint32
+    folder = os.path.dirname(os.path.abspath(output_prefix))
+    if not os.path.isdir(folder):
+        raise InputError(f"output folder {folder} does not exist; create it or choose another --output")
+    offsets, sources = [0], []
+    partial = output_prefix + ".bin.partial"
+    with open(partial, "wb") as out:
+        for path in files:
+            with open(path, "rb") as f:
+                raw = f.read()
+            if isinstance(tokenizer, ByteTokenizer):
+                ids = numpy.frombuffer(raw, numpy.uint8).astype(dtype)
+            else:
+                ids = numpy.asarray(tokenizer.encode(raw.decode("utf-8", errors="replace")), dtype)
+            if ids.size:
+                out.write(ids.tobytes())
+                offsets.append(offsets[-1] + int(ids.size))
+                sources.append(path)
+    if offsets[-1] == 0:
+        os.remove(partial)
+        raise InputError(f"no text found in {', '.join(inputs)}; pass non-empty text files")
+    index = {"format": INDEX_FORMAT, "dtype": numpy.dtype(dtype).name, "num_tokens": offsets[-1],
+             "vocab_size": tokenizer.vocab_size, "tokenizer": tokenizer.spec,
+             "document_offsets": offsets, "sources": sources}
+    if tokenizer_file:
+        shutil.copyfile(tokenizer_file, output_prefix + ".tokenizer.json")
+    with open(output_prefix + ".json.partial", "w") as f:
+        json.dump(index, f)
+    os.replace(partial, output_prefix + ".bin")
+    os.replace(output_prefix + ".json.partial", output_prefix + ".json")
+    return index
+
+
+class TokenDataset:
+    """A preprocessed dataset: `tokens` is a read-only memory map of PREFIX.bin."""
+
+    def __init__(self, prefix):
+        for suffix in (".bin", ".json"):
+            if prefix.endswith(suffix):
+                prefix = prefix[:-len(suffix)]
+        self.prefix = prefix
+        bin_path, index_path = prefix + ".bin", prefix + ".json"
+        missing = [p for p in (bin_path, index_path) if not os.path.isfile(p)]
+        if missing:
+            raise InputError(f"--data-path {prefix}: {' and '.join(missing)} not found; create the "
+                             f"dataset with `npmegatron preprocess FILES --output {prefix}`")
+        try:
+            with open(index_path) as f:
+                index = json.load(f)
+            assert index.get("format") == INDEX_FORMAT
+        except (ValueError, AssertionError):
+            raise InputError(f"{index_path} is not an npmegatron dataset index; recreate it with "
+                             "`npmegatron preprocess`") from None
+        dtype = numpy.dtype(index["dtype"])
+        size = os.path.getsize(bin_path)
+        if size == 0 or index["num_tokens"] == 0:
+            raise InputError(f"--data-path {prefix}: {bin_path} is empty; preprocess some text into it")
+        if size != index["num_tokens"] * dtype.itemsize:
+            raise InputError(f"{bin_path} holds {size} bytes but its index expects "
+                             f"{index['num_tokens'] * dtype.itemsize}; it is truncated or corrupt, "
+                             "so preprocess the data again")
+        self.index = index
+        self.tokens = numpy.memmap(bin_path, dtype=dtype, mode="r")
+        self.vocab_size = index["vocab_size"]
+        self.tokenizer_file = prefix + ".tokenizer.json" if index["tokenizer"]["type"] != "bytes" else None
+
+    def split(self, validation_fraction=0.05):
+        """(train, validation) views: the last documents, about `validation_fraction` of the
+        tokens (at least one document), are held out; one document alone is split at 95%."""
+        offsets, total = self.index["document_offsets"], self.index["num_tokens"]
+        cut = int(total * (1 - validation_fraction))
+        if len(offsets) > 2:     # cut at the last document boundary at or before 95%
+            cut = max([o for o in offsets[1:-1] if o <= cut], default=offsets[1])
+        return self.tokens[:cut], self.tokens[cut:]
+
+    def tokenizer(self):
+        return tokenizer_from_spec(self.index["tokenizer"], self.tokenizer_file)
+
+
+# ---- sampling -----------------------------------------------------------------------------------
+
 class WindowSampler:
-    """Batches of (input, target) windows drawn at random starts; batch i depends only on
-    (seed, i), so a run resumed at step i sees exactly what the uninterrupted run saw."""
+    """Training samples are the corpus cut into windows of seq_length + 1 tokens (neighbours
+    share one token), visited in a fresh seeded permutation each epoch. Sample k of the run is a
+    pure function of (seed, k), so the number of samples consumed is the whole sampler state
+    that a checkpoint must keep, and any data-parallel rank can draw its own share."""
 
-    def __init__(self, tokens, seq_length, batch_size, seed):
-        if len(tokens) <= seq_length + 1:
-            from .autograd import InputError
-            raise InputError(f"the corpus has {len(tokens)} tokens, too few for --seq-length "
+    def __init__(self, tokens, seq_length, seed):
+        self.num_windows = (len(tokens) - 1) // seq_length
+        if self.num_windows < 1:
+            raise InputError(f"the data has {len(tokens)} tokens, too few for --seq-length "
                              f"{seq_length}; use a shorter sequence or more data")
-        self.tokens, self.seq_length, self.batch_size, self.seed = tokens, seq_length, batch_size, seed
+        self.tokens, self.seq_length, self.seed = tokens, seq_length, seed
+        self._epoch, self._order = None, None
 
-    def batch(self, index):
-        rng = numpy.random.default_rng([self.seed, index])
-        starts = rng.integers(0, len(self.tokens) - self.seq_length - 1, self.batch_size)
-        window = numpy.arange(self.seq_length + 1)
-        chunk = self.tokens[starts[:, None] + window].astype(numpy.int64)
-        return chunk[:, :-1], chunk[:, 1:]
+    def _window(self, sample):
+        epoch, position = divmod(sample, self.num_windows)
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._order = numpy.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
+        return int(self._order[position])
+
+    def batch(self, first_sample, count):
+        """Samples first_sample .. first_sample + count - 1 as (inputs, targets), int64."""
+        rows = numpy.empty((count, self.seq_length + 1), numpy.int64)
+        for i in range(count):
+            start = self._window(first_sample + i) * self.seq_length
+            rows[i] = self.tokens[start:start + self.seq_length + 1]
+        return rows[:, :-1], rows[:, 1:]

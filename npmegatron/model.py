@@ -91,12 +91,14 @@ class ParallelAttention(Module):
         self.proj = RowParallelLinear(xp, dtype, h, h, cfg.init_method_std / math.sqrt(2 * cfg.num_layers),
                                       group, sp)
 
-    def forward(self, x):
+    def forward(self, x, cache=None):
         qkv = self.qkv(x)
         b, t, _ = qkv.shape
         heads, d = self.local_heads, self.cfg.head_dim
         qkv = qkv.reshape(b, t, heads, 3, d)
         q, k, v = (part.reshape(b, t, heads, d).transpose(0, 2, 1, 3) for part in ag.split(qkv, 3, axis=3))
+        if cache is not None:      # generation: attend to every earlier position, computed once
+            k, v = cache.extend(k.data, v.data)
         probs = ag.softmax(q @ k.transpose(0, 1, 3, 2), scale=1.0 / math.sqrt(d), causal=True)
         # Inside the TP region each rank has different heads: a stream of its own (Appendix B.2).
         probs = ag.dropout(probs, self.cfg.attention_dropout, self.rng[MODEL_PARALLEL], self.training)
@@ -131,10 +133,10 @@ class Block(Module):
         self.ln_2 = LayerNorm(xp, dtype, cfg.hidden_size, cfg.layernorm_epsilon, sp)
         self.mlp = ParallelMLP(cfg, xp, dtype, group)
 
-    def forward(self, x):
+    def forward(self, x, cache=None):
         p = self.cfg.hidden_dropout
         stream = self.rng[hidden_dropout_stream(self.cfg)]
-        x = x + ag.dropout(self.attn(self.ln_1(x)), p, stream, self.training)
+        x = x + ag.dropout(self.attn(self.ln_1(x), cache), p, stream, self.training)
         return x + ag.dropout(self.mlp(self.ln_2(x)), p, stream, self.training)
 
 
@@ -167,10 +169,10 @@ class GPT(Module):
         self.ln_f = LayerNorm(xp, dtype, cfg.hidden_size, cfg.layernorm_epsilon, sp)
         self.initialize(cfg.seed)
 
-    def _check(self, ids):
+    def _check(self, ids, offset=0):
         if ids.ndim != 2:
             raise InputError(f"token ids must have shape (batch, seq), got {tuple(ids.shape)}")
-        t = ids.shape[1]
+        t = ids.shape[1] + offset
         if t > self.cfg.max_position_embeddings:
             raise InputError(f"sequence length {t} is longer than the position table "
                              f"({self.cfg.max_position_embeddings}); use shorter sequences or a "
@@ -181,20 +183,27 @@ class GPT(Module):
             raise InputError(f"sequence length {t} is not divisible by the tensor-parallel size "
                              f"{self.tp_group.size}, as sequence parallelism needs; change --seq-length")
 
-    def forward(self, ids, targets=None):
+    def forward(self, ids, targets=None, cache=None):
         """ids (batch, seq) -> (this rank's vocabulary shard of the logits, mean loss or None).
-        Use full_logits() for the whole vocabulary."""
+        Use full_logits() for the whole vocabulary. With a KVCache (generation.py) the ids
+        continue the cached sequence: each new token costs one position, not the whole prefix."""
         ids = self.xp.asarray(ids)
-        self._check(ids)
+        offset = 0 if cache is None else cache.length
+        if cache is not None and self.cfg.sequence_parallel:
+            raise InputError("a key/value cache needs sequence parallelism off (one new token cannot "
+                             "be split over ranks); build the model without it for generation")
+        self._check(ids, offset)
         t = ids.shape[1]
-        positions = self.xp.arange(t)
+        positions = self.xp.arange(offset, offset + t)
         if self.cfg.sequence_parallel:
             block = t // self.tp_group.size
             positions = positions[self.tp_group.rank * block:(self.tp_group.rank + 1) * block]
         x = self.wte(ids) + ag.embedding(positions, self.wpe)
         x = ag.dropout(x, self.cfg.hidden_dropout, self.rng[hidden_dropout_stream(self.cfg)], self.training)
-        for block in self.blocks:
-            x = block(x)
+        for i, block in enumerate(self.blocks):
+            x = block(x, None if cache is None else cache.layer(i))
+        if cache is not None:
+            cache.length += t
         logits = self.wte.logits(self.ln_f(x))   # output layer tied to the token embedding
         loss = None
         if targets is not None:

@@ -29,6 +29,14 @@ class AdamW:
         self.exp_avg = [p.xp.zeros_like(p.data) for p in self.params]
         self.exp_avg_sq = [p.xp.zeros_like(p.data) for p in self.params]
 
+    def hyperparameters(self):
+        """What a checkpoint keeps besides the moments (which go into the shards)."""
+        return {"step": self.step_count, "betas": list(self.betas), "eps": self.eps,
+                "weight_decay": self.weight_decay}
+
+    def load_hyperparameters(self, saved):
+        self.step_count = saved["step"]
+
     def step(self, lr=None):
         lr = self.lr if lr is None else lr
         beta1, beta2 = self.betas

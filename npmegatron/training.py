@@ -1,22 +1,33 @@
 """The training loop shared by `scripts/train.py` (under mpirun) and `npmegatron train`.
 
-nanoGPT's shape: build the model, draw batches, forward, backward, clip, step, log; Megatron's
-names for the settings.
+nanoGPT's shape, Megatron's names: build the grid, data and model (or resume them from a
+checkpoint), then per iteration accumulate gradients over micro-batches, average them over the
+data-parallel group (bucketed, overlapping the last backward), clip, step, log, evaluate, save.
+The global batch is micro-batch x accumulation steps x data-parallel size, and sample k of the
+run is the same whatever that split, so every (TP, DP) layout follows the same trajectory.
 """
 import json
 import math
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 import numpy
 from tqdm import tqdm
 
-from . import comm
+from . import autograd as ag
+from . import checkpoint, comm
 from .autograd import InputError, no_grad
-from .data import BYTE_VOCAB_SIZE, WindowSampler, load_default_corpus
+from .data import ByteTokenizer, TokenDataset, WindowSampler, load_default_corpus
+from .data_parallel import GradientBuckets
+from .generation import generate
 from .model import GPT, GPTConfig, model_flops
 from .optimizer import AdamW, clip_grad_norm, learning_rate
+
+
+class TrainingDiverged(InputError):
+    """The loss or gradient norm stopped being finite; nothing of that step was applied or saved."""
 
 
 @dataclass
@@ -29,6 +40,7 @@ class TrainArgs:
     seq_length: int = 128
     max_position_embeddings: Optional[int] = None   # None: seq_length
     micro_batch_size: int = 16
+    global_batch_size: Optional[int] = None         # None: micro_batch_size x DP
     train_iters: int = 500
     lr: float = 1e-3
     min_lr: float = 1e-4
@@ -41,116 +53,240 @@ class TrainArgs:
     seed: int = 1234
     dtype: str = "float32"
     device: str = "cpu"
+    data_path: Optional[str] = None                 # None: the embedded corpus
+    save: Optional[str] = None
+    load: Optional[str] = None
+    save_interval: Optional[int] = None             # None: save at the end only
+    ddp_bucket_size: int = 2 ** 20                  # parameters per data-parallel all-reduce
     log_interval: int = 25
     eval_interval: int = 100
     eval_iters: int = 10
-    log_file: Optional[str] = None     # metrics JSONL, one line per logging interval
+    log_file: Optional[str] = None                  # metrics JSONL, one line per logging interval
+    sample_tokens: int = 200                        # generated at the end (0: none)
 
     def __post_init__(self):
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
-        for name in ("seq_length", "micro_batch_size", "train_iters", "log_interval", "eval_iters"):
+        for name in ("seq_length", "micro_batch_size", "train_iters", "log_interval", "eval_iters",
+                     "eval_interval", "ddp_bucket_size"):
             if getattr(self, name) < 1:
                 raise InputError(f"--{name.replace('_', '-')} is {getattr(self, name)}; it must be "
                                  "a positive integer")
+        if self.save_interval is not None and self.save_interval < 1:
+            raise InputError(f"--save-interval is {self.save_interval}; it must be a positive integer")
+        if not self.lr > 0:
+            raise InputError(f"--lr is {self.lr}; the learning rate must be positive, e.g. 1e-3")
+        if not 0 <= self.min_lr <= self.lr:
+            raise InputError(f"--min-lr is {self.min_lr}; it must be between 0 and --lr ({self.lr})")
+        for name in ("weight_decay", "clip_grad", "lr_warmup_iters", "sample_tokens"):
+            if getattr(self, name) < 0:
+                raise InputError(f"--{name.replace('_', '-')} is {getattr(self, name)}; it must not "
+                                 "be negative")
         if self.seq_length > self.max_position_embeddings:
             raise InputError(f"--seq-length {self.seq_length} is longer than the position table "
                              f"(--max-position-embeddings {self.max_position_embeddings}); raise "
                              "--max-position-embeddings or shorten --seq-length")
 
-    def model_config(self):
+    def model_config(self, vocab_size):
         return GPTConfig(
             num_layers=self.num_layers, hidden_size=self.hidden_size,
-            num_attention_heads=self.num_attention_heads, vocab_size=BYTE_VOCAB_SIZE,
+            num_attention_heads=self.num_attention_heads, vocab_size=vocab_size,
             max_position_embeddings=self.max_position_embeddings,
             hidden_dropout=self.hidden_dropout, attention_dropout=self.attention_dropout,
             sequence_parallel=self.sequence_parallel, dtype=self.dtype, device=self.device,
             seed=self.seed)
 
 
-def evaluate(model, sampler, iters):
-    model.eval()
-    with no_grad():
-        losses = [model(*sampler.batch(i))[1].item() for i in range(iters)]
-    model.train()
-    return float(numpy.mean(losses))
-
-
 def build_grid(args):
-    """The process grid: serial without mpirun, else TP ranks per model replica."""
+    """The process grid: serial without mpirun, else TP ranks per replica and DP replicas."""
     tp = args.tensor_model_parallel_size
     if tp < 1:
         raise InputError(f"--tensor-model-parallel-size {tp} must be a positive integer")
-    if tp == 1 and not comm.launched_by_mpi():
+    if not comm.launched_by_mpi():
+        if tp > 1:
+            raise InputError(f"--tp {tp} needs {tp} ranks; launch with mpirun -n {tp} (or a multiple "
+                             "for data parallelism)")
         return comm.ProcessGrid.single()
-    world = comm.init()
-    grid = comm.ProcessGrid(tp=tp, pp=1)
-    if grid.dp_size > 1:
-        raise InputError(f"world size {world.size} with TP {tp} leaves {grid.dp_size} data-parallel "
-                         f"replicas, and data parallelism is not implemented yet; launch exactly "
-                         f"{tp} ranks (mpirun -n {tp})")
-    return grid
+    comm.init()
+    return comm.ProcessGrid(tp=tp, pp=1)
+
+
+def accumulation_steps(args, grid):
+    per_step = args.micro_batch_size * grid.dp_size
+    global_batch = args.global_batch_size or per_step
+    if global_batch < 1 or global_batch % per_step:
+        raise InputError(f"--global-batch-size {global_batch} is not divisible by micro-batch x DP = "
+                         f"{args.micro_batch_size} x {grid.dp_size} = {per_step}; use a multiple of "
+                         f"{per_step}")
+    return global_batch // per_step
+
+
+class Data:
+    """Training and validation token arrays, the vocabulary and the tokenizer."""
+
+    def __init__(self, data_path):
+        if data_path is None:
+            self.train, self.valid = load_default_corpus()
+            self.tokenizer, self.tokenizer_file = ByteTokenizer(), None
+            self.description = "the embedded corpus"
+        else:
+            dataset = TokenDataset(data_path)
+            self.train, self.valid = dataset.split()
+            self.tokenizer, self.tokenizer_file = dataset.tokenizer(), dataset.tokenizer_file
+            self.description = dataset.prefix
+        self.vocab_size = self.tokenizer.vocab_size
+        if len(self.valid) < 2:
+            self.valid = self.train
+
+
+class Trainer:
+    def __init__(self, args: TrainArgs):
+        self.args = args
+        self.grid = grid = build_grid(args)
+        self.accumulation = accumulation_steps(args, grid)
+        self.global_batch = args.micro_batch_size * self.accumulation * grid.dp_size
+        self.data = Data(args.data_path)
+        self.cfg = args.model_config(self.data.vocab_size)
+        self.model = GPT(self.cfg, grid)
+        self.sampler = WindowSampler(self.data.train, args.seq_length, args.seed)
+        self.valid_sampler = WindowSampler(self.data.valid, args.seq_length, args.seed + 1)
+        self.params = self.model.parameters()
+        self.optimizer = AdamW(self.params, lr=args.lr, weight_decay=args.weight_decay)
+        self.buckets = GradientBuckets(self.params, grid.dp_group, args.ddp_bucket_size)
+        # Replicated parameters (LayerNorm, row-parallel biases) count once in the global norm.
+        replicated = {id(p) for _, p, spec in self.model.named_specs() if spec.tp_axis is None}
+        self.norm_skip = replicated if grid.tp_rank != 0 else set()
+        self.iteration = 0
+        self.last_saved = None
+        if args.load:
+            manifest = checkpoint.load(args.load, self.model, self.optimizer, grid)
+            self.iteration = self.last_saved = manifest["iteration"]
+            saved_batch = manifest["data"]["global_batch_size"]
+            if saved_batch != self.global_batch:
+                raise InputError(f"checkpoint {args.load} was trained with global batch {saved_batch}, "
+                                 f"this run has {self.global_batch}; pass --global-batch-size {saved_batch}")
+
+    def micro_batches(self, sampler, step):
+        """This rank's micro-batches of global batch `step`: samples are numbered globally, DP rank
+        r takes the r-th contiguous share, so the split never changes what is trained on."""
+        mb, rank = self.args.micro_batch_size, self.grid.dp_rank
+        first = step * self.global_batch
+        for j in range(self.accumulation):
+            yield sampler.batch(first + (rank * self.accumulation + j) * mb, mb)
+
+    def dp_mean(self, local_sum, count):
+        total = comm.all_reduce(numpy.array([local_sum]), self.grid.dp_group)
+        return float(total[0]) / (count * self.grid.dp_size)
+
+    def train_step(self):
+        """Forward and backward over the micro-batches, DP average, clip. Returns (loss, norm)."""
+        self.buckets.zero_grad()
+        total = 0.0
+        scale = None
+        for j, (inputs, targets) in enumerate(self.micro_batches(self.sampler, self.iteration)):
+            if j == self.accumulation - 1:
+                self.buckets.start_sync()
+            _, loss = self.model(inputs, targets)
+            if scale is None:
+                scale = self.model.xp.asarray(1.0 / self.accumulation, dtype=loss.dtype)
+            ag.backward(loss, scale)
+            total += loss.item()
+        self.buckets.finish_sync()
+        self.model.finalize_grads()
+        loss = self.dp_mean(total, self.accumulation)
+        norm = clip_grad_norm(self.params, self.args.clip_grad, self.grid.mp_group, self.norm_skip)
+        return loss, norm
+
+    def evaluate(self):
+        self.model.eval()
+        total = 0.0
+        with no_grad():
+            for k in range(self.args.eval_iters):
+                for inputs, targets in self.micro_batches(self.valid_sampler, k):
+                    total += self.model(inputs, targets)[1].item()
+        self.model.train()
+        return self.dp_mean(total, self.args.eval_iters * self.accumulation)
+
+    def save(self):
+        args = self.args
+        extra = {"data": {"consumed_samples": self.iteration * self.global_batch,
+                          "global_batch_size": self.global_batch, "seed": args.seed,
+                          "data_path": args.data_path},
+                 "tokenizer": self.data.tokenizer.spec, "args": asdict(args)}
+        files = {"tokenizer.json": self.data.tokenizer_file} if self.data.tokenizer_file else {}
+        checkpoint.save(args.save, self.iteration, self.model, self.optimizer, self.grid, extra, files)
+        self.last_saved = self.iteration
+
+    def diverged(self, what, value):
+        kept = (f"the last checkpoint (iteration {self.last_saved} in {self.args.save or self.args.load}) "
+                "is untouched" if self.last_saved is not None else "no checkpoint was written")
+        return TrainingDiverged(f"the {what} became {value} at iteration {self.iteration + 1}, so "
+                                f"training stopped before applying it; {kept}; lower --lr or raise "
+                                "--lr-warmup-iters")
 
 
 def train(args: TrainArgs, echo=print):
-    """Train on the embedded corpus; returns the list of per-step losses (the same on every rank)."""
-    cfg = args.model_config()
-    grid = build_grid(args)
+    """Train (or resume); returns the per-iteration losses of this run (the same on every rank)."""
+    trainer = Trainer(args)
+    grid, cfg, model = trainer.grid, trainer.cfg, trainer.model
     leader = grid.rank == 0
     if not leader:
         echo = lambda *a, **k: None
-    model = GPT(cfg, grid)
-    replicated = {id(p) for _, p, spec in model.named_specs() if spec.tp_axis is None}
-    skip = replicated if grid.tp_rank != 0 else set()
-    train_tokens, valid_tokens = load_default_corpus()
-    sampler = WindowSampler(train_tokens, args.seq_length, args.micro_batch_size, args.seed)
-    valid_sampler = WindowSampler(valid_tokens, args.seq_length, args.micro_batch_size, args.seed + 1)
-    params = model.parameters()
-    optimizer = AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-    tokens_per_step = args.micro_batch_size * args.seq_length
-    flops_per_step = model_flops(cfg, model.num_parameters(), args.micro_batch_size, args.seq_length)
+    tokens_per_step = trainer.global_batch * args.seq_length
+    flops_per_step = model_flops(cfg, model.num_parameters(), trainer.global_batch, args.seq_length)
     echo(f"GPT: {model.num_parameters():,} parameters, {cfg.num_layers} layers, hidden "
-         f"{cfg.hidden_size}, {cfg.num_attention_heads} heads, {cfg.dtype} on {cfg.device}, "
-         f"{grid}{' sequence-parallel' if cfg.sequence_parallel else ''}; corpus "
-         f"{len(train_tokens):,} training / {len(valid_tokens):,} validation bytes")
-    log = open(args.log_file, "w") if args.log_file and leader else None
-    losses, window_start = [], time.perf_counter()
-    bar = tqdm(range(args.train_iters), desc="training", unit="it", leave=False, disable=not leader)
-    for step in bar:
-        lr = learning_rate(step, args.lr, args.min_lr, args.lr_warmup_iters, args.train_iters,
-                           args.lr_decay_style)
-        inputs, targets = sampler.batch(step)
-        model.zero_grad()
-        _, loss = model(inputs, targets)
-        loss.backward()
-        model.finalize_grads()
-        grad_norm = clip_grad_norm(params, args.clip_grad, grid.mp_group, skip)
-        optimizer.step(lr)
-        losses.append(loss.item())
-        if not math.isfinite(losses[-1]):
-            raise InputError(f"the loss became {losses[-1]} at step {step + 1}; lower --lr or "
-                             "raise --lr-warmup-iters")
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
-        done = step + 1
+         f"{cfg.hidden_size}, {cfg.num_attention_heads} heads, {cfg.dtype} on {cfg.device}, {grid}"
+         f"{' sequence-parallel' if cfg.sequence_parallel else ''}; global batch "
+         f"{trainer.global_batch} = {args.micro_batch_size} x {trainer.accumulation} accumulation x "
+         f"{grid.dp_size} DP; data {trainer.data.description}: {len(trainer.data.train):,} training / "
+         f"{len(trainer.data.valid):,} validation tokens")
+    if args.load:
+        echo(f"resumed from {args.load} at iteration {trainer.iteration}")
+    log = open(args.log_file, "a" if args.load else "w") if args.log_file and leader else None
+    losses, window_start, window = [], time.perf_counter(), []
+    bar = tqdm(total=args.train_iters, initial=trainer.iteration, desc="training", unit="it",
+               leave=False, disable=not leader)
+    while trainer.iteration < args.train_iters:
+        lr = learning_rate(trainer.iteration, args.lr, args.min_lr, args.lr_warmup_iters,
+                           args.train_iters, args.lr_decay_style)
+        loss, grad_norm = trainer.train_step()
+        if not math.isfinite(loss):
+            raise trainer.diverged("loss", loss)
+        if not math.isfinite(grad_norm):
+            raise trainer.diverged("gradient norm", grad_norm)
+        trainer.optimizer.step(lr)
+        trainer.iteration += 1
+        done = trainer.iteration
+        losses.append(loss)
+        window.append(loss)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}")
         if done % args.log_interval == 0 or done == args.train_iters:
             elapsed = time.perf_counter() - window_start
-            steps = done % args.log_interval or args.log_interval
-            record = {"iteration": done, "loss": float(numpy.mean(losses[-steps:])), "lr": lr,
-                      "grad_norm": grad_norm, "tokens_per_s": steps * tokens_per_step / elapsed,
-                      "tflops": steps * flops_per_step / elapsed / 1e12}
+            record = {"iteration": done, "loss": float(numpy.mean(window)), "lr": lr,
+                      "grad_norm": grad_norm, "tokens_per_s": len(window) * tokens_per_step / elapsed,
+                      "tflops": len(window) * flops_per_step / elapsed / 1e12}
             if done % args.eval_interval == 0 or done == args.train_iters:
-                record["val_loss"] = evaluate(model, valid_sampler, args.eval_iters)
+                record["val_loss"] = trainer.evaluate()
             if leader:
                 bar.write(_format(record, args.train_iters))
             if log:
                 log.write(json.dumps(record) + "\n")
                 log.flush()
-            window_start = time.perf_counter()
+            window, window_start = [], time.perf_counter()
+        if args.save and (done == args.train_iters or (args.save_interval and done % args.save_interval == 0)):
+            trainer.save()
     bar.close()
     if log:
         log.close()
-    echo(f"done: loss {losses[0]:.4f} -> {numpy.mean(losses[-10:]):.4f} (mean of the last "
-         f"{min(10, len(losses))} steps)")
+    if losses:
+        echo(f"done: loss {losses[0]:.4f} -> {numpy.mean(losses[-10:]):.4f} (mean of the last "
+             f"{min(10, len(losses))} iterations)")
+    if args.sample_tokens:
+        prompt = [int(t) for t in trainer.data.valid[:32]]
+        ids = generate(model, prompt, args.sample_tokens, temperature=0.8, top_k=40, seed=args.seed)
+        echo("sample (the first 32 validation tokens, then generated):\n"
+             + trainer.data.tokenizer.decode(ids))
     return losses
 
 

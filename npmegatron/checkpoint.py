@@ -1,0 +1,236 @@
+"""Checkpoints: per-rank safetensors shards plus a JSON manifest, written so that a run killed
+while saving leaves the previous checkpoint whole.
+
+    DIR/latest                      "iter_0000020", replaced (atomically) last of all
+    DIR/iter_0000020/manifest.json  config, layout, iteration, optimizer, RNG states, data position,
+                                    and the size and SHA-256 of every shard
+    DIR/iter_0000020/mp_rank_00_000.safetensors   one per (TP rank, PP rank): parameters and
+                                    AdamW moments; data-parallel replicas hold the same, so only
+                                    DP rank 0 writes
+
+A save fills DIR/iter_N.partial, flushing and fsyncing every file, and renames it to iter_N only
+when the manifest is complete; then `latest` moves. Loading checks the manifest against the run
+and each shard's size, checksum, names and shapes, and says in one sentence what is wrong.
+"""
+import hashlib
+import json
+import os
+import shutil
+
+import numpy
+
+from . import comm
+from .autograd import InputError
+from .autograd.backend import to_numpy
+
+FORMAT = "npmegatron-checkpoint-1"
+STRUCTURE = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
+             "max_position_embeddings", "ffn_hidden_size")
+
+
+def shard_name(tp_rank, pp_rank):
+    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}.safetensors"
+
+
+def _write_synced(path, data):
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _sync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def gather_json(obj, group):
+    """Every rank's JSON-able `obj`, in rank order, on every rank (two all-gathers of bytes)."""
+    if group.size == 1:
+        return [obj]
+    raw = numpy.frombuffer(json.dumps(obj).encode(), numpy.uint8)
+    lengths = comm.all_gather(numpy.array([raw.size], numpy.int64), group)
+    padded = numpy.zeros(int(lengths.max()), numpy.uint8)
+    padded[:raw.size] = raw
+    rows = comm.all_gather(padded, group).reshape(group.size, -1)
+    return [json.loads(bytes(row[:n])) for row, n in zip(rows, lengths)]
+
+
+def raise_if_any(error, group):
+    """Collective: if any rank found a problem, every rank raises the first one, so it is
+    reported once (by rank 0) and no rank is left waiting in a collective."""
+    errors = [e for e in gather_json(error, group) if e]
+    if errors:
+        raise InputError(errors[0])
+
+
+def _state_tensors(model, optimizer):
+    tensors = {}
+    moments = dict(zip(map(id, optimizer.params), zip(optimizer.exp_avg, optimizer.exp_avg_sq)))
+    for name, param, _ in model.named_specs():
+        tensors[f"model.{name}"] = to_numpy(param.data)
+        m, v = moments[id(param)]
+        tensors[f"exp_avg.{name}"] = to_numpy(m)
+        tensors[f"exp_avg_sq.{name}"] = to_numpy(v)
+    return tensors
+
+
+def save(root, iteration, model, optimizer, grid, extra, files=None):
+    """Collective over the world. `extra` (JSON-able) goes into the manifest as is: training
+    arguments, data position, tokenizer. `files` ({name: path}) are copied in beside it."""
+    from safetensors.numpy import save as to_safetensors
+    world = grid.world
+    final = os.path.join(root, f"iter_{iteration:07d}")
+    partial = final + ".partial"
+    error = None
+    if world.rank == 0:
+        try:
+            os.makedirs(root, exist_ok=True)
+            shutil.rmtree(partial, ignore_errors=True)     # left by a run killed while saving
+            os.mkdir(partial)
+        except OSError as e:
+            error = f"cannot write checkpoint folder {root} ({e.strerror}); choose a writable --save"
+    raise_if_any(error, world)
+    record = {"rank": grid.rank, "tp": grid.tp_rank, "pp": grid.pp_rank, "dp": grid.dp_rank,
+              "rng": model.rng.get_states()}
+    if grid.dp_rank == 0:
+        blob = to_safetensors(_state_tensors(model, optimizer))
+        name = shard_name(grid.tp_rank, grid.pp_rank)
+        _write_synced(os.path.join(partial, name), blob)
+        record["shard"] = {"file": name, "bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
+    records = gather_json(record, world)
+    if world.rank == 0:
+        manifest = {
+            "format": FORMAT, "iteration": iteration,
+            "model": {k: v for k, v in vars(model.cfg).items()},
+            "layout": {"tp": grid.tp_size, "pp": grid.pp_size, "dp": grid.dp_size},
+            "optimizer": optimizer.hyperparameters(),
+            "ranks": [{k: r[k] for k in ("rank", "tp", "pp", "dp", "rng")} for r in records],
+            "shards": {r["shard"]["file"]: {k: r["shard"][k] for k in ("bytes", "sha256")}
+                       for r in records if "shard" in r},
+            **extra,
+        }
+        for name, source in (files or {}).items():
+            shutil.copyfile(source, os.path.join(partial, name))
+        _write_synced(os.path.join(partial, "manifest.json"), json.dumps(manifest, indent=1).encode())
+        _sync_dir(partial)
+        if os.path.exists(final):            # saving the same iteration again: replace it
+            shutil.rmtree(final)
+        os.rename(partial, final)
+        _write_synced(os.path.join(root, "latest.partial"), os.path.basename(final).encode())
+        os.replace(os.path.join(root, "latest.partial"), os.path.join(root, "latest"))
+        _sync_dir(root)
+    comm.barrier(world)
+    return final
+
+
+def find(root):
+    """The folder of the checkpoint `root` names: root/latest's target, or root itself."""
+    if not os.path.isdir(root):
+        raise InputError(f"--load {root}: no such checkpoint folder; pass the --save folder of an "
+                         "earlier run")
+    pointer = os.path.join(root, "latest")
+    if os.path.isfile(pointer):
+        with open(pointer) as f:
+            folder = os.path.join(root, f.read().strip())
+    elif os.path.isfile(os.path.join(root, "manifest.json")):
+        folder = root
+    else:
+        raise InputError(f"--load {root}: no checkpoint there (neither {pointer} nor a "
+                         "manifest.json); pass the --save folder of an earlier run")
+    return folder
+
+
+def read_manifest(root):
+    folder = find(root)
+    path = os.path.join(folder, "manifest.json")
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        raise InputError(f"checkpoint manifest {path} is missing; the checkpoint is incomplete, "
+                         "load an earlier one") from None
+    except ValueError:
+        raise InputError(f"checkpoint manifest {path} is not valid JSON; it is corrupt, load an "
+                         "earlier checkpoint") from None
+    if manifest.get("format") != FORMAT:
+        raise InputError(f"{path} is not an npmegatron checkpoint manifest (format "
+                         f"{manifest.get('format')!r}, expected {FORMAT!r})")
+    return folder, manifest
+
+
+def check_compatible(manifest, cfg, grid, folder):
+    """One sentence on the first way the saved model or layout differs from this run, or None."""
+    saved = manifest["model"]
+    for key in STRUCTURE:
+        if saved.get(key) != getattr(cfg, key):
+            return (f"checkpoint {folder} holds a model with {key} {saved.get(key)}, but this run "
+                    f"has {key} {getattr(cfg, key)}; pass the saved run's model flags")
+    layout = manifest["layout"]
+    for axis, size in (("tp", grid.tp_size), ("pp", grid.pp_size)):
+        if layout[axis] != size:
+            return (f"checkpoint {folder} was saved with {axis.upper()} size {layout[axis]}, but this "
+                    f"run has {size}; resume with the same tensor/pipeline-parallel sizes")
+    return None
+
+
+def _read_shard(folder, manifest, name, expected):
+    """The shard's tensors, or raise InputError naming the file and what is wrong."""
+    from safetensors.numpy import load as from_safetensors
+    path = os.path.join(folder, name)
+    info = manifest["shards"].get(name)
+    if info is None or not os.path.isfile(path):
+        raise InputError(f"checkpoint shard {path} is missing; the checkpoint is incomplete")
+    with open(path, "rb") as f:
+        blob = f.read()
+    if len(blob) != info["bytes"]:
+        raise InputError(f"checkpoint shard {path} has {len(blob)} bytes but the manifest says "
+                         f"{info['bytes']}; it is truncated or corrupt, load an earlier checkpoint")
+    if hashlib.sha256(blob).hexdigest() != info["sha256"]:
+        raise InputError(f"checkpoint shard {path} fails its SHA-256 check; it is corrupt, load an "
+                         "earlier checkpoint")
+    tensors = from_safetensors(blob)
+    for key, shape in expected.items():
+        if key not in tensors:
+            raise InputError(f"checkpoint shard {path} lacks tensor {key}; it was saved from a "
+                             "different model")
+        if tuple(tensors[key].shape) != shape:
+            raise InputError(f"checkpoint shard {path}: tensor {key} has shape "
+                             f"{tuple(tensors[key].shape)}, this model expects {shape}")
+    return tensors
+
+
+def load(root, model, optimizer, grid):
+    """Collective: restore parameters, AdamW state (unless optimizer is None) and RNG streams;
+    returns the manifest."""
+    world = grid.world
+    folder = manifest = tensors = None
+    error = None
+    try:
+        folder, manifest = read_manifest(root)
+        error = check_compatible(manifest, model.cfg, grid, folder)
+        if error is None:
+            expected = {}
+            for name, param, _ in model.named_specs():
+                for kind in ("model", "exp_avg", "exp_avg_sq") if optimizer else ("model",):
+                    expected[f"{kind}.{name}"] = tuple(param.shape)
+            tensors = _read_shard(folder, manifest, shard_name(grid.tp_rank, grid.pp_rank), expected)
+    except InputError as e:
+        error = str(e)
+    raise_if_any(error, world)
+    for name, param, _ in model.named_specs():
+        param.data[...] = param.xp.asarray(tensors[f"model.{name}"])
+    if optimizer is not None:
+        moments = dict(zip(map(id, optimizer.params), zip(optimizer.exp_avg, optimizer.exp_avg_sq)))
+        for name, param, _ in model.named_specs():
+            m, v = moments[id(param)]
+            m[...] = param.xp.asarray(tensors[f"exp_avg.{name}"])
+            v[...] = param.xp.asarray(tensors[f"exp_avg_sq.{name}"])
+        optimizer.load_hyperparameters(manifest["optimizer"])
+    mine = next(r for r in manifest["ranks"] if r["tp"] == grid.tp_rank and r["pp"] == grid.pp_rank
+                and r["dp"] == 0)
+    model.rng.set_states(mine["rng"])
+    return manifest
