@@ -99,6 +99,8 @@ def main():
 @click.option("--save", default=None, help="Checkpoint folder to write.")
 @click.option("--load", default=None, help="Checkpoint folder to resume from.")
 @click.option("--save-interval", type=int, default=None, help="Steps between checkpoints (default: at the end).")
+@click.option("--exit-interval", type=int, default=None,
+              help="Save (with --save) and stop when the iteration is a multiple of this.")
 @click.option("--ddp-bucket-size", type=int, default=2 ** 20, show_default=True,
               help="Parameters per data-parallel gradient all-reduce.")
 @click.option("--sample-tokens", type=int, default=200, show_default=True,

@@ -109,12 +109,16 @@ def _input_files(inputs):
     return files
 
 
+def token_dtype(vocab_size):
+    return numpy.dtype(numpy.uint16 if vocab_size <= 2 ** 16 else numpy.uint32)
+
+
 def preprocess(inputs, output_prefix, tokenizer_file=None):
     """Tokenize text files (folders are walked in sorted order; each file is a document) into
     PREFIX.bin and PREFIX.json. Returns the index."""
     tokenizer = HFTokenizer(tokenizer_file) if tokenizer_file else ByteTokenizer()
     files = _input_files(inputs)
-    dtype = numpy.uint16 if tokenizer.vocab_size <= 2 ** 16 else numpy.uint32
+    dtype = token_dtype(tokenizer.vocab_size)
     folder = os.path.dirname(os.path.abspath(output_prefix))
     if not os.path.isdir(folder):
         raise InputError(f"output folder {folder} does not exist; create it or choose another --output")
@@ -135,7 +139,7 @@ def preprocess(inputs, output_prefix, tokenizer_file=None):
     if offsets[-1] == 0:
         os.remove(partial)
         raise InputError(f"no text found in {', '.join(inputs)}; pass non-empty text files")
-    index = {"format": INDEX_FORMAT, "dtype": numpy.dtype(dtype).name, "num_tokens": offsets[-1],
+    index = {"format": INDEX_FORMAT, "dtype": dtype.name, "num_tokens": offsets[-1],
              "vocab_size": tokenizer.vocab_size, "tokenizer": tokenizer.spec,
              "document_offsets": offsets, "sources": sources}
     if tokenizer_file:

@@ -51,9 +51,23 @@ def sample_token(logits, rng, temperature, top_k):
     return int(rng.choice(logits.size, p=probs / probs.sum()))
 
 
+def without_sequence_parallel(model):
+    """The same weights (shared, not copied) in a model with sequence parallelism off: one new
+    token cannot be split over the TP ranks, and the weights' layout does not depend on SP."""
+    import dataclasses
+    from .model import GPT
+    twin = GPT(dataclasses.replace(model.cfg, sequence_parallel=False), model.grid)
+    mine = dict(model.named_parameters())
+    for name, param in twin.named_parameters():
+        param.data = mine[name].data
+    return twin
+
+
 def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, seed=0):
     """The prompt followed by up to max_new_tokens sampled ids (fewer if the position table
     fills). Collective over the model's TP group."""
+    if model.cfg.sequence_parallel:
+        model = without_sequence_parallel(model)
     if temperature < 0:
         raise InputError(f"temperature {temperature} is negative; use 0 (greedy) or more")
     if top_k is not None and top_k < 1:
@@ -73,7 +87,7 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, see
             last = to_numpy(model.full_logits(logits.data[:, -1:]))[0, -1].astype(numpy.float64)
             token = sample_token(last, rng, temperature, top_k)
             out.append(token)
-            if cache.length >= capacity:
+            if cache.length >= capacity or len(out) - len(ids) == max_new_tokens:
                 break
             logits, _ = model(numpy.array([[token]]), cache=cache)
     model.train(was_training)

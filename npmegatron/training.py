@@ -57,6 +57,7 @@ class TrainArgs:
     save: Optional[str] = None
     load: Optional[str] = None
     save_interval: Optional[int] = None             # None: save at the end only
+    exit_interval: Optional[int] = None             # stop (after saving) at a multiple of this
     ddp_bucket_size: int = 2 ** 20                  # parameters per data-parallel all-reduce
     log_interval: int = 25
     eval_interval: int = 100
@@ -72,8 +73,10 @@ class TrainArgs:
             if getattr(self, name) < 1:
                 raise InputError(f"--{name.replace('_', '-')} is {getattr(self, name)}; it must be "
                                  "a positive integer")
-        if self.save_interval is not None and self.save_interval < 1:
-            raise InputError(f"--save-interval is {self.save_interval}; it must be a positive integer")
+        for name in ("save_interval", "exit_interval"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise InputError(f"--{name.replace('_', '-')} is {getattr(self, name)}; it must be a "
+                                 "positive integer")
         if not self.lr > 0:
             raise InputError(f"--lr is {self.lr}; the learning rate must be positive, e.g. 1e-3")
         if not 0 <= self.min_lr <= self.lr:
@@ -274,15 +277,20 @@ def train(args: TrainArgs, echo=print):
                 log.write(json.dumps(record) + "\n")
                 log.flush()
             window, window_start = [], time.perf_counter()
-        if args.save and (done == args.train_iters or (args.save_interval and done % args.save_interval == 0)):
+        stop = bool(args.exit_interval) and done % args.exit_interval == 0
+        if args.save and (done == args.train_iters or stop or
+                          (args.save_interval and done % args.save_interval == 0)):
             trainer.save()
+        if stop:
+            echo(f"exiting at iteration {done} (--exit-interval {args.exit_interval})")
+            break
     bar.close()
     if log:
         log.close()
     if losses:
         echo(f"done: loss {losses[0]:.4f} -> {numpy.mean(losses[-10:]):.4f} (mean of the last "
              f"{min(10, len(losses))} iterations)")
-    if args.sample_tokens:
+    if args.sample_tokens and trainer.iteration == args.train_iters:
         prompt = [int(t) for t in trainer.data.valid[:32]]
         ids = generate(model, prompt, args.sample_tokens, temperature=0.8, top_k=40, seed=args.seed)
         echo("sample (the first 32 validation tokens, then generated):\n"

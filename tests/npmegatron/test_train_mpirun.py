@@ -54,6 +54,54 @@ def test_bad_input_under_mpirun_is_one_sentence_from_one_rank(n, args, message):
     assert f"[rank 0] error: {message}" in result.stderr
 
 
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A tiny TP=2 checkpoint, and an empty data file, for the bad-input cases."""
+    folder = tmp_path_factory.mktemp("bad-input")
+    run = launch(2, SMALL + ["--tp", "2", "--train-iters", "2", "--sample-tokens", "0",
+                             "--save", str(folder / "ck")])
+    assert run.returncode == 0, run.stderr
+    (folder / "empty.bin").write_bytes(b"")
+    (folder / "empty.json").write_text(json.dumps({"format": "npmegatron-tokens-1", "dtype": "uint16",
+                                                   "num_tokens": 0, "vocab_size": 256,
+                                                   "tokenizer": {"type": "bytes"},
+                                                   "document_offsets": [0], "sources": []}))
+    shard = folder / "corrupt" / "iter_0000002" / "mp_rank_01_000.safetensors"
+    import shutil
+    shutil.copytree(folder / "ck", folder / "corrupt")
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x55
+    shard.write_bytes(bytes(data))
+    return folder
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--data-path", "{d}/missing"], "--data-path {d}/missing: {d}/missing.bin and {d}/missing.json not found"),
+    (["--data-path", "{d}/empty"], "--data-path {d}/empty: {d}/empty.bin is empty"),
+    (["--global-batch-size", "6"], "--global-batch-size 6 is not divisible by micro-batch x DP = 4 x 1 = 4"),
+    (["--load", "{d}/nothing"], "--load {d}/nothing: no such checkpoint folder"),
+    (["--load", "{d}/corrupt"], "checkpoint shard {d}/corrupt/iter_0000002/mp_rank_01_000.safetensors "
+                                "fails its SHA-256 check"),
+    (["--load", "{d}/ck", "--hidden-size", "64"], "holds a model with hidden_size 32, but this run has "
+                                                  "hidden_size 64"),
+    (["--lr", "0"], "--lr is 0.0; the learning rate must be positive"),
+    (["--lr", "1e30", "--dtype", "float32", "--clip-grad", "0", "--lr-warmup-iters", "0",
+      "--save", "{d}/nan", "--save-interval", "1"],
+     "the loss became nan at iteration 2, so training stopped before applying it; the last "
+     "checkpoint (iteration 1 in {d}/nan) is untouched"),
+], ids=["no-data", "empty-data", "global-batch", "no-checkpoint", "corrupt-checkpoint",
+        "other-model", "lr", "nan"])
+def test_bad_training_input_is_reported_once(saved, args, message):
+    args = [a.format(d=saved) for a in args]
+    result = launch(2, SMALL + ["--tp", "2", "--train-iters", "4"] + args, timeout=90)
+    message = message.format(d=saved)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.count(message) == 1, result.stderr
+    if "--save" in args:
+        assert (saved / "nan" / "latest").read_text() == "iter_0000001"
+
+
 def test_with_dropout_tensor_parallel_tracks_serial(tmp_path):
     """Attention-dropout masks differ per TP rank, so the runs are not equal, but they must be
     the same model statistically: the loss curves stay close."""

@@ -5,29 +5,8 @@ import numpy as np
 import pytest
 
 from npmegatron.autograd import InputError, Tensor
-from npmegatron.data import WindowSampler, load_default_corpus, stdlib_python_files
 from npmegatron.optimizer import AdamW, clip_grad_norm, learning_rate
 from npmegatron.training import TrainArgs, train
-
-
-def test_embedded_corpus_is_the_standard_library_split_by_file():
-    files = stdlib_python_files()
-    assert files == sorted(files) and len(files) > 100
-    assert not any("site-packages" in f for f in files)
-    train_tokens, valid_tokens = load_default_corpus()
-    assert train_tokens.dtype == np.uint8 and len(train_tokens) > 10 * len(valid_tokens) > 0
-    again, _ = load_default_corpus()
-    assert np.array_equal(train_tokens[:100000], again[:100000])
-
-
-def test_sampler_is_deterministic_per_step():
-    tokens = np.arange(1000) % 256
-    s = WindowSampler(tokens, 16, 4, seed=3)
-    x, y = s.batch(5)
-    np.testing.assert_array_equal(x, s.batch(5)[0])
-    np.testing.assert_array_equal(x[:, 1:], y[:, :-1])
-    with pytest.raises(InputError, match="too few for --seq-length"):
-        WindowSampler(tokens[:10], 16, 4, 0)
 
 
 def test_learning_rate_warmup_then_cosine_to_minimum():

@@ -1,0 +1,147 @@
+"""Data parallelism and checkpoints under mpiexec: every (TP, DP) layout follows the serial
+trajectory, gradients reduce in buckets while backward runs, resume is bitwise, and a run killed
+while saving resumes from the previous checkpoint."""
+import json
+
+import pytest
+from safetensors.numpy import load_file
+
+from test_train_mpirun import launch
+
+TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+        "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "20", "--log-interval",
+        "1", "--eval-interval", "10", "--eval-iters", "1", "--lr-warmup-iters", "3", "--lr", "3e-3",
+        "--sample-tokens", "0", "--ddp-bucket-size", "4000"]
+
+
+def losses(path):
+    return [json.loads(line)["loss"] for line in open(path)]
+
+
+def test_every_tp_dp_layout_follows_the_serial_trajectory(tmp_path):
+    """(TP, DP) in {(1,1), (2,1), (1,2), (2,2)}, global batch 4 of micro-batches of 2: one rank
+    accumulates 2 micro-batches where DP=2 runs one on each replica."""
+    args = TINY + ["--dtype", "float64"]
+    curves = {}
+    for tp, dp in [(1, 1), (2, 1), (1, 2), (2, 2)]:
+        log = tmp_path / f"tp{tp}dp{dp}.jsonl"
+        run = launch(tp * dp if tp * dp > 1 else 0, args + ["--tp", str(tp), "--log-file", str(log)])
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert f"TP({tp})-PP(1)-DP({dp})-Rank(0)" in run.stdout
+        assert f"= 2 x {2 // dp} accumulation x {dp} DP" in run.stdout
+        curves[tp, dp] = losses(log)
+    ref = curves[1, 1]
+    assert len(ref) == 20 and ref[-1] < ref[0] - 0.5
+    for layout, curve in curves.items():
+        assert curve == pytest.approx(ref, rel=1e-9, abs=0), layout
+
+
+def test_buckets_reduce_while_backward_runs(mpirun):
+    result = mpirun(2, """
+        import numpy as np
+        from npmegatron import comm
+        from npmegatron import data_parallel
+        from npmegatron.model import GPT, GPTConfig
+        comm.init()
+        grid = comm.ProcessGrid(tp=1)
+        cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
+                        hidden_dropout=0, attention_dropout=0, dtype="float64")
+        model = GPT(cfg, grid)
+        params = model.parameters()
+        buckets = data_parallel.GradientBuckets(params, grid.dp_group, bucket_size=5000)
+        ready, launched_at = [], []
+        for p in params:
+            p._accumulator.hooks.insert(0, lambda leaf: ready.append(leaf))
+        real = comm.all_reduce_async
+        data_parallel.comm.all_reduce_async = lambda x, g: (launched_at.append(len(ready)), real(x, g))[1]
+        ids = np.random.default_rng(grid.rank).integers(0, 256, (2, 16))
+        buckets.zero_grad()
+        buckets.start_sync()
+        _, loss = model(ids, np.roll(ids, -1, axis=1))
+        loss.backward()
+        buckets.finish_sync()
+        # every rank holds the same averaged gradients: the sum over ranks is twice each one
+        total = [comm.all_reduce(g, grid.world) for g in [p.grad for p in params]]
+        for p, t in zip(params, total):
+            assert np.allclose(p.grad * 2, t), "grads differ across ranks"
+        n = len(buckets.buckets)
+        assert n >= 3, n
+        assert len(launched_at) == n
+        assert launched_at[0] < len(params), launched_at      # first bucket left before backward ended
+        print(f"buckets {n}", flush=True)
+    """, timeout=120)
+    assert result.stdout.count("buckets") == 2, result
+
+
+def shards(folder):
+    latest = (folder / "latest").read_text()
+    return {p.name: load_file(str(p)) for p in sorted((folder / latest).glob("*.safetensors"))}
+
+
+def test_resume_at_tp2_dp2_is_bitwise_with_dropout(tmp_path):
+    args = TINY + ["--tp", "2", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+    straight = launch(4, args + ["--save", str(tmp_path / "a"), "--log-file", str(tmp_path / "a.jsonl")])
+    first = launch(4, args + ["--save", str(tmp_path / "b"), "--exit-interval", "10",
+                              "--log-file", str(tmp_path / "b.jsonl")])
+    second = launch(4, args + ["--load", str(tmp_path / "b"), "--save", str(tmp_path / "c"),
+                               "--log-file", str(tmp_path / "b.jsonl")])
+    for run in (straight, first, second):
+        assert run.returncode == 0, run.stdout + run.stderr
+    assert "resumed from" in second.stdout and "at iteration 10" in second.stdout
+    assert losses(tmp_path / "b.jsonl") == losses(tmp_path / "a.jsonl")      # exact, float32
+    a, c = shards(tmp_path / "a"), shards(tmp_path / "c")
+    assert sorted(a) == ["mp_rank_00_000.safetensors", "mp_rank_01_000.safetensors"]
+    for name in a:
+        for key in a[name]:
+            assert (a[name][key] == c[name][key]).all(), (name, key)
+
+
+def test_killed_while_saving_resumes_from_the_previous_checkpoint(mpirun, tmp_path):
+    code = f"""
+        import os, signal, sys
+        from npmegatron import checkpoint
+        from npmegatron.training import TrainArgs, train
+        real = checkpoint._write_synced
+        def dying(path, data):
+            if "iter_0000004.partial" in path and path.endswith("manifest.json"):
+                os.kill(os.getpid(), signal.SIGKILL)      # shards written, manifest not yet
+            real(path, data)
+        if "--kill" in sys.argv:
+            checkpoint._write_synced = dying
+        args = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32,
+                    micro_batch_size=2, global_batch_size=4, train_iters=6, log_interval=1,
+                    eval_interval=100, eval_iters=1, hidden_dropout=0.1, sample_tokens=0,
+                    tensor_model_parallel_size=2, save={str(tmp_path / 'ck')!r}, save_interval=2,
+                    log_file=sys.argv[-1])
+        if "--resume" in sys.argv:
+            args["load"] = {str(tmp_path / 'ck')!r}
+        train(TrainArgs(**args), echo=lambda *a: None)
+    """
+    killed = mpirun(4, code, args=["--kill", str(tmp_path / "killed.jsonl")], check=False, timeout=120)
+    assert killed.returncode != 0
+    assert (tmp_path / "ck" / "latest").read_text() == "iter_0000002"
+    assert (tmp_path / "ck" / "iter_0000004.partial" / "mp_rank_01_000.safetensors").exists()
+    assert not (tmp_path / "ck" / "iter_0000004").exists()
+    mpirun(4, code, args=["--resume", str(tmp_path / "resumed.jsonl")])
+    mpirun(4, code, args=["--straight", str(tmp_path / "straight.jsonl")])
+    assert losses(tmp_path / "resumed.jsonl") == losses(tmp_path / "straight.jsonl")[2:]
+    assert (tmp_path / "ck" / "latest").read_text() == "iter_0000006"
+    assert not (tmp_path / "ck" / "iter_0000004.partial").exists()
+
+
+def test_generate_from_a_tensor_parallel_checkpoint(tmp_path):
+    import subprocess, sys
+    from conftest import ROOT, mpiexec_path, rank_environment
+    run = launch(2, TINY + ["--tp", "2", "--train-iters", "4", "--save", str(tmp_path / "ck")])
+    assert run.returncode == 0, run.stderr
+    command = [mpiexec_path(), "-n", "2", sys.executable, "-m", "npmegatron.cli", "generate", "--load",
+               str(tmp_path / "ck"), "--prompt", "def main(", "--max-tokens", "12", "--temperature", "0"]
+    gen = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env=rank_environment())
+    assert gen.returncode == 0, gen.stderr
+    assert gen.stdout.count("def main(") == 1             # printed once, by rank 0
+    serial = subprocess.run([sys.executable, "-m", "npmegatron.cli", "generate", "--load",
+                             str(tmp_path / "ck"), "--prompt", "x"], capture_output=True, text=True,
+                            timeout=60, cwd=ROOT, env=rank_environment())
+    assert serial.returncode != 0
+    assert "was saved with TP size 2; generate under mpirun -n 2" in serial.stderr

@@ -1,0 +1,74 @@
+"""Generation: the key/value cache gives the full forward's logits while feeding one position
+per new token; tensor-parallel generation samples what the serial model samples."""
+import numpy as np
+import pytest
+
+from npmegatron import autograd as ag
+from npmegatron.autograd import InputError
+from npmegatron.generation import KVCache, generate, sample_token
+from npmegatron.model import GPT, GPTConfig
+
+CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=24,
+           hidden_dropout=0.0, attention_dropout=0.0, dtype="float64")
+
+
+def test_cached_logits_equal_the_full_forward():
+    model = GPT(GPTConfig(**CFG)).eval()
+    ids = np.random.default_rng(0).integers(0, 256, (2, 20))
+    with ag.no_grad():
+        full, _ = model(ids)
+        cache = KVCache(model)
+        parts = [model(ids[:, :7], cache=cache)[0].data]
+        for t in range(7, 20):
+            parts.append(model(ids[:, t:t + 1], cache=cache)[0].data)
+    np.testing.assert_allclose(np.concatenate(parts, axis=1), full.data, rtol=0, atol=1e-12)
+    assert cache.length == 20
+
+
+def test_each_new_token_feeds_one_position():
+    model = GPT(GPTConfig(**CFG))
+    seen = []
+    forward = model.forward
+    model.forward = lambda ids, *a, **k: (seen.append(np.shape(ids)), forward(ids, *a, **k))[1]
+    out = generate(model, [5, 6, 7], max_new_tokens=10, temperature=0.0)
+    assert len(out) == 13 and out[:3] == [5, 6, 7]
+    assert seen == [(1, 3)] + [(1, 1)] * 9
+    assert model.training                                  # restored
+
+
+def test_generation_stops_at_the_position_table():
+    model = GPT(GPTConfig(**CFG))
+    out = generate(model, list(range(30)), max_new_tokens=50, temperature=1.0, top_k=5, seed=1)
+    assert out[:24] == list(range(6, 30))                  # the prompt's end is kept
+    assert len(out) == 25                                  # 24 positions fed, one more sampled
+
+
+def test_sampling_rules():
+    logits = np.array([0.0, 1.0, 3.0, 2.0])
+    rng = np.random.default_rng(0)
+    assert sample_token(logits, rng, 0.0, None) == 2
+    assert {sample_token(logits, rng, 1.0, 2) for _ in range(200)} == {2, 3}
+    with pytest.raises(InputError, match="temperature -1"):
+        generate(GPT(GPTConfig(**CFG)), [1], 3, temperature=-1)
+    with pytest.raises(InputError, match="the prompt is empty"):
+        generate(GPT(GPTConfig(**CFG)), [], 3)
+
+
+def test_tensor_parallel_generation_equals_serial(mpirun):
+    result = mpirun(2, f"""
+        import numpy as np
+        from npmegatron import comm
+        from npmegatron.generation import generate
+        from npmegatron.model import GPT, GPTConfig
+        cfg = GPTConfig(**{CFG!r})
+        serial = generate(GPT(cfg), [1, 2, 3], 15, temperature=0.7, top_k=20, seed=4)
+        comm.init()
+        parallel = generate(GPT(cfg, comm.ProcessGrid(tp=2)), [1, 2, 3], 15, temperature=0.7,
+                            top_k=20, seed=4)
+        assert parallel == serial, (parallel, serial)
+        import dataclasses
+        sp = GPT(dataclasses.replace(cfg, sequence_parallel=True), comm.ProcessGrid(tp=2))
+        assert generate(sp, [1, 2, 3], 15, temperature=0.7, top_k=20, seed=4) == serial
+        print(f"same {len(serial)}", flush=True)
+    """, timeout=120)
+    assert result.stdout.count("same 18") == 2
