@@ -69,6 +69,6 @@ def test_tensor_parallel_generation_equals_serial(mpirun):
         import dataclasses
         sp = GPT(dataclasses.replace(cfg, sequence_parallel=True), comm.ProcessGrid(tp=2))
         assert generate(sp, [1, 2, 3], 15, temperature=0.7, top_k=20, seed=4) == serial
-        print(f"same {len(serial)}", flush=True)
+        print("same " + str(len(serial)), flush=True)
     """, timeout=120)
     assert result.stdout.count("same 18") == 2
