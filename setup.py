@@ -22,10 +22,12 @@ setup(
         "click>=8.0",
         "tqdm>=4.60",
         "threadpoolctl>=3.0",
+        "safetensors>=0.4",     # checkpoints (never pickle)
     ],
     extras_require={
         "mpi": ["mpich"],               # MPI itself from PyPI; leave out on clusters with a system MPI
-        "test": ["pytest>=7"],
+        "hf": ["tokenizers>=0.15"],     # a local Hugging Face tokenizer.json for preprocess
+        "test": ["pytest>=7", "tokenizers>=0.15"],
         "gpu": ["cupy-cuda12x"],        # cupy-cuda13x for CUDA 13
     },
     entry_points={"console_scripts": ["npmegatron=npmegatron.cli:main"]},

@@ -14,7 +14,8 @@ def run(args, timeout=120):
     return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
-@pytest.mark.parametrize("command", [[], ["train"], ["bench"], ["bench", "step"], ["bench", "comm"]], ids=str)
+@pytest.mark.parametrize("command", [[], ["train"], ["preprocess"], ["generate"], ["bench"], ["bench", "step"],
+                                     ["bench", "comm"]], ids=str)
 def test_every_command_has_help(command):
     result = run(CLI + command + ["--help"])
     assert result.returncode == 0, result.stderr
@@ -34,7 +35,9 @@ def test_console_script_and_train_script_have_help():
     (["--seq-length", "300", "--max-position-embeddings", "256"],
      "--seq-length 300 is longer than the position table"),
     (["--train-iters", "0"], "--train-iters is 0; it must be a positive integer"),
-], ids=["heads", "positions", "iters"])
+    (["--lr", "-1"], "--lr is -1.0; the learning rate must be positive"),
+    (["--tp", "2"], "--tp 2 needs 2 ranks; launch with mpirun -n 2"),
+], ids=["heads", "positions", "iters", "lr", "tp-without-mpirun"])
 def test_bad_input_is_one_sentence_and_non_zero_exit(args, message):
     result = run([sys.executable, "scripts/train.py"] + args)
     assert result.returncode != 0
@@ -53,3 +56,29 @@ def test_bench_step_reports_a_ratio_to_the_measured_gemm_ceiling():
         assert record[key] > 0
     assert record["ratio"] == pytest.approx(record["model_flops_per_s"] / record["gemm_flops_per_s"])
     assert "GEMM FLOP/s at the model's shapes" in result.stdout
+
+
+def test_preprocess_train_on_it_then_generate(tmp_path):
+    """The user's path: own text -> token file -> training with checkpoints -> generated text."""
+    (tmp_path / "docs").mkdir()
+    for i in range(4):
+        (tmp_path / "docs" / f"{i}.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    prep = run(CLI + ["preprocess", str(tmp_path / "docs"), "--output", str(tmp_path / "fox")])
+    assert prep.returncode == 0, prep.stderr
+    assert "from 4 documents, vocabulary 256" in prep.stdout
+    train = run([sys.executable, "scripts/train.py", "--data-path", str(tmp_path / "fox"),
+                 "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
+                 "--seq-length", "32", "--micro-batch-size", "8", "--train-iters", "60", "--lr", "1e-2",
+                 "--lr-warmup-iters", "5", "--log-interval", "20", "--eval-interval", "60",
+                 "--eval-iters", "1", "--save", str(tmp_path / "ck"), "--sample-tokens", "20"])
+    assert train.returncode == 0, train.stderr
+    assert f"data {tmp_path / 'fox'}" in train.stdout and "sample (" in train.stdout
+    final = [l for l in train.stdout.splitlines() if l.startswith("iter    60/60")][0]
+    assert float(final.split("val loss")[1]) < 2.0               # it learned the sentence
+    gen = run(CLI + ["generate", "--load", str(tmp_path / "ck"), "--prompt", "the quick brown",
+                     "--max-tokens", "10", "--temperature", "0"])
+    assert gen.returncode == 0, gen.stderr
+    assert gen.stdout.startswith("the quick brown") and len(gen.stdout.strip()) == len("the quick brown") + 10
+    again = run(CLI + ["generate", "--load", str(tmp_path / "ck"), "--prompt", "the quick brown",
+                       "--max-tokens", "10", "--temperature", "0"])
+    assert again.stdout == gen.stdout                             # greedy is deterministic
