@@ -73,10 +73,10 @@ def main():
               help="Length of the position table (default: --seq-length).")
 @click.option("--global-batch-size", type=int, default=None,
               help="Samples per optimizer step = micro-batch x accumulation x DP (default: micro-batch x DP).")
-@click.option("--train-iters", type=int, default=500, show_default=True, help="Optimizer steps.")
-@click.option("--lr", type=float, default=1e-3, show_default=True, help="Peak learning rate.")
+@click.option("--train-iters", type=int, default=1000, show_default=True, help="Optimizer steps.")
+@click.option("--lr", type=float, default=2e-3, show_default=True, help="Peak learning rate.")
 @click.option("--min-lr", type=float, default=1e-4, show_default=True, help="Final learning rate.")
-@click.option("--lr-warmup-iters", type=int, default=50, show_default=True, help="Linear warmup steps.")
+@click.option("--lr-warmup-iters", type=int, default=100, show_default=True, help="Linear warmup steps.")
 @click.option("--lr-decay-style", type=click.Choice(["cosine", "linear", "constant"]),
               default="cosine", show_default=True, help="Decay after warmup.")
 @click.option("--weight-decay", type=float, default=0.01, show_default=True,
@@ -88,8 +88,8 @@ def main():
 @click.option("--attention-dropout", type=float, default=0.0, show_default=True,
               help="Dropout on attention probabilities.")
 @click.option("--seed", type=int, default=1234, show_default=True, help="Seed of weights, data, dropout.")
-@click.option("--log-interval", type=int, default=25, show_default=True, help="Steps per log line.")
-@click.option("--eval-interval", type=int, default=100, show_default=True,
+@click.option("--log-interval", type=int, default=50, show_default=True, help="Steps per log line.")
+@click.option("--eval-interval", type=int, default=250, show_default=True,
               help="Steps between validation losses.")
 @click.option("--eval-iters", type=int, default=10, show_default=True, help="Validation batches.")
 @click.option("--log-file", type=click.Path(dir_okay=False), default=None,

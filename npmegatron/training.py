@@ -41,10 +41,10 @@ class TrainArgs:
     max_position_embeddings: Optional[int] = None   # None: seq_length
     micro_batch_size: int = 16
     global_batch_size: Optional[int] = None         # None: micro_batch_size x DP
-    train_iters: int = 500
-    lr: float = 1e-3
+    train_iters: int = 1000
+    lr: float = 2e-3
     min_lr: float = 1e-4
-    lr_warmup_iters: int = 50
+    lr_warmup_iters: int = 100
     lr_decay_style: str = "cosine"
     weight_decay: float = 0.01
     clip_grad: float = 1.0
@@ -59,8 +59,8 @@ class TrainArgs:
     save_interval: Optional[int] = None             # None: save at the end only
     exit_interval: Optional[int] = None             # stop (after saving) at a multiple of this
     ddp_bucket_size: int = 2 ** 20                  # parameters per data-parallel all-reduce
-    log_interval: int = 25
-    eval_interval: int = 100
+    log_interval: int = 50
+    eval_interval: int = 250
     eval_iters: int = 10
     log_file: Optional[str] = None                  # metrics JSONL, one line per logging interval
     sample_tokens: int = 200                        # generated at the end (0: none)
@@ -138,8 +138,13 @@ class Data:
             self.tokenizer, self.tokenizer_file = dataset.tokenizer(), dataset.tokenizer_file
             self.description = dataset.prefix
         self.vocab_size = self.tokenizer.vocab_size
-        if len(self.valid) < 2:
-            self.valid = self.train
+
+    def validation_or_train(self, seq_length):
+        """The held-out tokens, or the training tokens when too few are held out for a window."""
+        if len(self.valid) > seq_length:
+            return self.valid
+        self.description += " (too little held out for one window: validating on training data)"
+        return self.train
 
 
 class Trainer:
@@ -152,7 +157,8 @@ class Trainer:
         self.cfg = args.model_config(self.data.vocab_size)
         self.model = GPT(self.cfg, grid)
         self.sampler = WindowSampler(self.data.train, args.seq_length, args.seed)
-        self.valid_sampler = WindowSampler(self.data.valid, args.seq_length, args.seed + 1)
+        self.valid_sampler = WindowSampler(self.data.validation_or_train(args.seq_length),
+                                           args.seq_length, args.seed + 1)
         self.params = self.model.parameters()
         self.optimizer = AdamW(self.params, lr=args.lr, weight_decay=args.weight_decay)
         self.buckets = GradientBuckets(self.params, grid.dp_group, args.ddp_bucket_size)
@@ -291,7 +297,7 @@ def train(args: TrainArgs, echo=print):
         echo(f"done: loss {losses[0]:.4f} -> {numpy.mean(losses[-10:]):.4f} (mean of the last "
              f"{min(10, len(losses))} iterations)")
     if args.sample_tokens and trainer.iteration == args.train_iters:
-        prompt = [int(t) for t in trainer.data.valid[:32]]
+        prompt = [int(t) for t in trainer.valid_sampler.tokens[:32]]
         ids = generate(model, prompt, args.sample_tokens, temperature=0.8, top_k=40, seed=args.seed)
         echo("sample (the first 32 validation tokens, then generated):\n"
              + trainer.data.tokenizer.decode(ids))
