@@ -105,7 +105,7 @@ def save(root, iteration, model, optimizer, grid, extra, files=None):
     if world.rank == 0:
         manifest = {
             "format": FORMAT, "iteration": iteration,
-            "model": {k: v for k, v in vars(model.cfg).items()},
+            "model": dict(vars(model.cfg)),
             "layout": {"tp": grid.tp_size, "pp": grid.pp_size, "dp": grid.dp_size},
             "optimizer": optimizer.hyperparameters(),
             "ranks": [{k: r[k] for k in ("rank", "tp", "pp", "dp", "rng")} for r in records],

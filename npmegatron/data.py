@@ -167,10 +167,11 @@ class TokenDataset:
         try:
             with open(index_path) as f:
                 index = json.load(f)
-            assert index.get("format") == INDEX_FORMAT
-        except (ValueError, AssertionError):
+        except ValueError:
+            index = {}
+        if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT:
             raise InputError(f"{index_path} is not an npmegatron dataset index; recreate it with "
-                             "`npmegatron preprocess`") from None
+                             "`npmegatron preprocess`")
         dtype = numpy.dtype(index["dtype"])
         size = os.path.getsize(bin_path)
         if size == 0 or index["num_tokens"] == 0:
