@@ -117,9 +117,11 @@ def save(root, iteration, model, optimizer, grid, extra, files=None):
             shutil.copyfile(source, os.path.join(partial, name))
         _write_synced(os.path.join(partial, "manifest.json"), json.dumps(manifest, indent=1).encode())
         _sync_dir(partial)
-        if os.path.exists(final):            # saving the same iteration again: replace it
-            shutil.rmtree(final)
+        if os.path.exists(final):     # saving the same iteration again: keep the old one until
+            shutil.rmtree(final + ".old", ignore_errors=True)     # the new one is in place
+            os.rename(final, final + ".old")
         os.rename(partial, final)
+        shutil.rmtree(final + ".old", ignore_errors=True)
         _write_synced(os.path.join(root, "latest.partial"), os.path.basename(final).encode())
         os.replace(os.path.join(root, "latest.partial"), os.path.join(root, "latest"))
         _sync_dir(root)
@@ -136,6 +138,8 @@ def find(root):
     if os.path.isfile(pointer):
         with open(pointer) as f:
             folder = os.path.join(root, f.read().strip())
+        if not os.path.isdir(folder) and os.path.isdir(folder + ".old"):
+            folder += ".old"          # killed while replacing a re-saved iteration
     elif os.path.isfile(os.path.join(root, "manifest.json")):
         folder = root
     else:

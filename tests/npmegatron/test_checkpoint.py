@@ -112,3 +112,13 @@ def test_nan_loss_stops_with_the_iteration_and_keeps_the_last_checkpoint(tmp_pat
     assert (tmp_path / "ck" / "latest").read_text() == "iter_0000001"
     # and that checkpoint still loads and verifies (iteration 1 of 1: nothing left to train)
     assert train(small(tmp_path, train_iters=1, load=str(tmp_path / "ck")), echo=lambda *a: None) == []
+
+
+def test_saving_an_iteration_again_keeps_the_old_copy_until_the_new_is_in_place(tmp_path):
+    import os
+    train(small(tmp_path, train_iters=2, save=str(tmp_path / "ck")), echo=lambda *a: None)
+    # a kill between moving the old copy aside and renaming the new one in leaves only .old
+    os.rename(tmp_path / "ck" / "iter_0000002", tmp_path / "ck" / "iter_0000002.old")
+    assert train(small(tmp_path, train_iters=2, load=str(tmp_path / "ck")), echo=lambda *a: None) == []
+    train(small(tmp_path, train_iters=2, save=str(tmp_path / "ck")), echo=lambda *a: None)
+    assert sorted(os.listdir(tmp_path / "ck")) == ["iter_0000002", "latest"]
