@@ -166,7 +166,7 @@ def read_manifest(root):
     return folder, manifest
 
 
-def check_compatible(manifest, cfg, grid, folder):
+def check_compatible(manifest, cfg, grid, folder, pipeline_layout=None):
     """One sentence on the first way the saved model or layout differs from this run, or None."""
     saved = manifest["model"]
     for key in STRUCTURE:
@@ -178,6 +178,10 @@ def check_compatible(manifest, cfg, grid, folder):
         if layout[axis] != size:
             return (f"checkpoint {folder} was saved with {axis.upper()} size {layout[axis]}, but this "
                     f"run has {size}; resume with the same tensor/pipeline-parallel sizes")
+    saved_layout = manifest.get("pipeline_layout")
+    if pipeline_layout is not None and saved_layout is not None and saved_layout != pipeline_layout:
+        return (f"checkpoint {folder} was saved with pipeline layout {saved_layout!r}, but this run "
+                f"has {pipeline_layout!r}; resume with the same layout")
     return None
 
 
@@ -207,7 +211,7 @@ def _read_shard(folder, manifest, name, expected):
     return tensors
 
 
-def load(root, model, optimizer, grid):
+def load(root, model, optimizer, grid, pipeline_layout=None):
     """Collective: restore parameters, AdamW state (unless optimizer is None) and RNG streams;
     returns the manifest."""
     world = grid.world
@@ -215,7 +219,7 @@ def load(root, model, optimizer, grid):
     error = None
     try:
         folder, manifest = read_manifest(root)
-        error = check_compatible(manifest, model.cfg, grid, folder)
+        error = check_compatible(manifest, model.cfg, grid, folder, pipeline_layout)
         if error is None:
             expected = {}
             for name, param, _ in model.named_specs():

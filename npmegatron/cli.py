@@ -68,6 +68,21 @@ def main():
                 "micro_batch_size": 16})
 @click.option("--tensor-model-parallel-size", "--tp", "tensor_model_parallel_size", type=int, default=1,
               show_default=True, help="Tensor-parallel ranks (launch with mpirun -n TP).")
+@click.option("--pipeline-model-parallel-size", "--pp", "pipeline_model_parallel_size", type=int, default=1,
+              show_default=True, help="Pipeline stages (ranks = TP x PP x DP).")
+@click.option("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+              help="Layers per virtual stage: interleaved schedule with num-layers / (PP x this) stages per rank.")
+@click.option("--pipeline-model-parallel-layout", default=None,
+              help="Stages as a string, e.g. 'Et*3|(tt|)*4,tL' (E embedding, t layer, L loss, | stage).")
+@click.option("--pipeline-schedule", type=click.Choice(["1f1b", "afab", "interleaved"]), default=None,
+              help="Default: 1f1b, or interleaved with virtual stages.")
+@click.option("--num-micro-batches", type=int, default=None,
+              help="Micro-batches per step on each DP rank (default: from --global-batch-size).")
+@click.option("--deallocate-pipeline-outputs/--no-deallocate-pipeline-outputs", default=True,
+              show_default=True, help="Free a stage's output data once it is sent.")
+@click.option("--variable-seq-lengths", is_flag=True, help="Exchange shapes before each activation.")
+@click.option("--overlap-p2p-communication/--no-overlap-p2p-communication", default=True,
+              show_default=True, help="Post the next receive before the current compute.")
 @click.option("--sequence-parallel", is_flag=True, help="LayerNorm and dropout on sequence shards.")
 @click.option("--max-position-embeddings", type=int, default=None,
               help="Length of the position table (default: --seq-length).")

@@ -146,9 +146,16 @@ def hidden_dropout_stream(cfg):
 
 
 class GPT(Module):
-    def __init__(self, cfg: GPTConfig, grid=None):
+    """The whole GPT, or (for pipeline parallelism) the part one stage holds: the transformer
+    layers numbered `layers`, with the embedding when `pre_process` and the final LayerNorm,
+    tied output layer and loss when `post_process` (Megatron's names). Layers keep their global
+    numbers in parameter names, so every split starts from the serial model's weights."""
+
+    def __init__(self, cfg: GPTConfig, grid=None, layers=None, pre_process=True, post_process=True,
+                 rng=None, wte=None):
         self.cfg = cfg
         self.grid = grid or comm.ProcessGrid.single()
+        self.pre_process, self.post_process = pre_process, post_process
         group = self.tp_group = self.grid.tp_group
         if cfg.num_attention_heads % group.size:
             raise InputError(f"{cfg.num_attention_heads} attention heads are not divisible by "
@@ -158,15 +165,22 @@ class GPT(Module):
         dtype = numpy.dtype(cfg.dtype)
         sp = cfg.sequence_parallel
         # Dropout streams are seeded apart from the weights (seed + 1): changing dropout never
-        # changes the initial weights.
-        self.rng = RNGTracker(cfg.seed + 1, group.rank, xp)
+        # changes the initial weights. Pipeline stages get streams of their own (Megatron: +100 per stage).
+        self.rng = rng or RNGTracker(cfg.seed + 1 + 100 * self.grid.pp_rank, group.rank, xp)
         self.padded_vocab_size = pad_vocab_size(cfg.vocab_size, group.size, cfg.make_vocab_size_divisible_by)
-        self.wte = VocabParallelEmbedding(xp, dtype, cfg.vocab_size, self.padded_vocab_size,
-                                          cfg.hidden_size, cfg.init_method_std, group, sp)
-        self.wpe = parameter(xp, (cfg.max_position_embeddings, cfg.hidden_size), dtype)
-        self.specs = {"wpe": ParamSpec(cfg.init_method_std, tuple(self.wpe.shape), sp_partial=sp)}
-        self.blocks = [Block(cfg, xp, dtype, group, self.rng) for _ in range(cfg.num_layers)]
-        self.ln_f = LayerNorm(xp, dtype, cfg.hidden_size, cfg.layernorm_epsilon, sp)
+        self.specs = {}
+        if pre_process or post_process:
+            # The last stage's copy of the word embedding (its output layer) is initialised from
+            # the same master as the first stage's; `wte` shares one already on this rank.
+            self.wte = wte or VocabParallelEmbedding(xp, dtype, cfg.vocab_size, self.padded_vocab_size,
+                                                     cfg.hidden_size, cfg.init_method_std, group, sp)
+        if pre_process:
+            self.wpe = parameter(xp, (cfg.max_position_embeddings, cfg.hidden_size), dtype)
+            self.specs["wpe"] = ParamSpec(cfg.init_method_std, tuple(self.wpe.shape), sp_partial=sp)
+        layers = range(cfg.num_layers) if layers is None else layers
+        self.blocks = {i: Block(cfg, xp, dtype, group, self.rng) for i in layers}
+        if post_process:
+            self.ln_f = LayerNorm(xp, dtype, cfg.hidden_size, cfg.layernorm_epsilon, sp)
         self.initialize(cfg.seed)
 
     def _check(self, ids, offset=0):
@@ -183,15 +197,8 @@ class GPT(Module):
             raise InputError(f"sequence length {t} is not divisible by the tensor-parallel size "
                              f"{self.tp_group.size}, as sequence parallelism needs; change --seq-length")
 
-    def forward(self, ids, targets=None, cache=None):
-        """ids (batch, seq) -> (this rank's vocabulary shard of the logits, mean loss or None).
-        Use full_logits() for the whole vocabulary. With a KVCache (generation.py) the ids
-        continue the cached sequence: each new token costs one position, not the whole prefix."""
+    def embed(self, ids, offset=0):
         ids = self.xp.asarray(ids)
-        offset = 0 if cache is None else cache.length
-        if cache is not None and self.cfg.sequence_parallel:
-            raise InputError("a key/value cache needs sequence parallelism off (one new token cannot "
-                             "be split over ranks); build the model without it for generation")
         self._check(ids, offset)
         t = ids.shape[1]
         positions = self.xp.arange(offset, offset + t)
@@ -199,11 +206,24 @@ class GPT(Module):
             block = t // self.tp_group.size
             positions = positions[self.tp_group.rank * block:(self.tp_group.rank + 1) * block]
         x = self.wte(ids) + ag.embedding(positions, self.wpe)
-        x = ag.dropout(x, self.cfg.hidden_dropout, self.rng[hidden_dropout_stream(self.cfg)], self.training)
-        for i, block in enumerate(self.blocks):
+        return ag.dropout(x, self.cfg.hidden_dropout, self.rng[hidden_dropout_stream(self.cfg)], self.training)
+
+    def forward(self, ids, targets=None, cache=None):
+        """ids (batch, seq) -> (this rank's vocabulary shard of the logits, mean loss or None).
+        Use full_logits() for the whole vocabulary. With a KVCache (generation.py) the ids
+        continue the cached sequence: each new token costs one position, not the whole prefix.
+        A stage without pre_process takes the previous stage's hidden states instead of ids;
+        one without post_process returns (its hidden states, None)."""
+        if cache is not None and self.cfg.sequence_parallel:
+            raise InputError("a key/value cache needs sequence parallelism off (one new token cannot "
+                             "be split over ranks); build the model without it for generation")
+        x = self.embed(ids, 0 if cache is None else cache.length) if self.pre_process else ids
+        for i, block in enumerate(self.blocks.values()):
             x = block(x, None if cache is None else cache.layer(i))
         if cache is not None:
-            cache.length += t
+            cache.length += x.shape[1]        # (no sequence parallelism with a cache)
+        if not self.post_process:
+            return x, None
         logits = self.wte.logits(self.ln_f(x))   # output layer tied to the token embedding
         loss = None
         if targets is not None:
@@ -226,8 +246,14 @@ class GPT(Module):
                 param.grad = comm.all_reduce(param.grad, self.tp_group)
 
     def num_parameters(self):
-        """Parameters of the whole (unsharded, unpadded) model."""
-        return sum(int(numpy.prod(spec.shape)) for _, _, spec in self.named_specs())
+        """Parameters of the whole (unsharded, unpadded) model, whatever part this object holds."""
+        return gpt_num_parameters(self.cfg)
+
+
+def gpt_num_parameters(cfg):
+    h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    per_layer = 4 * h * h + 2 * h * f + f + 9 * h   # 2 LayerNorms, QKV, projection, MLP, biases
+    return (cfg.vocab_size + cfg.max_position_embeddings) * h + cfg.num_layers * per_layer + 2 * h
 
 
 def model_flops(cfg, num_params, batch, seq):

@@ -47,10 +47,14 @@ class Module:
     def named_modules(self, prefix=""):
         yield prefix, self
         for name, value in vars(self).items():
-            children = value if isinstance(value, (list, tuple)) else [value]
-            for i, child in enumerate(children):
+            if isinstance(value, dict):          # {global index: module}: a pipeline stage's layers
+                children = [(f"{name}.{key}", child) for key, child in value.items()]
+            elif isinstance(value, (list, tuple)):
+                children = [(f"{name}.{i}", child) for i, child in enumerate(value)]
+            else:
+                children = [(name, value)]
+            for label, child in children:
                 if isinstance(child, Module):
-                    label = f"{name}.{i}" if isinstance(value, (list, tuple)) else name
                     yield from child.named_modules(f"{prefix}{label}.")
 
     def named_parameters(self):

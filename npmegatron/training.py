@@ -22,7 +22,8 @@ from .autograd import InputError, no_grad
 from .data import ByteTokenizer, TokenDataset, WindowSampler, load_default_corpus
 from .data_parallel import GradientBuckets
 from .generation import generate
-from .model import GPT, GPTConfig, model_flops
+from .model import GPTConfig, model_flops
+from .pipeline import PipelineModel, StageExchange, default_layout, parse_layout, plan_stages, run_schedule
 from .optimizer import AdamW, clip_grad_norm, learning_rate
 
 
@@ -33,6 +34,14 @@ class TrainingDiverged(InputError):
 @dataclass
 class TrainArgs:
     tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    pipeline_model_parallel_layout: Optional[str] = None
+    pipeline_schedule: Optional[str] = None         # None: 1f1b, or interleaved with virtual stages
+    num_micro_batches: Optional[int] = None         # None: from --global-batch-size
+    deallocate_pipeline_outputs: bool = True
+    variable_seq_lengths: bool = False
+    overlap_p2p_communication: bool = True
     sequence_parallel: bool = False
     num_layers: int = 4
     hidden_size: int = 128
@@ -101,27 +110,51 @@ class TrainArgs:
 
 
 def build_grid(args):
-    """The process grid: serial without mpirun, else TP ranks per replica and DP replicas."""
-    tp = args.tensor_model_parallel_size
-    if tp < 1:
-        raise InputError(f"--tensor-model-parallel-size {tp} must be a positive integer")
+    """The process grid: serial without mpirun, else TP x PP ranks per replica, DP replicas."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    for flag, size in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp)):
+        if size < 1:
+            raise InputError(f"{flag} {size} must be a positive integer")
     if not comm.launched_by_mpi():
-        if tp > 1:
-            raise InputError(f"--tp {tp} needs {tp} ranks; launch with mpirun -n {tp} (or a multiple "
-                             "for data parallelism)")
+        if tp * pp > 1:
+            raise InputError(f"--tp {tp} x --pp {pp} needs {tp * pp} ranks; launch with mpirun -n "
+                             f"{tp * pp} (or a multiple for data parallelism)")
         return comm.ProcessGrid.single()
     comm.init()
-    return comm.ProcessGrid(tp=tp, pp=1)
+    return comm.ProcessGrid(tp=tp, pp=pp)
 
 
 def accumulation_steps(args, grid):
+    """Micro-batches per optimizer step on each DP rank (M of the pipeline schedule)."""
     per_step = args.micro_batch_size * grid.dp_size
+    if args.num_micro_batches is not None:
+        implied = per_step * args.num_micro_batches
+        if args.num_micro_batches < 1 or (args.global_batch_size or implied) != implied:
+            raise InputError(f"--num-micro-batches {args.num_micro_batches} x micro-batch "
+                             f"{args.micro_batch_size} x DP {grid.dp_size} does not give "
+                             f"--global-batch-size {args.global_batch_size}; pass one of the two")
+        return args.num_micro_batches
     global_batch = args.global_batch_size or per_step
     if global_batch < 1 or global_batch % per_step:
         raise InputError(f"--global-batch-size {global_batch} is not divisible by micro-batch x DP = "
                          f"{args.micro_batch_size} x {grid.dp_size} = {per_step}; use a multiple of "
                          f"{per_step}")
     return global_batch // per_step
+
+
+def pipeline_layout(args):
+    """The layout string: --pipeline-model-parallel-layout, or layers split evenly."""
+    if args.pipeline_model_parallel_layout:
+        return args.pipeline_model_parallel_layout
+    pp, per_virtual = args.pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage
+    virtual = 1
+    if per_virtual is not None:
+        if per_virtual < 1 or args.num_layers % (pp * per_virtual):
+            raise InputError(f"--num-layers-per-virtual-pipeline-stage {per_virtual} does not split "
+                             f"{args.num_layers} layers over {pp} pipeline ranks evenly; choose a "
+                             "divisor of num-layers / PP")
+        virtual = args.num_layers // (pp * per_virtual)
+    return default_layout(args.num_layers, pp, virtual)
 
 
 class Data:
@@ -155,20 +188,23 @@ class Trainer:
         self.global_batch = args.micro_batch_size * self.accumulation * grid.dp_size
         self.data = Data(args.data_path)
         self.cfg = args.model_config(self.data.vocab_size)
-        self.model = GPT(self.cfg, grid)
+        self.layout = pipeline_layout(args)
+        stages = plan_stages(parse_layout(self.layout), args.num_layers, grid.pp_size, self.layout)
+        self.model = PipelineModel(self.cfg, grid, stages)
+        self.schedule = args.pipeline_schedule or ("interleaved" if self.model.virtual_size > 1 else "1f1b")
+        self.exchange = StageExchange(grid, self.cfg.dtype, self.model.xp, self.accumulation,
+                                      args.variable_seq_lengths)
         self.sampler = WindowSampler(self.data.train, args.seq_length, args.seed)
         self.valid_sampler = WindowSampler(self.data.validation_or_train(args.seq_length),
                                            args.seq_length, args.seed + 1)
         self.params = self.model.parameters()
         self.optimizer = AdamW(self.params, lr=args.lr, weight_decay=args.weight_decay)
         self.buckets = GradientBuckets(self.params, grid.dp_group, args.ddp_bucket_size)
-        # Replicated parameters (LayerNorm, row-parallel biases) count once in the global norm.
-        replicated = {id(p) for _, p, spec in self.model.named_specs() if spec.tp_axis is None}
-        self.norm_skip = replicated if grid.tp_rank != 0 else set()
+        self.norm_skip = self.model.norm_skip()    # what counts once in the global norm
         self.iteration = 0
         self.last_saved = None
         if args.load:
-            manifest = checkpoint.load(args.load, self.model, self.optimizer, grid)
+            manifest = checkpoint.load(args.load, self.model, self.optimizer, grid, self.layout)
             self.iteration = self.last_saved = manifest["iteration"]
             saved_batch = manifest["data"]["global_batch_size"]
             if saved_batch != self.global_batch:
@@ -183,42 +219,40 @@ class Trainer:
         for j in range(self.accumulation):
             yield sampler.batch(first + (rank * self.accumulation + j) * mb, mb)
 
-    def dp_mean(self, local_sum, count):
-        total = comm.all_reduce(numpy.array([local_sum]), self.grid.dp_group)
+    def mean_loss(self, loss_sum, count):
+        """The mean over micro-batches and DP replicas of losses summed on the last stage."""
+        total = comm.all_reduce(numpy.array([loss_sum]), self.grid.pp_group)
+        total = comm.all_reduce(total, self.grid.dp_group)
         return float(total[0]) / (count * self.grid.dp_size)
+
+    def run(self, batches, **options):
+        args = self.args
+        return run_schedule(self.model, self.exchange, batches, self.schedule,
+                            deallocate_outputs=args.deallocate_pipeline_outputs,
+                            overlap=args.overlap_p2p_communication, **options)
 
     def train_step(self):
         """Forward and backward over the micro-batches, DP average, clip. Returns (loss, norm)."""
         self.buckets.zero_grad()
-        total = 0.0
-        scale = None
-        for j, (inputs, targets) in enumerate(self.micro_batches(self.sampler, self.iteration)):
-            if j == self.accumulation - 1:
-                self.buckets.start_sync()
-            _, loss = self.model(inputs, targets)
-            if scale is None:
-                scale = self.model.xp.asarray(1.0 / self.accumulation, dtype=loss.dtype)
-            ag.backward(loss, scale)
-            total += loss.item()
+        loss_sum = self.run(list(self.micro_batches(self.sampler, self.iteration)), buckets=self.buckets)
         self.buckets.finish_sync()
         self.model.finalize_grads()
-        loss = self.dp_mean(total, self.accumulation)
+        loss = self.mean_loss(loss_sum, self.accumulation)
         norm = clip_grad_norm(self.params, self.args.clip_grad, self.grid.mp_group, self.norm_skip)
         return loss, norm
 
     def evaluate(self):
         self.model.eval()
         total = 0.0
-        with no_grad():
-            for k in range(self.args.eval_iters):
-                for inputs, targets in self.micro_batches(self.valid_sampler, k):
-                    total += self.model(inputs, targets)[1].item()
+        for k in range(self.args.eval_iters):
+            total += self.run(list(self.micro_batches(self.valid_sampler, k)), forward_only=True)
         self.model.train()
-        return self.dp_mean(total, self.args.eval_iters * self.accumulation)
+        return self.mean_loss(total, self.args.eval_iters * self.accumulation)
 
     def save(self):
         args = self.args
-        extra = {"data": {"consumed_samples": self.iteration * self.global_batch,
+        extra = {"pipeline_layout": self.layout,
+                 "data": {"consumed_samples": self.iteration * self.global_batch,
                           "global_batch_size": self.global_batch, "seed": args.seed,
                           "data_path": args.data_path},
                  "tokenizer": self.data.tokenizer.spec, "args": asdict(args)}
@@ -243,9 +277,10 @@ def train(args: TrainArgs, echo=print):
         echo = lambda *a, **k: None
     tokens_per_step = trainer.global_batch * args.seq_length
     flops_per_step = model_flops(cfg, model.num_parameters(), trainer.global_batch, args.seq_length)
+    pipeline = f", layout {trainer.layout!r} ({trainer.schedule})" if grid.pp_size > 1 else ""
     echo(f"GPT: {model.num_parameters():,} parameters, {cfg.num_layers} layers, hidden "
          f"{cfg.hidden_size}, {cfg.num_attention_heads} heads, {cfg.dtype} on {cfg.device}, {grid}"
-         f"{' sequence-parallel' if cfg.sequence_parallel else ''}; global batch "
+         f"{' sequence-parallel' if cfg.sequence_parallel else ''}{pipeline}; global batch "
          f"{trainer.global_batch} = {args.micro_batch_size} x {trainer.accumulation} accumulation x "
          f"{grid.dp_size} DP; data {trainer.data.description}: {len(trainer.data.train):,} training / "
          f"{len(trainer.data.valid):,} validation tokens")
@@ -297,10 +332,14 @@ def train(args: TrainArgs, echo=print):
         echo(f"done: loss {losses[0]:.4f} -> {numpy.mean(losses[-10:]):.4f} (mean of the last "
              f"{min(10, len(losses))} iterations)")
     if args.sample_tokens and trainer.iteration == args.train_iters:
-        prompt = [int(t) for t in trainer.valid_sampler.tokens[:32]]
-        ids = generate(model, prompt, args.sample_tokens, temperature=0.8, top_k=40, seed=args.seed)
-        echo("sample (the first 32 validation tokens, then generated):\n"
-             + trainer.data.tokenizer.decode(ids))
+        if model.whole is None:
+            echo("no sample: generation runs on one pipeline stage (PP = 1)")
+        else:
+            prompt = [int(t) for t in trainer.valid_sampler.tokens[:32]]
+            ids = generate(model.whole, prompt, args.sample_tokens, temperature=0.8, top_k=40,
+                           seed=args.seed)
+            echo("sample (the first 32 validation tokens, then generated):\n"
+                 + trainer.data.tokenizer.decode(ids))
     return losses
 
 

@@ -1,0 +1,92 @@
+"""The stages one pipeline rank holds (one, or several virtual stages for the interleaved
+schedule), presented as one model: parameters, checkpoint names, gradient finalisation."""
+from .. import comm
+from ..autograd.backend import array_module_for
+from ..model import GPT, gpt_num_parameters
+from ..tensor_parallel import RNGTracker
+
+
+class PipelineModel:
+    def __init__(self, cfg, grid, stages):
+        self.cfg, self.grid = cfg, grid
+        self.num_stages = len(stages)
+        self.virtual_size = self.num_stages // grid.pp_size
+        self.xp = array_module_for(cfg.device)
+        # One set of dropout streams per rank, shared by its virtual stages (Megatron: +100 per stage).
+        self.rng = RNGTracker(cfg.seed + 1 + 100 * grid.pp_rank, grid.tp_rank, self.xp)
+        self.specs = stages[grid.pp_rank::grid.pp_size]
+        self.chunks, wte = [], None
+        for spec in self.specs:
+            # Embedding and loss on one rank (PP = 1, or virtual stages) share one word embedding.
+            chunk = GPT(cfg, grid, spec.layers, spec.pre_process, spec.post_process, self.rng, wte)
+            wte = getattr(chunk, "wte", wte)
+            self.chunks.append(chunk)
+        self.tp_group = grid.tp_group
+        holds = lambda attr: any(getattr(s, attr) for s in self.specs)
+        # The last stage's copy of the word embedding, when the first stage is another rank.
+        self.embedding_copy = wte if holds("post_process") and not holds("pre_process") else None
+        self.tied = wte if (holds("pre_process") or holds("post_process")) else None
+
+    def named_specs(self):
+        seen = set()
+        for chunk in self.chunks:
+            for name, param, spec in chunk.named_specs():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    yield name, param, spec
+
+    def named_parameters(self):
+        for name, param, _ in self.named_specs():
+            yield name, param
+
+    def parameters(self):
+        return [p for _, p, _ in self.named_specs()]
+
+    def zero_grad(self):
+        for p in self.parameters():
+            p.grad = None
+
+    def train(self, mode=True):
+        for chunk in self.chunks:
+            chunk.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    @property
+    def training(self):
+        return self.chunks[0].training
+
+    def finalize_grads(self):
+        """Sequence-parallel partial gradients summed over TP (per stage), then the two copies of
+        the tied word embedding summed over the embedding group (first and last stage)."""
+        seen = set()
+        for chunk in self.chunks:
+            for _, param, spec in chunk.named_specs():
+                if spec.sp_partial and param.grad is not None and id(param) not in seen:
+                    seen.add(id(param))
+                    param.grad = comm.all_reduce(param.grad, self.tp_group)
+        if self.tied is not None and self.grid.embedding_group.size > 1:
+            weight = self.tied.weight
+            weight.grad = comm.all_reduce(weight.grad, self.grid.embedding_group)
+
+    def norm_skip(self):
+        """Parameters this rank must leave out of the global gradient norm: replicated ones off
+        TP rank 0, and the last stage's copy of the embedding (counted on the first stage)."""
+        skip = set()
+        if self.grid.tp_rank != 0:
+            skip |= {id(p) for _, p, spec in self.named_specs() if spec.tp_axis is None}
+        if self.embedding_copy is not None:
+            skip.add(id(self.embedding_copy.weight))
+        return skip
+
+    def num_parameters(self):
+        return gpt_num_parameters(self.cfg)
+
+    @property
+    def whole(self):
+        """The serial-shaped GPT when this rank holds every layer (PP = 1), else None."""
+        if len(self.chunks) == 1 and self.specs[0].pre_process and self.specs[0].post_process:
+            return self.chunks[0]
+        return None
