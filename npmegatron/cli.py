@@ -212,5 +212,35 @@ def bench_comm_command(ranks, min_bytes, max_bytes, device):
         click.echo(format_report(result))
 
 
+@bench.command("pipeline")
+@model_options({"num_layers": 8, "hidden_size": 256, "num_attention_heads": 8, "seq_length": 128,
+                "micro_batch_size": 4})
+@click.option("--num-micro-batches", type=int, default=8, show_default=True, help="M per step.")
+@click.option("--ranks", type=int, default=None, help="Launch this many pipeline ranks with mpiexec.")
+@click.option("--iters", type=int, default=5, show_default=True, help="Timed steps (median reported).")
+@user_errors
+def bench_pipeline_command(num_layers, hidden_size, num_attention_heads, seq_length, micro_batch_size,
+                           dtype, device, num_micro_batches, ranks, iters):
+    """Peak tape memory per stage for each schedule (with and without output deallocation) and
+    1F1B step time with and without receives posted ahead of compute."""
+    from . import comm
+    if ranks is not None and not comm.launched_by_mpi():
+        sys.exit(relaunch_under_mpiexec(ranks))
+    from .bench_pipeline import format_memory, memory_table, overlap_timing
+    from .model import GPTConfig
+    world = comm.init()
+    cfg = GPTConfig(num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+                    vocab_size=256, max_position_embeddings=seq_length, hidden_dropout=0.0,
+                    attention_dropout=0.0, dtype=dtype, device=device)
+    table = memory_table(cfg, world.size, num_micro_batches, micro_batch_size, seq_length)
+    timing = overlap_timing(cfg, world.size, num_micro_batches, micro_batch_size, seq_length, iters)
+    if world.rank == 0:
+        click.echo(f"PP={world.size}, M={num_micro_batches}, {num_layers} layers, hidden {hidden_size}, "
+                   f"micro-batch {micro_batch_size} x {seq_length}, {dtype}")
+        click.echo(format_memory(table))
+        click.echo(f"1F1B step: {timing[False]:.4f} s without overlap, {timing[True]:.4f} s with "
+                   f"receives posted ahead ({(timing[False] / timing[True] - 1) * 100:+.1f} %)")
+
+
 if __name__ == "__main__":
     sys.exit(main())
