@@ -36,7 +36,7 @@ def test_console_script_and_train_script_have_help():
      "--seq-length 300 is longer than the position table"),
     (["--train-iters", "0"], "--train-iters is 0; it must be a positive integer"),
     (["--lr", "-1"], "--lr is -1.0; the learning rate must be positive"),
-    (["--tp", "2"], "--tp 2 needs 2 ranks; launch with mpirun -n 2"),
+    (["--tp", "2"], "--tp 2 x --pp 1 needs 2 ranks; launch with mpirun -n 2"),
 ], ids=["heads", "positions", "iters", "lr", "tp-without-mpirun"])
 def test_bad_input_is_one_sentence_and_non_zero_exit(args, message):
     result = run([sys.executable, "scripts/train.py"] + args)
