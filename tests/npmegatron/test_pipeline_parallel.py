@@ -67,7 +67,9 @@ if world.rank == 0:
 def check(mpirun, n, cases):
     result = mpirun(n, CHECK, args=[json.dumps(cases)], timeout=300)
     assert "worst relative error" in result.stdout, result
-    return float(result.stdout.split("worst relative error")[1].split()[0])
+    worst = float(result.stdout.split("worst relative error")[1].split()[0])
+    print(f"{n} ranks, {len(cases)} cases: worst relative error {worst:.2e}")
+    return worst
 
 
 SCHEDULES = [{"schedule": "afab"}, {"schedule": "1f1b"}, {"schedule": "interleaved", "virtual": 2, "layers": 8}]
