@@ -61,12 +61,8 @@ class PipelineModel:
     def finalize_grads(self):
         """Sequence-parallel partial gradients summed over TP (per stage), then the two copies of
         the tied word embedding summed over the embedding group (first and last stage)."""
-        seen = set()
-        for chunk in self.chunks:
-            for _, param, spec in chunk.named_specs():
-                if spec.sp_partial and param.grad is not None and id(param) not in seen:
-                    seen.add(id(param))
-                    param.grad = comm.all_reduce(param.grad, self.tp_group)
+        for chunk in self.chunks:       # the shared embedding is not a partial-gradient parameter
+            chunk.finalize_grads()
         if self.tied is not None and self.grid.embedding_group.size > 1:
             weight = self.tied.weight
             weight.grad = comm.all_reduce(weight.grad, self.grid.embedding_group)
