@@ -7,7 +7,6 @@ import numpy
 
 from . import comm
 from .data_parallel import GradientBuckets
-from .model import GPTConfig
 from .pipeline import (MemoryProbe, PipelineModel, StageExchange, default_layout, parse_layout,
                        plan_stages, run_schedule)
 

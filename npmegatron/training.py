@@ -8,7 +8,6 @@ run is the same whatever that split, so every (TP, DP) layout follows the same t
 """
 import json
 import math
-import os
 import time
 from dataclasses import asdict, dataclass
 from typing import Optional
@@ -16,9 +15,8 @@ from typing import Optional
 import numpy
 from tqdm import tqdm
 
-from . import autograd as ag
 from . import checkpoint, comm
-from .autograd import InputError, no_grad
+from .autograd import InputError
 from .data import ByteTokenizer, TokenDataset, WindowSampler, load_default_corpus
 from .data_parallel import GradientBuckets
 from .generation import generate

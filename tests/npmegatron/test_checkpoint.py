@@ -115,7 +115,6 @@ def test_nan_loss_stops_with_the_iteration_and_keeps_the_last_checkpoint(tmp_pat
 
 
 def test_saving_an_iteration_again_keeps_the_old_copy_until_the_new_is_in_place(tmp_path):
-    import os
     train(small(tmp_path, train_iters=2, save=str(tmp_path / "ck")), echo=lambda *a: None)
     # a kill between moving the old copy aside and renaming the new one in leaves only .old
     os.rename(tmp_path / "ck" / "iter_0000002", tmp_path / "ck" / "iter_0000002.old")

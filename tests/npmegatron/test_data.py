@@ -1,11 +1,10 @@
 """Datasets: preprocess into a memory-mapped token file, tokenizers, the window sampler."""
-import json
 
 import numpy as np
 import pytest
 
 from npmegatron.autograd import InputError
-from npmegatron.data import (ByteTokenizer, TokenDataset, WindowSampler, load_default_corpus,
+from npmegatron.data import (TokenDataset, WindowSampler, load_default_corpus,
                              preprocess, stdlib_python_files, token_dtype)
 
 

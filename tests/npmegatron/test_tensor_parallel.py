@@ -1,7 +1,6 @@
 """Tensor and sequence parallelism equal the serial model (float64, under mpiexec), with the
 paper's communication counts, Megatron's cross-entropy values and the RNG-tracker semantics."""
 import json
-import re
 
 import pytest
 

@@ -1,7 +1,6 @@
 """scripts/train.py under mpiexec: tensor-parallel training that equals the serial run, output
 from rank 0 only, and bad input reported once with a non-zero exit."""
 import json
-import os
 import subprocess
 import sys
 

@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from npmegatron.autograd import InputError, Tensor
+from npmegatron.autograd import Tensor
 from npmegatron.optimizer import AdamW, clip_grad_norm, learning_rate
 from npmegatron.training import TrainArgs, train
 
