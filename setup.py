@@ -2,8 +2,16 @@
 
 The autograd/ and comm/ folders are mapped under npmegatron (package_dir) and never installed as
 top-level `autograd` or `comm`: those names belong to HIPS autograd and Jupyter's comm.
+The package list is found, not written by hand: a hand-written list once left out
+npmegatron.tensor_parallel and npmegatron.pipeline, which only an editable install hid.
 """
-from setuptools import setup
+from setuptools import find_packages, setup
+
+
+def mapped_packages(folder):
+    """The packages of a top-level folder installed as npmegatron.<folder> (package_dir below)."""
+    return [f"npmegatron.{folder}"] + [f"npmegatron.{folder}.{p}" for p in find_packages(folder)]
+
 
 setup(
     name="npmegatron",
@@ -12,7 +20,8 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
-    packages=["npmegatron", "npmegatron.autograd", "npmegatron.autograd.ops", "npmegatron.comm"],
+    packages=(find_packages(include=["npmegatron", "npmegatron.*"])
+              + mapped_packages("autograd") + mapped_packages("comm")),
     package_dir={"npmegatron": "npmegatron", "npmegatron.autograd": "autograd",
                  "npmegatron.comm": "comm"},
     install_requires=[

@@ -1,5 +1,6 @@
-"""init(): MPI once, BLAS threads pinned, and a hook that turns one rank's uncaught exception into
-a single report and an aborted job instead of a hang.
+"""init(): MPI once, BLAS threads pinned, Ctrl-C that ends every rank, and the two ways a job ends
+on an error: when every rank hit it (a bad flag, a bad checkpoint) rank 0 prints it and all exit 1
+normally; when one rank hit it, that rank reports and aborts the job instead of leaving a hang.
 
 Why pin: on a 2-core machine two ranks with default BLAS threading ran a matmul + all-reduce loop
 80x slower than with one thread each (BLAS threads and MPI busy-polling fight for the cores).
@@ -13,6 +14,10 @@ from npmegatron.autograd.backend import InputError
 
 from .group import Group
 
+# An error that every rank raises reaches every rank's handler within this window (ranks are at
+# most seconds apart, even 8 ranks on 2 cores); past it, the ranks that did not raise are waiting
+# in a collective that will never complete, so the job is aborted.
+AGREE_WITHIN_S = 10.0
 # Ranks other than 0 wait this long before reporting, so an error every rank shares (a bad flag)
 # is printed once, by rank 0, whose abort ends the others first.
 REPORT_GRACE_S = 2.0
@@ -39,6 +44,9 @@ def init():
     if "world" in _state:
         return _state["world"]
     _throttle_polling_when_oversubscribed()
+    if launch_size() > 1:
+        from .signals import install_interrupt_watchdog
+        install_interrupt_watchdog()
     from mpi4py import MPI
     from threadpoolctl import threadpool_limits
     world = MPI.COMM_WORLD
@@ -48,7 +56,9 @@ def init():
     _state["blas_limits"] = threadpool_limits(limits=threads, user_api="blas")
     _state["blas_threads"] = threads
     if world.Get_size() > 1:
-        sys.excepthook = _report_and_abort
+        sys.excepthook = _end_on_uncaught
+    # Only for agreeing on errors: a communicator of its own never matches a model collective.
+    _state["errors"] = world.Dup()
     _state["world"] = Group("world", world, range(world.Get_size()))
     return _state["world"]
 
@@ -56,6 +66,23 @@ def init():
 def launched_by_mpi():
     """True inside an mpiexec/mpirun launch (MPICH's PMI or Open MPI's variables are set)."""
     return any(v in os.environ for v in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK"))
+
+
+def launch_rank():
+    """This process's rank from the launcher's environment (0 outside mpirun), without MPI."""
+    return _launch_variable(("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"), 0)
+
+
+def launch_size():
+    """The number of ranks the launcher started (1 outside mpirun), without MPI."""
+    return _launch_variable(("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE"), 1)
+
+
+def _launch_variable(names, default):
+    for name in names:
+        if name in os.environ:
+            return int(os.environ[name])
+    return default
 
 
 def is_initialized():
@@ -77,8 +104,34 @@ def blas_threads():
     return _state["blas_threads"]
 
 
-def _report_and_abort(exc_type, exc, tb):
-    report_and_abort(exc, tb)
+def _end_on_uncaught(exc_type, exc, tb):
+    """sys.excepthook under mpirun; Python exits with status 1 after it returns."""
+    if not isinstance(exc, InputError):
+        report_and_abort(exc, tb)
+    if reports_input_error(exc):
+        sys.stderr.write(f"error: {exc}\n")
+
+
+def every_rank_failed(within_s=AGREE_WITHIN_S):
+    """Called by a rank that hit an error: True when every rank calls it within `within_s` (they
+    all hit it, and can exit normally); otherwise False, and the caller should abort the job."""
+    init()
+    request = _state["errors"].Ibarrier()
+    deadline = time.monotonic() + within_s
+    while not request.Test():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def reports_input_error(error):
+    """Under mpirun, for a rank that raised `error` (bad input): when every rank raised it, True on
+    rank 0 alone (it prints the sentence; then every rank exits 1 normally); when the others did
+    not, this rank reports and aborts the job, since they wait in a collective."""
+    if not every_rank_failed():
+        report_and_abort(error)
+    return _state["world"].rank == 0
 
 
 def report_and_abort(exc, tb=None):

@@ -12,9 +12,11 @@ A save fills DIR/iter_N.partial, flushing and fsyncing every file, and renames i
 when the manifest is complete; then `latest` moves. Loading checks the manifest against the run
 and each shard's size, checksum, names and shapes, and says in one sentence what is wrong.
 """
+import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 
 import numpy
@@ -24,6 +26,7 @@ from .autograd import InputError
 from .autograd.backend import to_numpy
 
 FORMAT = "npmegatron-checkpoint-1"
+ITERATION_FOLDER = re.compile(r"iter_[0-9]{7}")
 STRUCTURE = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
              "max_position_embeddings", "ffn_hidden_size")
 
@@ -79,41 +82,86 @@ def _state_tensors(model, optimizer):
 
 
 def save(root, iteration, model, optimizer, grid, extra, files=None):
-    """Collective over the world. `extra` (JSON-able) goes into the manifest as is: training
-    arguments, data position, tokenizer. `files` ({name: path}) are copied in beside it."""
-    from safetensors.numpy import save as to_safetensors
+    """Collective over the world. `extra` (JSON-able) goes into the manifest as is: run id,
+    training arguments, data position, tokenizer. `files` ({name: path}) are copied in beside it.
+    On any failure (a full disk among them) the partial folder is removed, `latest` still names
+    the previous checkpoint, and every rank raises the same InputError."""
     world = grid.world
     final = os.path.join(root, f"iter_{iteration:07d}")
     partial = final + ".partial"
     error = None
     if world.rank == 0:
         try:
-            os.makedirs(root, exist_ok=True)
             shutil.rmtree(partial, ignore_errors=True)     # left by a run killed while saving
-            os.mkdir(partial)
+            os.makedirs(partial)
         except OSError as e:
             error = f"cannot write checkpoint folder {root} ({e.strerror}); choose a writable --save"
     raise_if_any(error, world)
+    blob, record = _serialize_shard(model, optimizer, grid)
+    records = gather_json(record, world)
+    needed = sum(r["shard"]["bytes"] for r in records if "shard" in r)
+    if world.rank == 0:
+        error = _space_error(root, iteration, needed, shutil.disk_usage(root).free)
+    _agree_or_clean(error, partial, world)
+    if blob is not None:
+        error = _write_or_error(os.path.join(partial, record["shard"]["file"]), blob, root,
+                                iteration, needed)
+    _agree_or_clean(error, partial, world)
+    if world.rank == 0:
+        manifest = {"format": FORMAT, "iteration": iteration, "model": dict(vars(model.cfg)),
+                    "layout": {"tp": grid.tp_size, "pp": grid.pp_size, "dp": grid.dp_size},
+                    "optimizer": optimizer.hyperparameters(),
+                    "ranks": [{k: r[k] for k in ("rank", "tp", "pp", "dp", "rng")} for r in records],
+                    "shards": {r["shard"]["file"]: {k: r["shard"][k] for k in ("bytes", "sha256")}
+                               for r in records if "shard" in r},
+                    **extra}
+        error = _publish(root, partial, final, manifest, files or {}, iteration, needed)
+    _agree_or_clean(error, partial, world)
+    return final
+
+
+def _serialize_shard(model, optimizer, grid):
+    """(safetensors bytes or None, this rank's manifest record): DP rank 0 of each (TP, PP)
+    position writes the shard; data-parallel replicas hold the same state."""
+    from safetensors.numpy import save as to_safetensors
     record = {"rank": grid.rank, "tp": grid.tp_rank, "pp": grid.pp_rank, "dp": grid.dp_rank,
               "rng": model.rng.get_states()}
-    if grid.dp_rank == 0:
-        blob = to_safetensors(_state_tensors(model, optimizer))
-        name = shard_name(grid.tp_rank, grid.pp_rank)
-        _write_synced(os.path.join(partial, name), blob)
-        record["shard"] = {"file": name, "bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
-    records = gather_json(record, world)
-    if world.rank == 0:
-        manifest = {
-            "format": FORMAT, "iteration": iteration,
-            "model": dict(vars(model.cfg)),
-            "layout": {"tp": grid.tp_size, "pp": grid.pp_size, "dp": grid.dp_size},
-            "optimizer": optimizer.hyperparameters(),
-            "ranks": [{k: r[k] for k in ("rank", "tp", "pp", "dp", "rng")} for r in records],
-            "shards": {r["shard"]["file"]: {k: r["shard"][k] for k in ("bytes", "sha256")}
-                       for r in records if "shard" in r},
-            **extra,
-        }
-        for name, source in (files or {}).items():
+    if grid.dp_rank != 0:
+        return None, record
+    blob = to_safetensors(_state_tensors(model, optimizer))
+    record["shard"] = {"file": shard_name(grid.tp_rank, grid.pp_rank), "bytes": len(blob),
+                       "sha256": hashlib.sha256(blob).hexdigest()}
+    return blob, record
+
+
+def _space_error(root, iteration, needed, free):
+    """The one sentence for a checkpoint that does not fit, or None."""
+    if needed <= free:
+        return None
+    return (f"checkpoint folder {root} has no room for iteration {iteration}: it needs "
+            f"{needed:,} bytes and {free:,} are free; free some disk space or choose another --save")
+
+
+def _write_or_error(path, data, root, iteration, needed):
+    """Write a checkpoint file; None, or one sentence for what went wrong."""
+    try:
+        _write_synced(path, data)
+        return None
+    except OSError as e:
+        return _os_error(e, root, iteration, needed)
+
+
+def _os_error(e, root, iteration, needed):
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (f"checkpoint folder {root} ran out of disk space saving iteration {iteration}, "
+                f"which needs {needed:,} bytes; free some disk space or choose another --save")
+    return f"cannot write checkpoint {e.filename or root} ({e.strerror}); choose a writable --save"
+
+
+def _publish(root, partial, final, manifest, files, iteration, needed):
+    """Rank 0: the manifest, then the rename into place, then `latest`. None, or one sentence."""
+    try:
+        for name, source in files.items():
             shutil.copyfile(source, os.path.join(partial, name))
         _write_synced(os.path.join(partial, "manifest.json"), json.dumps(manifest, indent=1).encode())
         _sync_dir(partial)
@@ -125,8 +173,19 @@ def save(root, iteration, model, optimizer, grid, extra, files=None):
         _write_synced(os.path.join(root, "latest.partial"), os.path.basename(final).encode())
         os.replace(os.path.join(root, "latest.partial"), os.path.join(root, "latest"))
         _sync_dir(root)
-    comm.barrier(world)
-    return final
+    except OSError as e:
+        return _os_error(e, root, iteration, needed)
+    return None
+
+
+def _agree_or_clean(error, partial, world):
+    """Collective: when any rank failed, rank 0 removes the partial folder and all raise."""
+    try:
+        raise_if_any(error, world)
+    except InputError:
+        if world.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
 
 
 def find(root):
@@ -136,8 +195,12 @@ def find(root):
                          "earlier run")
     pointer = os.path.join(root, "latest")
     if os.path.isfile(pointer):
-        with open(pointer) as f:
-            folder = os.path.join(root, f.read().strip())
+        with open(pointer, "rb") as f:
+            name = f.read().strip().decode("utf-8", errors="replace")
+        if not ITERATION_FOLDER.fullmatch(name):     # never a path out of the folder
+            raise InputError(f"{pointer} names {name[:80]!r}, not a checkpoint of this folder "
+                             "(iter_NNNNNNN); repair it, or pass an iteration folder to --load")
+        folder = os.path.join(root, name)
         if not os.path.isdir(folder) and os.path.isdir(folder + ".old"):
             folder += ".old"          # killed while replacing a re-saved iteration
     elif os.path.isfile(os.path.join(root, "manifest.json")):

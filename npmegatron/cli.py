@@ -12,17 +12,43 @@ from .autograd import InputError
 
 def user_errors(command):
     """Bad input ends the command with its one-sentence message and a non-zero exit, no
-    traceback; under mpirun it is printed once and the whole job is aborted."""
+    traceback. Under mpirun it is printed once: by rank 0 when every rank hit it (then all exit
+    normally), else by the rank that hit it, which aborts the job."""
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
         except InputError as error:
             from . import comm
-            if comm.launched_by_mpi() and comm.init().size > 1:
-                comm.report_and_abort(error)
+            if comm.launch_size() > 1 and not comm.reports_input_error(error):
+                sys.exit(1)
             raise click.ClickException(str(error)) from None
     return wrapper
+
+
+class OneRankUsageErrors:
+    """Every rank parses the same command line, so under mpirun rank 0 alone prints a usage
+    error (an unknown flag, a bad value) and the other ranks exit with the same status quietly."""
+
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as error:
+            from .comm import launch_rank
+            if launch_rank() != 0:
+                raise click.exceptions.Exit(error.exit_code) from None
+            raise
+
+
+class Command(OneRankUsageErrors, click.Command):
+    pass
+
+
+class Group(OneRankUsageErrors, click.Group):
+    command_class = Command
+
+
+Group.group_class = Group
 
 
 def relaunch_under_mpiexec(ranks):
@@ -58,7 +84,7 @@ def model_options(defaults):
     return lambda f: functools.reduce(lambda g, option: option(g), reversed(options), f)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
 def main():
     """npmegatron: Megatron-LM's model parallelism on NumPy and CuPy."""
 
@@ -111,7 +137,11 @@ def main():
               help="Write metrics as JSON lines here.")
 @click.option("--data-path", default=None,
               help="PREFIX written by `npmegatron preprocess` (default: the embedded corpus).")
-@click.option("--save", default=None, help="Checkpoint folder to write.")
+@click.option("--save", default=None, help="Checkpoint folder to write (locked while the run lasts).")
+@click.option("--overwrite", is_flag=True,
+              help="Replace another run's checkpoints in --save (by default that is refused).")
+@click.option("--exit-signal-handler", is_flag=True,
+              help="On SIGTERM, finish the iteration, save (with --save) and exit 0.")
 @click.option("--load", default=None, help="Checkpoint folder to resume from.")
 @click.option("--save-interval", type=int, default=None, help="Steps between checkpoints (default: at the end).")
 @click.option("--exit-interval", type=int, default=None,
@@ -157,6 +187,8 @@ def generate(load, prompt, max_tokens, temperature, top_k, seed, device):
     mpirun -n TP (the checkpoint's TP size)."""
     if max_tokens < 1:
         raise InputError(f"--max-tokens {max_tokens} must be a positive integer")
+    from .data import utf8_bytes
+    utf8_bytes(prompt, "--prompt")      # before the checkpoint loads: argv bytes need not be UTF-8
     from .generation import generate as run_generate, load_for_generation
     model, tokenizer = load_for_generation(load, device)
     ids = run_generate(model, tokenizer.encode(prompt), max_tokens, temperature, top_k or None, seed)
@@ -179,6 +211,14 @@ def bench():
 def bench_step_command(num_layers, hidden_size, num_attention_heads, seq_length, micro_batch_size,
                        dtype, device, vocab_size, warmup, iters):
     """Time forward + backward + SGD step against the matmul FLOP/s at the model's GEMM shapes."""
+    from . import comm
+    if comm.launch_size() > 1:
+        # Every rank would time its own copy and print its own table. Rank 0 alone says so, without
+        # user_errors, which under mpirun starts MPI to meet ranks that have already exited.
+        if comm.launch_rank() != 0:
+            sys.exit(1)
+        raise click.ClickException(f"bench step times one process, but mpirun started "
+                                   f"{comm.launch_size()} ranks; run it without mpirun")
     from .bench import bench_step, format_table
     from .model import GPTConfig
     cfg = GPTConfig(num_layers=num_layers, hidden_size=hidden_size,
@@ -190,7 +230,7 @@ def bench_step_command(num_layers, hidden_size, num_attention_heads, seq_length,
 
 @bench.command("comm")
 @click.option("--ranks", type=int, default=None,
-              help="Launch this many ranks with mpiexec (default: run on the ranks mpirun started).")
+              help="Launch this many ranks with mpiexec (default: 2, or the ranks mpirun started).")
 @click.option("--min-bytes", type=int, default=1024, show_default=True, help="Smallest message.")
 @click.option("--max-bytes", type=int, default=64 * 2 ** 20, show_default=True, help="Largest message.")
 @click.option("--device", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True,
@@ -201,11 +241,14 @@ def bench_comm_command(ranks, min_bytes, max_bytes, device):
     if not 1 <= min_bytes <= max_bytes:
         raise InputError(f"--min-bytes {min_bytes} and --max-bytes {max_bytes} must satisfy "
                          "1 <= min <= max")
-    if ranks is not None and ranks < 1:
-        raise InputError(f"--ranks {ranks} must be a positive integer")
+    if ranks is not None and ranks < 2:
+        raise InputError(f"--ranks {ranks} must be at least 2; bench comm measures traffic between ranks")
     from . import comm
-    if ranks is not None and not comm.launched_by_mpi():
-        sys.exit(relaunch_under_mpiexec(ranks))
+    if not comm.launched_by_mpi():      # one rank alone would time no-ops: absurd bandwidths
+        sys.exit(relaunch_under_mpiexec(ranks or 2))
+    if comm.init().size < 2:
+        raise InputError("bench comm runs on 1 rank but measures traffic between ranks; launch it with "
+                         "mpirun -n 2 or more, or without mpirun")
     from .bench_comm import bench_comm, format_report
     result = bench_comm(min_bytes, max_bytes, device)
     if comm.init().rank == 0:

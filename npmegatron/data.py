@@ -2,10 +2,11 @@
 deterministic window sampler.
 
 A preprocessed dataset is two files, as Megatron's indexed datasets and nanoGPT's train.bin:
-PREFIX.bin, every document's tokens back to back (uint16 when the vocabulary fits, else uint32),
-read through a memory map; and PREFIX.json, the index (document boundaries, vocabulary size,
-tokenizer). A Hugging Face tokenizer is copied beside them as PREFIX.tokenizer.json, so the
-dataset (and a checkpoint trained on it) can decode text without the original file.
+PREFIX.bin, every document's tokens back to back in the narrowest unsigned type that holds the
+vocabulary (uint8 for bytes, uint16, else uint32), read through a memory map; and PREFIX.json,
+the index (token dtype, document boundaries, vocabulary size, tokenizer). A Hugging Face
+tokenizer is copied beside them as PREFIX.tokenizer.json, so the dataset (and a checkpoint
+trained on it) can decode text without the original file.
 """
 import json
 import os
@@ -18,6 +19,7 @@ from .autograd import InputError
 
 BYTE_VOCAB_SIZE = 256
 INDEX_FORMAT = "npmegatron-tokens-1"
+TOKEN_DTYPES = ("uint8", "uint16", "uint32")
 _SKIPPED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
@@ -47,13 +49,23 @@ def load_default_corpus(validation_every=20):
 
 # ---- tokenizers ---------------------------------------------------------------------------------
 
+def utf8_bytes(text, what="the text"):
+    """`text` as UTF-8. Python carries bytes that are not UTF-8 (in argv, or read with
+    surrogateescape) as lone surrogates, which UTF-8 cannot encode."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InputError(f"{what} is not UTF-8 text ({text[error.start:error.end]!r} at character "
+                         f"{error.start}); pass it as UTF-8") from None
+
+
 class ByteTokenizer:
     """UTF-8 bytes are the tokens: vocabulary 256, nothing to download."""
     spec = {"type": "bytes"}
     vocab_size = BYTE_VOCAB_SIZE
 
     def encode(self, text):
-        return list(text.encode("utf-8"))
+        return list(utf8_bytes(text))
 
     def decode(self, ids):
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
@@ -80,6 +92,7 @@ class HFTokenizer:
         self.spec = {"type": "huggingface"}
 
     def encode(self, text):
+        utf8_bytes(text)
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids):
@@ -110,7 +123,8 @@ def _input_files(inputs):
 
 
 def token_dtype(vocab_size):
-    return numpy.dtype(numpy.uint16 if vocab_size <= 2 ** 16 else numpy.uint32)
+    """The narrowest unsigned type that holds ids 0 .. vocab_size - 1."""
+    return numpy.dtype("uint8" if vocab_size <= 2 ** 8 else "uint16" if vocab_size <= 2 ** 16 else "uint32")
 
 
 def preprocess(inputs, output_prefix, tokenizer_file=None):
@@ -151,6 +165,38 @@ def preprocess(inputs, output_prefix, tokenizer_file=None):
     return index
 
 
+_INDEX_TYPES = {"format": (str, "a string"), "dtype": (str, "a string"), "num_tokens": (int, "an integer"),
+                "vocab_size": (int, "an integer"), "tokenizer": (dict, "an object"),
+                "document_offsets": (list, "a list")}
+
+
+def check_index(index, path):
+    """The token dtype of a loaded index, once every entry the reader relies on is present and
+    consistent, so a foreign or hand-edited .json names its bad entry instead of a KeyError."""
+    fix = "recreate it with `npmegatron preprocess`"
+    if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT:
+        raise InputError(f"{path} is not an npmegatron dataset index; {fix}")
+    for key, (kind, name) in _INDEX_TYPES.items():
+        if key not in index:
+            raise InputError(f"{path} has no {key!r} entry; {fix}")
+        if not isinstance(index[key], kind) or isinstance(index[key], bool):
+            raise InputError(f"{path}: {key!r} is {type(index[key]).__name__}, not {name}; {fix}")
+    if index["dtype"] not in TOKEN_DTYPES:
+        raise InputError(f"{path}: dtype {index['dtype']!r} is not one of {', '.join(TOKEN_DTYPES)}; {fix}")
+    if index["vocab_size"] < 1:
+        raise InputError(f"{path}: vocab_size {index['vocab_size']} is not positive; {fix}")
+    if index["tokenizer"].get("type") not in ("bytes", "huggingface"):
+        raise InputError(f"{path}: tokenizer type {index['tokenizer'].get('type')!r} is not 'bytes' or "
+                         f"'huggingface'; {fix}")
+    offsets = index["document_offsets"]
+    if not (offsets and offsets[0] == 0 and offsets[-1] == index["num_tokens"]
+            and all(isinstance(o, int) for o in offsets)
+            and all(a <= b for a, b in zip(offsets, offsets[1:]))):
+        raise InputError(f"{path}: document_offsets must be integers from 0, never decreasing, to "
+                         f"num_tokens {index['num_tokens']}; {fix}")
+    return numpy.dtype(index["dtype"])
+
+
 class TokenDataset:
     """A preprocessed dataset: `tokens` is a read-only memory map of PREFIX.bin."""
 
@@ -169,10 +215,7 @@ class TokenDataset:
                 index = json.load(f)
         except ValueError:
             index = {}
-        if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT:
-            raise InputError(f"{index_path} is not an npmegatron dataset index; recreate it with "
-                             "`npmegatron preprocess`")
-        dtype = numpy.dtype(index["dtype"])
+        dtype = check_index(index, index_path)
         size = os.path.getsize(bin_path)
         if size == 0 or index["num_tokens"] == 0:
             raise InputError(f"--data-path {prefix}: {bin_path} is empty; preprocess some text into it")

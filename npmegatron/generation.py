@@ -4,6 +4,8 @@ and temperature / top-k sampling over the full (TP-gathered) vocabulary.
 Under tensor parallelism every rank holds its heads' keys and values; the logits are gathered,
 and all ranks draw the same token from identically seeded generators on identical logits.
 """
+import math
+
 import numpy
 
 from . import autograd as ag
@@ -43,11 +45,14 @@ def sample_token(logits, rng, temperature, top_k):
     """One token id from a (vocab,) float64 array: greedy at temperature 0."""
     if temperature == 0:
         return int(numpy.argmax(logits))
-    logits = logits / temperature
+    # Shift before scaling: a tiny temperature then overflows to -inf (probability 0), never to
+    # inf - inf = nan.
+    with numpy.errstate(over="ignore"):
+        logits = (logits - logits.max()) / temperature
     if top_k and top_k < logits.size:
         cutoff = numpy.partition(logits, -top_k)[-top_k]
         logits = numpy.where(logits < cutoff, -numpy.inf, logits)
-    probs = numpy.exp(logits - logits.max())
+    probs = numpy.exp(logits)
     return int(rng.choice(logits.size, p=probs / probs.sum()))
 
 
@@ -68,8 +73,9 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, see
     fills). Collective over the model's TP group."""
     if model.cfg.sequence_parallel:
         model = without_sequence_parallel(model)
-    if temperature < 0:
-        raise InputError(f"temperature {temperature} is negative; use 0 (greedy) or more")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise InputError(f"temperature {temperature} must be a finite number >= 0; use 0 for greedy "
+                         "decoding or a positive value to sample")
     if top_k is not None and top_k < 1:
         raise InputError(f"top-k {top_k} must be a positive integer (or omitted)")
     if len(prompt_ids) == 0:

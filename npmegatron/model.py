@@ -190,12 +190,12 @@ class GPT(Module):
         if t > self.cfg.max_position_embeddings:
             raise InputError(f"sequence length {t} is longer than the position table "
                              f"({self.cfg.max_position_embeddings}); use shorter sequences or a "
-                             "larger --max-position-embeddings")
+                             "larger max_position_embeddings")
         check_ids(ids, self.cfg.vocab_size, "token id",
-                  "tokenize with the model's vocabulary or raise --vocab-size")
+                  "tokenize with the model's vocabulary or build the model with a larger vocab_size")
         if self.cfg.sequence_parallel and t % self.tp_group.size:
             raise InputError(f"sequence length {t} is not divisible by the tensor-parallel size "
-                             f"{self.tp_group.size}, as sequence parallelism needs; change --seq-length")
+                             f"{self.tp_group.size}, as sequence parallelism needs; use a multiple of it")
 
     def embed(self, ids, offset=0):
         ids = self.xp.asarray(ids)

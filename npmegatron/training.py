@@ -8,7 +8,10 @@ run is the same whatever that split, so every (TP, DP) layout follows the same t
 """
 import json
 import math
+import os
+import sys
 import time
+import uuid
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -23,6 +26,7 @@ from .generation import generate
 from .model import GPTConfig, model_flops
 from .pipeline import PipelineModel, StageExchange, default_layout, parse_layout, plan_stages, run_schedule
 from .optimizer import AdamW, clip_grad_norm, learning_rate
+from .save_folder import SaveFolder
 
 
 class TrainingDiverged(InputError):
@@ -65,6 +69,8 @@ class TrainArgs:
     load: Optional[str] = None
     save_interval: Optional[int] = None             # None: save at the end only
     exit_interval: Optional[int] = None             # stop (after saving) at a multiple of this
+    overwrite: bool = False                         # replace another run's checkpoints in --save
+    exit_signal_handler: bool = False               # SIGTERM: finish the iteration, save, exit 0
     ddp_bucket_size: int = 2 ** 20                  # parameters per data-parallel all-reduce
     log_interval: int = 50
     eval_interval: int = 250
@@ -105,6 +111,14 @@ class TrainArgs:
             hidden_dropout=self.hidden_dropout, attention_dropout=self.attention_dropout,
             sequence_parallel=self.sequence_parallel, dtype=self.dtype, device=self.device,
             seed=self.seed)
+
+
+def resumes_in_place(load, save):
+    """True when --load names the --save folder (or one of its iteration folders)."""
+    if not load or not save:
+        return False
+    load = os.path.realpath(load)
+    return os.path.realpath(save) in (load, os.path.dirname(load))
 
 
 def build_grid(args):
@@ -201,13 +215,19 @@ class Trainer:
         self.norm_skip = self.model.norm_skip()    # what counts once in the global norm
         self.iteration = 0
         self.last_saved = None
+        self.run_id = uuid.uuid4().hex      # rank 0's is the one recorded; a resumed run keeps its own
         if args.load:
             manifest = checkpoint.load(args.load, self.model, self.optimizer, grid, self.layout)
             self.iteration = self.last_saved = manifest["iteration"]
+            self.run_id = manifest.get("run_id", self.run_id)
             saved_batch = manifest["data"]["global_batch_size"]
             if saved_batch != self.global_batch:
                 raise InputError(f"checkpoint {args.load} was trained with global batch {saved_batch}, "
                                  f"this run has {self.global_batch}; pass --global-batch-size {saved_batch}")
+        self.save_folder = None
+        if args.save:
+            self.save_folder = SaveFolder(args.save, self.run_id, grid.world, args.overwrite,
+                                          resuming=resumes_in_place(args.load, args.save))
 
     def micro_batches(self, sampler, step):
         """This rank's micro-batches of global batch `step`: samples are numbered globally, DP rank
@@ -249,14 +269,22 @@ class Trainer:
 
     def save(self):
         args = self.args
-        extra = {"pipeline_layout": self.layout,
+        extra = {"run_id": self.run_id, "pipeline_layout": self.layout,
                  "data": {"consumed_samples": self.iteration * self.global_batch,
                           "global_batch_size": self.global_batch, "seed": args.seed,
                           "data_path": args.data_path},
                  "tokenizer": self.data.tokenizer.spec, "args": asdict(args)}
         files = {"tokenizer.json": self.data.tokenizer_file} if self.data.tokenizer_file else {}
-        checkpoint.save(args.save, self.iteration, self.model, self.optimizer, self.grid, extra, files)
+        folder = checkpoint.save(args.save, self.iteration, self.model, self.optimizer, self.grid,
+                                 extra, files)
+        self.save_folder.saved(folder)
         self.last_saved = self.iteration
+        return folder
+
+    def close(self):
+        """Let go of the --save folder's lock (also dropped when the process ends)."""
+        if self.save_folder is not None:
+            self.save_folder.release()
 
     def diverged(self, what, value):
         kept = (f"the last checkpoint (iteration {self.last_saved} in {self.args.save or self.args.load}) "
@@ -267,9 +295,22 @@ class Trainer:
 
 
 def train(args: TrainArgs, echo=print):
-    """Train (or resume); returns the per-iteration losses of this run (the same on every rank)."""
-    trainer = Trainer(args)
-    grid, cfg, model = trainer.grid, trainer.cfg, trainer.model
+    """Train (or resume); returns the per-iteration losses of this run (the same on every rank).
+    With --exit-signal-handler, SIGTERM is noted from the very start, before the slow set-up."""
+    exit_signal = comm.ExitSignal() if args.exit_signal_handler else None
+    trainer = None
+    try:
+        trainer = Trainer(args)
+        return _train_loop(trainer, echo, exit_signal)
+    finally:
+        if trainer is not None:
+            trainer.close()
+        if exit_signal is not None:
+            exit_signal.restore()
+
+
+def _train_loop(trainer, echo, exit_signal):
+    args, grid, cfg, model = trainer.args, trainer.grid, trainer.cfg, trainer.model
     leader = grid.rank == 0
     if not leader:
         echo = lambda *a, **k: None
@@ -284,10 +325,14 @@ def train(args: TrainArgs, echo=print):
          f"{len(trainer.data.valid):,} validation tokens")
     if args.load:
         echo(f"resumed from {args.load} at iteration {trainer.iteration}")
+    if args.train_iters < args.lr_warmup_iters:
+        echo(f"warning: --train-iters {args.train_iters} is less than --lr-warmup-iters "
+             f"{args.lr_warmup_iters}, so the whole run is warm-up and never reaches --lr {args.lr}")
     log = open(args.log_file, "a" if args.load else "w") if args.log_file and leader else None
     losses, window_start, window = [], time.perf_counter(), []
+    # A bar only on a terminal: captured to a file, its refreshes would bury the interval lines.
     bar = tqdm(total=args.train_iters, initial=trainer.iteration, desc="training", unit="it",
-               leave=False, disable=not leader)
+               leave=False, disable=not (leader and sys.stderr.isatty()))
     while trainer.iteration < args.train_iters:
         lr = learning_rate(trainer.iteration, args.lr, args.min_lr, args.lr_warmup_iters,
                            args.train_iters, args.lr_decay_style)
@@ -317,11 +362,17 @@ def train(args: TrainArgs, echo=print):
                 log.flush()
             window, window_start = [], time.perf_counter()
         stop = bool(args.exit_interval) and done % args.exit_interval == 0
-        if args.save and (done == args.train_iters or stop or
+        signalled = exit_signal is not None and exit_signal.received(grid.world)
+        if args.save and (done == args.train_iters or stop or signalled or
                           (args.save_interval and done % args.save_interval == 0)):
             trainer.save()
         if stop:
             echo(f"exiting at iteration {done} (--exit-interval {args.exit_interval})")
+            break
+        if signalled:
+            saved = (f"checkpoint saved in {os.path.join(args.save, f'iter_{done:07d}')}"
+                     if args.save else "nothing saved (no --save)")
+            echo(f"{exit_signal.name} received: stopped after iteration {done}; {saved}")
             break
     bar.close()
     if log:

@@ -119,7 +119,7 @@ class Embedding(Function):
     @staticmethod
     def forward(ctx, ids, weight):
         check_ids(ids, weight.shape[0], "token id",
-                   "tokenize with the model's vocabulary or raise --vocab-size")
+                  "tokenize with the embedding's vocabulary or give the embedding more rows")
         ctx.ids, ctx.shape, ctx.dtype = ids, weight.shape, weight.dtype
         return weight[ids]
 

@@ -89,8 +89,7 @@ def default_layout(num_layers, pp, virtual=1):
     stages = pp * virtual
     if num_layers % stages:
         raise InputError(f"{num_layers} layers do not split evenly over {pp} pipeline stages x "
-                         f"{virtual} virtual stages; change --num-layers or give "
-                         "--pipeline-model-parallel-layout")
+                         f"{virtual} virtual stages; change num_layers or give a layout string")
     per = num_layers // stages
     text = "|".join(("E" if i == 0 else "") + "t" * per + ("L" if i == stages - 1 else "")
                     for i in range(stages))

@@ -31,10 +31,10 @@ def build_actions(schedule, pp_rank, pp, virtual, num_micro_batches):
         return forwards + [(BACKWARD, c, i) for c in reversed(range(v)) for i in range(m)]
     if v > 1 and schedule == "1f1b":
         raise InputError(f"the 1f1b schedule runs one stage per rank, but this layout gives each rank "
-                         f"{v}; use --pipeline-schedule interleaved (or afab)")
+                         f"{v}; use the interleaved (or afab) schedule")
     if v > 1 and m % pp:
         raise InputError(f"the interleaved schedule needs the micro-batches ({m}) to be a multiple of "
-                         f"the pipeline size {pp}; change --global-batch-size or --micro-batch-size")
+                         f"the pipeline size {pp}; change num_micro_batches")
     total = m * v
 
     def order(k, backward):

@@ -20,7 +20,7 @@ def pad_vocab_size(vocab_size, tp_size, divisible_by=128):
     """Round the vocabulary up to a multiple of divisible_by * TP (paper §5.1: 50,257 -> 51,200
     at TP=8), so every rank holds an equal shard of whole 128-column blocks."""
     if divisible_by < 1:
-        raise InputError(f"--make-vocab-size-divisible-by {divisible_by} must be a positive integer")
+        raise InputError(f"make_vocab_size_divisible_by {divisible_by} must be a positive integer")
     multiple = divisible_by * tp_size
     return -(-vocab_size // multiple) * multiple
 

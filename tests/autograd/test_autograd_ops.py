@@ -220,7 +220,7 @@ def test_bad_inputs_are_one_clear_sentence():
         leaf(2, 3) + leaf(4)
     with pytest.raises(InputError, match="inner dimensions 3 and 4 differ"):
         leaf(2, 3) @ leaf(4, 5)
-    with pytest.raises(InputError, match="token id 9 is outside the vocabulary"):
+    with pytest.raises(InputError, match="token id 9 is outside the vocabulary .*give the embedding more rows$"):
         ag.embedding(np.array([1, 9]), leaf(5, 2))
     with pytest.raises(InputError, match="target id -1 is outside"):
         ag.cross_entropy(leaf(2, 5), np.array([0, -1]))

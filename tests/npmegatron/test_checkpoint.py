@@ -43,7 +43,7 @@ def test_resume_is_bitwise_identical_with_dropout(tmp_path, dtype):
 def test_manifest_holds_config_layout_optimizer_rng_and_data_position(tmp_path):
     train(small(tmp_path, train_iters=4, save=str(tmp_path / "ck"), save_interval=2), echo=lambda *a: None)
     assert (tmp_path / "ck" / "latest").read_text() == "iter_0000004"
-    assert sorted(os.listdir(tmp_path / "ck")) == ["iter_0000002", "iter_0000004", "latest"]
+    assert sorted(os.listdir(tmp_path / "ck")) == [".npmegatron.lock", "iter_0000002", "iter_0000004", "latest"]
     m = json.loads((tmp_path / "ck" / "iter_0000004" / "manifest.json").read_text())
     assert m["iteration"] == 4 and m["model"]["hidden_size"] == 32
     assert m["layout"] == {"tp": 1, "pp": 1, "dp": 1}
@@ -120,4 +120,4 @@ def test_saving_an_iteration_again_keeps_the_old_copy_until_the_new_is_in_place(
     os.rename(tmp_path / "ck" / "iter_0000002", tmp_path / "ck" / "iter_0000002.old")
     assert train(small(tmp_path, train_iters=2, load=str(tmp_path / "ck")), echo=lambda *a: None) == []
     train(small(tmp_path, train_iters=2, save=str(tmp_path / "ck")), echo=lambda *a: None)
-    assert sorted(os.listdir(tmp_path / "ck")) == ["iter_0000002", "latest"]
+    assert sorted(os.listdir(tmp_path / "ck")) == [".npmegatron.lock", "iter_0000002", "latest"]

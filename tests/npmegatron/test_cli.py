@@ -65,7 +65,7 @@ def test_preprocess_train_on_it_then_generate(tmp_path):
         (tmp_path / "docs" / f"{i}.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
     prep = run(CLI + ["preprocess", str(tmp_path / "docs"), "--output", str(tmp_path / "fox")])
     assert prep.returncode == 0, prep.stderr
-    assert "from 4 documents, vocabulary 256" in prep.stdout
+    assert "tokens (uint8) from 4 documents, vocabulary 256" in prep.stdout
     train = run([sys.executable, "scripts/train.py", "--data-path", str(tmp_path / "fox"),
                  "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
                  "--seq-length", "32", "--micro-batch-size", "8", "--train-iters", "60", "--lr", "1e-2",
@@ -82,3 +82,54 @@ def test_preprocess_train_on_it_then_generate(tmp_path):
     again = run(CLI + ["generate", "--load", str(tmp_path / "ck"), "--prompt", "the quick brown",
                        "--max-tokens", "10", "--temperature", "0"])
     assert again.stdout == gen.stdout                             # greedy is deterministic
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny")
+    (folder / "a.txt").write_text("the quick brown fox. " * 50)
+    assert run(CLI + ["preprocess", str(folder / "a.txt"), "--output", str(folder / "fox")]).returncode == 0
+    train = run([sys.executable, "scripts/train.py", "--data-path", str(folder / "fox"), "--num-layers", "1",
+                 "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "16",
+                 "--micro-batch-size", "2", "--train-iters", "1", "--eval-iters", "1", "--sample-tokens", "0",
+                 "--save", str(folder / "ck")])
+    assert train.returncode == 0, train.stderr
+    return str(folder / "ck")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--temperature", "nan"], "temperature nan must be a finite number >= 0"),
+    (["--temperature", "inf"], "temperature inf must be a finite number >= 0"),
+    (["--prompt", b"\xff\xfe"], "--prompt is not UTF-8 text"),
+], ids=["nan", "inf", "not-utf8"])
+def test_bad_generate_input_is_one_sentence(tiny_checkpoint, args, message):
+    command = CLI + ["generate", "--load", tiny_checkpoint, "--prompt", "the", "--max-tokens", "3"] + args
+    result = subprocess.run(command, capture_output=True, timeout=120, cwd=ROOT)
+    stderr = result.stderr.decode("utf-8", "replace")
+    assert result.returncode != 0 and "Traceback" not in stderr
+    lines = [l for l in stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], stderr
+
+
+def test_bench_comm_without_ranks_launches_two():
+    from conftest import rank_environment
+    result = subprocess.run(CLI + ["bench", "comm", "--max-bytes", "4096"], capture_output=True, text=True,
+                            timeout=120, cwd=ROOT, env=rank_environment())
+    assert result.returncode == 0, result.stderr
+    assert "alpha-beta fit on 2 ranks" in result.stdout
+    assert json.loads(result.stdout.strip().splitlines()[-1])["ranks"] == 2
+
+
+@pytest.mark.parametrize("ranks,command,message", [
+    (1, ["bench", "comm", "--max-bytes", "4096"], "bench comm runs on 1 rank but measures traffic between ranks"),
+    (2, ["bench", "step", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
+         "--seq-length", "16", "--micro-batch-size", "2", "--warmup", "1", "--iters", "1"],
+     "bench step times one process, but mpirun started 2 ranks; run it without mpirun"),
+], ids=["comm-on-one-rank", "step-on-two-ranks"])
+def test_bench_on_the_wrong_number_of_ranks_says_so_once(ranks, command, message):
+    from conftest import mpiexec_path, rank_environment
+    result = subprocess.run([mpiexec_path(), "-n", str(ranks)] + CLI + command, capture_output=True, text=True,
+                            timeout=120, cwd=ROOT, env=rank_environment())
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "Traceback" not in output
+    assert output.count(message) == 1 and "GEMM" not in output, output

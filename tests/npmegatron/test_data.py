@@ -1,10 +1,12 @@
 """Datasets: preprocess into a memory-mapped token file, tokenizers, the window sampler."""
 
+import json
+
 import numpy as np
 import pytest
 
 from npmegatron.autograd import InputError
-from npmegatron.data import (TokenDataset, WindowSampler, load_default_corpus,
+from npmegatron.data import (ByteTokenizer, TokenDataset, WindowSampler, load_default_corpus,
                              preprocess, stdlib_python_files, token_dtype)
 
 
@@ -30,8 +32,9 @@ def test_preprocess_bytes_of_files_and_folders(tmp_path):
     write(tmp_path / "in" / "sub" / "empty.txt", "")
     c = write(tmp_path / "c.txt", "x" * 100)
     index = preprocess([str(tmp_path / "in"), str(c)], str(tmp_path / "data"))
-    assert index["dtype"] == "uint16" and index["vocab_size"] == 256
+    assert index["dtype"] == "uint8" and index["vocab_size"] == 256
     assert index["document_offsets"] == [0, 7, 13, 113]       # empty documents are skipped
+    assert (tmp_path / "data.bin").stat().st_size == 113      # one byte per byte-level token
     assert index["sources"][0] == str(a)
     ds = TokenDataset(str(tmp_path / "data"))
     assert isinstance(ds.tokens, np.memmap)
@@ -42,9 +45,52 @@ def test_preprocess_bytes_of_files_and_folders(tmp_path):
     assert ds.tokenizer().decode(ds.tokens[:7]) == "héllo\n"
 
 
-def test_token_dtype_widens_past_uint16():
-    assert token_dtype(256) == np.uint16 and token_dtype(65536) == np.uint16
-    assert token_dtype(65537) == np.uint32
+def test_token_dtype_is_the_narrowest_that_holds_the_vocabulary():
+    assert token_dtype(256) == np.uint8 and token_dtype(257) == np.uint16
+    assert token_dtype(65536) == np.uint16 and token_dtype(65537) == np.uint32
+
+
+def test_uint16_byte_datasets_written_before_uint8_still_read(tmp_path):
+    tokens = np.frombuffer(b"hello world", np.uint8)
+    tokens.astype(np.uint16).tofile(tmp_path / "old.bin")
+    (tmp_path / "old.json").write_text(json.dumps({
+        "format": "npmegatron-tokens-1", "dtype": "uint16", "num_tokens": 11, "vocab_size": 256,
+        "tokenizer": {"type": "bytes"}, "document_offsets": [0, 11], "sources": ["a.txt"]}))
+    ds = TokenDataset(str(tmp_path / "old"))
+    assert ds.tokens.dtype == np.uint16 and ds.tokenizer().decode(ds.tokens) == "hello world"
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"num_tokens": None}, "has no 'num_tokens' entry"),
+    ({"document_offsets": None}, "has no 'document_offsets' entry"),
+    ({"num_tokens": "11"}, "'num_tokens' is str, not an integer"),
+    ({"tokenizer": "bytes"}, "'tokenizer' is str, not an object"),
+    ({"dtype": "float32"}, "dtype 'float32' is not one of uint8, uint16, uint32"),
+    ({"vocab_size": 0}, "vocab_size 0 is not positive"),
+    ({"tokenizer": {"kind": "bytes"}}, "tokenizer type None is not 'bytes' or 'huggingface'"),
+    ({"document_offsets": [1, 11]},
+     "document_offsets must be integers from 0, never decreasing, to num_tokens 11"),
+    ({"document_offsets": [0, 8, 4, 11]}, "never decreasing"),
+    ({"document_offsets": [0, 10]}, "to num_tokens 11"),
+], ids=["no-num-tokens", "no-offsets", "num-tokens-str", "tokenizer-str", "dtype", "vocab", "tokenizer-type",
+        "offsets-start", "offsets-order", "offsets-end"])
+def test_a_bad_index_names_its_entry_in_one_sentence(tmp_path, change, message):
+    preprocess([str(write(tmp_path / "a.txt", "hello world"))], str(tmp_path / "d"))
+    index = json.loads((tmp_path / "d.json").read_text())
+    index.update(change)
+    (tmp_path / "d.json").write_text(json.dumps({k: v for k, v in index.items() if v is not None}))
+    with pytest.raises(InputError) as error:
+        TokenDataset(str(tmp_path / "d"))
+    text = str(error.value)
+    assert text.startswith(str(tmp_path / "d.json")) and message in text
+    assert text.endswith("; recreate it with `npmegatron preprocess`") and "\n" not in text
+
+
+def test_text_that_is_not_utf8_is_one_sentence():
+    with pytest.raises(InputError) as error:
+        ByteTokenizer().encode("a\udcff")       # byte 0xff, as surrogateescape carries it
+    assert str(error.value) == r"the text is not UTF-8 text ('\udcff' at character 1); pass it as UTF-8"
+    assert ByteTokenizer().encode("é") == [0xc3, 0xa9]
 
 
 def test_preprocess_with_a_local_hugging_face_tokenizer(tmp_path):
@@ -65,6 +111,8 @@ def test_preprocess_with_a_local_hugging_face_tokenizer(tmp_path):
     assert (tmp_path / "data.tokenizer.json").exists()
     assert ds.tokenizer().decode(ds.tokens) == text
     assert len(ds.tokens) < len(text)                 # merges happened
+    with pytest.raises(InputError, match="the text is not UTF-8 text"):
+        ds.tokenizer().encode("def \udcff")
 
 
 @pytest.mark.parametrize("case,message", [
@@ -72,7 +120,7 @@ def test_preprocess_with_a_local_hugging_face_tokenizer(tmp_path):
     ("empty-input", "no text found in"),
     ("missing-dataset", "--data-path {tmp}/none: {tmp}/none.bin and {tmp}/none.json not found"),
     ("empty-bin", "is empty; preprocess some text into it"),
-    ("truncated-bin", "holds 10 bytes but its index expects 20"),
+    ("truncated-bin", "holds 5 bytes but its index expects 10"),
     ("bad-tokenizer", "tokenizer file {tmp}/nope.json does not exist"),
 ])
 def test_bad_data_is_one_clear_sentence(tmp_path, case, message):
@@ -92,7 +140,7 @@ def test_bad_data_is_one_clear_sentence(tmp_path, case, message):
             if case == "empty-bin":
                 (tmp_path / "d.bin").write_bytes(b"")
             else:
-                (tmp_path / "d.bin").write_bytes(b"\0" * 10)
+                (tmp_path / "d.bin").write_bytes(b"\0" * 5)
             TokenDataset(str(tmp_path / "d"))
     assert message.format(tmp=tmp_path) in str(error.value)
     assert not (tmp_path / "d.bin.partial").exists()

@@ -115,6 +115,8 @@ def test_killed_while_saving_resumes_from_the_previous_checkpoint(mpirun, tmp_pa
                     log_file=sys.argv[-1])
         if "--resume" in sys.argv:
             args["load"] = {str(tmp_path / 'ck')!r}
+        if "--straight" in sys.argv:        # a run of its own: never into another run's folder
+            args["save"] = {str(tmp_path / 'straight')!r}
         train(TrainArgs(**args), echo=lambda *a: None)
     """
     killed = mpirun(4, code, args=["--kill", str(tmp_path / "killed.jsonl")], check=False, timeout=120)

@@ -54,6 +54,17 @@ def test_sampling_rules():
         generate(GPT(GPTConfig(**CFG)), [], 3)
 
 
+@pytest.mark.parametrize("temperature", [float("nan"), float("inf"), float("-inf")])
+def test_temperature_must_be_finite(temperature):
+    with pytest.raises(InputError, match=f"temperature {temperature} must be a finite number >= 0"):
+        generate(GPT(GPTConfig(**CFG)), [1], 3, temperature=temperature)
+
+
+def test_a_tiny_temperature_is_greedy_not_nan():
+    logits = np.array([0.0, 1.0, 3.0, 2.0])
+    assert sample_token(logits, np.random.default_rng(0), 1e-310, None) == 2
+
+
 def test_tensor_parallel_generation_equals_serial(mpirun):
     result = mpirun(2, f"""
         import numpy as np

@@ -17,6 +17,8 @@ def test_layout_language():
     assert specs[0].pre_process and specs[-1].post_process and not specs[2].pre_process
     assert default_layout(4, 2) == "Ett|ttL"
     assert default_layout(4, 2, virtual=2) == "Et|t|t|tL"
+    with pytest.raises(InputError, match="5 layers do not split evenly .*; change num_layers or give a layout string$"):
+        default_layout(5, 2)
 
 
 @pytest.mark.parametrize("layout,layers,pp,message", [
@@ -45,9 +47,10 @@ def test_1f1b_warms_up_pp_minus_rank_minus_one_forwards():
 
 
 def test_interleaved_needs_a_multiple_of_pp_micro_batches():
-    with pytest.raises(InputError, match="micro-batches \\(3\\) to be a multiple of the pipeline size 2"):
+    with pytest.raises(InputError, match="micro-batches \\(3\\) to be a multiple of the pipeline size 2; "
+                       "change num_micro_batches$"):
         build_actions("interleaved", 0, 2, 2, 3)
-    with pytest.raises(InputError, match="use --pipeline-schedule interleaved"):
+    with pytest.raises(InputError, match="use the interleaved \\(or afab\\) schedule$"):
         build_actions("1f1b", 0, 2, 2, 4)
 
 

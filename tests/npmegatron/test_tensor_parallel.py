@@ -245,6 +245,8 @@ def test_heads_not_divisible_by_tp_and_vocab_shards_are_clear_errors():
     import numpy as np
     assert pad_vocab_size(50257, 8) == 51200
     assert pad_vocab_size(256, 1) == 256 and pad_vocab_size(256, 4) == 512
+    with pytest.raises(InputError, match="^make_vocab_size_divisible_by 0 must be a positive integer$"):
+        pad_vocab_size(256, 1, 0)
 
     class FakeGroup(Group):        # a 6-rank group, enough to build layers without MPI
         def __init__(self, size):
@@ -257,3 +259,11 @@ def test_heads_not_divisible_by_tp_and_vocab_shards_are_clear_errors():
         GPT(GPTConfig(hidden_size=64, num_attention_heads=32), Grid())
     with pytest.raises(InputError, match="padded vocabulary size 100 is not divisible by the tensor-parallel size 6"):
         VocabParallelEmbedding(np, np.float64, 100, 100, 8, 0.02, FakeGroup(6))
+
+    class SequenceParallelGrid:
+        tp_group, tp_rank, pp_rank = FakeGroup(2), 0, 0
+    model = GPT(GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, max_position_embeddings=8,
+                          sequence_parallel=True), SequenceParallelGrid())
+    with pytest.raises(InputError, match="sequence length 3 is not divisible by the tensor-parallel size 2, "
+                       "as sequence parallelism needs; use a multiple of it$"):
+        model(np.zeros((1, 3), int))

@@ -50,7 +50,9 @@ def test_bad_input_under_mpirun_is_one_sentence_from_one_rank(n, args, message):
     assert result.returncode != 0
     assert "Traceback" not in result.stderr
     assert result.stderr.count(message) == 1, result.stderr
-    assert f"[rank 0] error: {message}" in result.stderr
+    assert f"Error: {message}" in result.stderr
+    # every rank hit it, so the job ends normally: exit 1 and no MPI_Abort noise
+    assert result.returncode == 1 and "Abort" not in result.stdout + result.stderr, result.stderr
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +99,7 @@ def test_bad_training_input_is_reported_once(saved, args, message):
     assert result.returncode != 0
     assert "Traceback" not in result.stderr, result.stderr
     assert result.stderr.count(message) == 1, result.stderr
+    assert result.returncode == 1 and "Abort" not in result.stdout + result.stderr, result.stderr
     if "--save" in args:
         assert (saved / "nan" / "latest").read_text() == "iter_0000001"
 
