@@ -23,7 +23,11 @@ def array_module_for(device):
     if device == "cpu":
         return numpy
     if device == "gpu":
-        import cupy
+        try:
+            import cupy
+        except ImportError:
+            raise InputError("device 'gpu' needs CuPy, which is not installed; install it with "
+                             "pip install 'npmegatron[gpu]', or use the CPU") from None
         return cupy
     raise InputError(f"unknown device {device!r}; use 'cpu' or 'gpu'")
 

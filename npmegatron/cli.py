@@ -1,6 +1,7 @@
 """The `npmegatron` command line (click): train, bench step. Megatron-LM's flag names."""
 import functools
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -8,6 +9,8 @@ import sys
 import click
 
 from .autograd import InputError
+
+POSITIVE = click.IntRange(min=1)
 
 
 def user_errors(command):
@@ -20,10 +23,22 @@ def user_errors(command):
             return command(*args, **kwargs)
         except InputError as error:
             from . import comm
+            error = InputError(in_flag_names(str(error)))
             if comm.launch_size() > 1 and not comm.reports_input_error(error):
                 sys.exit(1)
             raise click.ClickException(str(error)) from None
     return wrapper
+
+
+def in_flag_names(message):
+    """The library names parameters (`num_micro_batches`); a user of this command reads its
+    flags (`--num-micro-batches`). Parameters the command has no flag for stay as they are."""
+    context = click.get_current_context(silent=True)
+    for param in context.command.params if context else ():
+        if isinstance(param, click.Option) and "_" in param.name:
+            flag = max(param.opts, key=len)
+            message = re.sub(rf"(?<![-\w]){param.name}(?!\w)", flag, message)
+    return message
 
 
 class OneRankUsageErrors:
@@ -66,15 +81,15 @@ def relaunch_under_mpiexec(ranks):
 def model_options(defaults):
     """Megatron's model-shape flags, shared by `train` and `bench step`."""
     options = [
-        click.option("--num-layers", type=int, default=defaults["num_layers"], show_default=True,
+        click.option("--num-layers", type=POSITIVE, default=defaults["num_layers"], show_default=True,
                      help="Transformer layers."),
-        click.option("--hidden-size", type=int, default=defaults["hidden_size"], show_default=True,
+        click.option("--hidden-size", type=POSITIVE, default=defaults["hidden_size"], show_default=True,
                      help="Hidden (embedding) size."),
-        click.option("--num-attention-heads", type=int, default=defaults["num_attention_heads"],
+        click.option("--num-attention-heads", type=POSITIVE, default=defaults["num_attention_heads"],
                      show_default=True, help="Attention heads; must divide --hidden-size."),
-        click.option("--seq-length", type=int, default=defaults["seq_length"], show_default=True,
+        click.option("--seq-length", type=POSITIVE, default=defaults["seq_length"], show_default=True,
                      help="Tokens per sample."),
-        click.option("--micro-batch-size", type=int, default=defaults["micro_batch_size"],
+        click.option("--micro-batch-size", type=POSITIVE, default=defaults["micro_batch_size"],
                      show_default=True, help="Samples per forward/backward."),
         click.option("--dtype", type=click.Choice(["float32", "float64"]), default="float32",
                      show_default=True, help="Parameter and activation precision."),
@@ -128,7 +143,7 @@ def main():
               help="Dropout on embeddings and residual branches.")
 @click.option("--attention-dropout", type=float, default=0.0, show_default=True,
               help="Dropout on attention probabilities.")
-@click.option("--seed", type=int, default=1234, show_default=True, help="Seed of weights, data, dropout.")
+@click.option("--seed", type=click.IntRange(min=0), default=1234, show_default=True, help="Seed of weights, data, dropout.")
 @click.option("--log-interval", type=int, default=50, show_default=True, help="Steps per log line.")
 @click.option("--eval-interval", type=int, default=250, show_default=True,
               help="Steps between validation losses.")
@@ -179,7 +194,7 @@ def preprocess(inputs, output, tokenizer_file):
 @click.option("--max-tokens", type=int, default=200, show_default=True, help="Tokens to generate.")
 @click.option("--temperature", type=float, default=0.8, show_default=True, help="0: greedy.")
 @click.option("--top-k", type=int, default=40, show_default=True, help="Sample among the k likeliest (0: all).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Sampling seed.")
 @click.option("--device", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True)
 @user_errors
 def generate(load, prompt, max_tokens, temperature, top_k, seed, device):
@@ -204,9 +219,9 @@ def bench():
 @bench.command("step")
 @model_options({"num_layers": 4, "hidden_size": 512, "num_attention_heads": 8, "seq_length": 256,
                 "micro_batch_size": 8})
-@click.option("--vocab-size", type=int, default=256, show_default=True, help="Vocabulary size.")
-@click.option("--warmup", type=int, default=2, show_default=True, help="Untimed steps first.")
-@click.option("--iters", type=int, default=5, show_default=True, help="Timed steps (median reported).")
+@click.option("--vocab-size", type=POSITIVE, default=256, show_default=True, help="Vocabulary size.")
+@click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True, help="Untimed steps first.")
+@click.option("--iters", type=POSITIVE, default=5, show_default=True, help="Timed steps (median reported).")
 @user_errors
 def bench_step_command(num_layers, hidden_size, num_attention_heads, seq_length, micro_batch_size,
                        dtype, device, vocab_size, warmup, iters):
@@ -258,9 +273,9 @@ def bench_comm_command(ranks, min_bytes, max_bytes, device):
 @bench.command("pipeline")
 @model_options({"num_layers": 8, "hidden_size": 256, "num_attention_heads": 8, "seq_length": 128,
                 "micro_batch_size": 4})
-@click.option("--num-micro-batches", type=int, default=8, show_default=True, help="M per step.")
-@click.option("--ranks", type=int, default=None, help="Launch this many pipeline ranks with mpiexec.")
-@click.option("--iters", type=int, default=5, show_default=True, help="Timed steps (median reported).")
+@click.option("--num-micro-batches", type=POSITIVE, default=8, show_default=True, help="M per step.")
+@click.option("--ranks", type=POSITIVE, default=None, help="Launch this many pipeline ranks with mpiexec.")
+@click.option("--iters", type=POSITIVE, default=5, show_default=True, help="Timed steps (median reported).")
 @user_errors
 def bench_pipeline_command(num_layers, hidden_size, num_attention_heads, seq_length, micro_batch_size,
                            dtype, device, num_micro_batches, ranks, iters):

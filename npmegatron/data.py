@@ -129,16 +129,34 @@ def token_dtype(vocab_size):
 
 def preprocess(inputs, output_prefix, tokenizer_file=None):
     """Tokenize text files (folders are walked in sorted order; each file is a document) into
-    PREFIX.bin and PREFIX.json. Returns the index."""
+    PREFIX.bin and PREFIX.json. Returns the index. Nothing is left half-written on failure."""
     tokenizer = HFTokenizer(tokenizer_file) if tokenizer_file else ByteTokenizer()
     files = _input_files(inputs)
-    dtype = token_dtype(tokenizer.vocab_size)
     folder = os.path.dirname(os.path.abspath(output_prefix))
+    if output_prefix.endswith(os.sep) or os.path.isdir(output_prefix):
+        raise InputError(f"--output {output_prefix} is a folder; give a file prefix inside it, e.g. "
+                         f"{os.path.join(output_prefix, 'data')}")
     if not os.path.isdir(folder):
         raise InputError(f"output folder {folder} does not exist; create it or choose another --output")
+    try:
+        index = _write_dataset(files, output_prefix, tokenizer, tokenizer_file)
+    except OSError as e:
+        raise InputError(f"{e.filename}: {e.strerror}; check that the inputs can be read and that "
+                         f"--output {output_prefix} can be written") from None
+    finally:
+        for leftover in (output_prefix + ".bin.partial", output_prefix + ".json.partial"):
+            if os.path.exists(leftover):
+                os.remove(leftover)
+    if index is None:
+        raise InputError(f"no text found in {', '.join(inputs)}; pass non-empty text files")
+    return index
+
+
+def _write_dataset(files, output_prefix, tokenizer, tokenizer_file):
+    """Write the .partial files, then rename both into place; the index, or None if no text."""
+    dtype = token_dtype(tokenizer.vocab_size)
     offsets, sources = [0], []
-    partial = output_prefix + ".bin.partial"
-    with open(partial, "wb") as out:
+    with open(output_prefix + ".bin.partial", "wb") as out:
         for path in files:
             with open(path, "rb") as f:
                 raw = f.read()
@@ -151,8 +169,7 @@ def preprocess(inputs, output_prefix, tokenizer_file=None):
                 offsets.append(offsets[-1] + int(ids.size))
                 sources.append(path)
     if offsets[-1] == 0:
-        os.remove(partial)
-        raise InputError(f"no text found in {', '.join(inputs)}; pass non-empty text files")
+        return None
     index = {"format": INDEX_FORMAT, "dtype": dtype.name, "num_tokens": offsets[-1],
              "vocab_size": tokenizer.vocab_size, "tokenizer": tokenizer.spec,
              "document_offsets": offsets, "sources": sources}
@@ -160,7 +177,7 @@ def preprocess(inputs, output_prefix, tokenizer_file=None):
         shutil.copyfile(tokenizer_file, output_prefix + ".tokenizer.json")
     with open(output_prefix + ".json.partial", "w") as f:
         json.dump(index, f)
-    os.replace(partial, output_prefix + ".bin")
+    os.replace(output_prefix + ".bin.partial", output_prefix + ".bin")
     os.replace(output_prefix + ".json.partial", output_prefix + ".json")
     return index
 

@@ -86,18 +86,22 @@ class TrainArgs:
             if getattr(self, name) < 1:
                 raise InputError(f"--{name.replace('_', '-')} is {getattr(self, name)}; it must be "
                                  "a positive integer")
-        for name in ("save_interval", "exit_interval"):
+        for name in ("save_interval", "exit_interval", "global_batch_size", "num_micro_batches"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise InputError(f"--{name.replace('_', '-')} is {getattr(self, name)}; it must be a "
                                  "positive integer")
-        if not self.lr > 0:
+        if not (math.isfinite(self.lr) and self.lr > 0):
             raise InputError(f"--lr is {self.lr}; the learning rate must be positive, e.g. 1e-3")
         if not 0 <= self.min_lr <= self.lr:
             raise InputError(f"--min-lr is {self.min_lr}; it must be between 0 and --lr ({self.lr})")
-        for name in ("weight_decay", "clip_grad", "lr_warmup_iters", "sample_tokens"):
-            if getattr(self, name) < 0:
-                raise InputError(f"--{name.replace('_', '-')} is {getattr(self, name)}; it must not "
-                                 "be negative")
+        for name in ("weight_decay", "clip_grad", "lr_warmup_iters", "sample_tokens", "seed"):
+            if not getattr(self, name) >= 0 or not math.isfinite(getattr(self, name)):
+                raise InputError(f"--{name.replace('_', '-')} is {getattr(self, name)}; it must be a "
+                                 "finite number, not negative")
+        log_folder = os.path.dirname(os.path.abspath(self.log_file or "."))
+        if self.log_file and not os.path.isdir(log_folder):
+            raise InputError(f"--log-file {self.log_file}: folder {log_folder} does not exist; "
+                             "create it or choose another file")
         if self.seq_length > self.max_position_embeddings:
             raise InputError(f"--seq-length {self.seq_length} is longer than the position table "
                              f"(--max-position-embeddings {self.max_position_embeddings}); raise "
@@ -328,7 +332,7 @@ def _train_loop(trainer, echo, exit_signal):
     if args.train_iters < args.lr_warmup_iters:
         echo(f"warning: --train-iters {args.train_iters} is less than --lr-warmup-iters "
              f"{args.lr_warmup_iters}, so the whole run is warm-up and never reaches --lr {args.lr}")
-    log = open(args.log_file, "a" if args.load else "w") if args.log_file and leader else None
+    log = open_log(args.log_file, append=bool(args.load)) if args.log_file and leader else None
     losses, window_start, window = [], time.perf_counter(), []
     # A bar only on a terminal: captured to a file, its refreshes would bury the interval lines.
     bar = tqdm(total=args.train_iters, initial=trainer.iteration, desc="training", unit="it",
@@ -390,6 +394,13 @@ def _train_loop(trainer, echo, exit_signal):
             echo("sample (the first 32 validation tokens, then generated):\n"
                  + trainer.data.tokenizer.decode(ids))
     return losses
+
+
+def open_log(path, append):
+    try:
+        return open(path, "a" if append else "w")
+    except OSError as e:
+        raise InputError(f"cannot write --log-file {path} ({e.strerror}); choose a writable file") from None
 
 
 def _format(r, total):

@@ -72,6 +72,7 @@ def test_preprocess_train_on_it_then_generate(tmp_path):
                  "--lr-warmup-iters", "5", "--log-interval", "20", "--eval-interval", "60",
                  "--eval-iters", "1", "--save", str(tmp_path / "ck"), "--sample-tokens", "20"])
     assert train.returncode == 0, train.stderr
+    assert train.stderr == ""          # no progress bar when stderr is not a terminal
     assert f"data {tmp_path / 'fox'}" in train.stdout and "sample (" in train.stdout
     final = [l for l in train.stdout.splitlines() if l.startswith("iter    60/60")][0]
     assert float(final.split("val loss")[1]) < 2.0               # it learned the sentence

@@ -83,8 +83,8 @@ def saved(tmp_path_factory):
     (["--load", "{d}/nothing"], "--load {d}/nothing: no such checkpoint folder"),
     (["--load", "{d}/corrupt"], "checkpoint shard {d}/corrupt/iter_0000002/mp_rank_01_000.safetensors "
                                 "fails its SHA-256 check"),
-    (["--load", "{d}/ck", "--hidden-size", "64"], "holds a model with hidden_size 32, but this run has "
-                                                  "hidden_size 64"),
+    (["--load", "{d}/ck", "--hidden-size", "64"], "holds a model with --hidden-size 32, but this run "
+                                                  "has --hidden-size 64"),
     (["--lr", "0"], "--lr is 0.0; the learning rate must be positive"),
     (["--lr", "1e30", "--dtype", "float32", "--clip-grad", "0", "--lr-warmup-iters", "0",
       "--save", "{d}/nan", "--save-interval", "1"],
