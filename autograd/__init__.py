@@ -3,7 +3,8 @@
 Plays the role PyTorch's autograd plays under Megatron-LM: `Tensor`, `Function` (forward and
 backward side by side on plain arrays), a reverse-topological `backward`, and the ops GPT-2 needs.
 """
-from .backend import InputError, get_array_module
+from .backend import get_array_module
+from .errors import InputError
 from .tensor import Tensor, no_grad, is_grad_enabled
 from .function import Function, grad_accumulator
 from .engine import backward

@@ -4,9 +4,7 @@ Chainer's `get_array_module` idea; CuPy is optional and imported only when an ar
 """
 import numpy
 
-
-class InputError(ValueError):
-    """Bad input from a user: the message is one sentence naming the bad value and the fix."""
+from .errors import InputError
 
 
 def get_array_module(*arrays):

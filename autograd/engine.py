@@ -4,7 +4,8 @@ The explicit-gradient form `backward(tensors, grad_tensors)` never reads the out
 pipeline stage may free an output after sending it and still backpropagate through its graph
 (Megatron's `deallocate_output_tensor` + `custom_backward`).
 """
-from .backend import InputError, get_array_module
+from .backend import get_array_module
+from .errors import InputError
 from .tensor import Tensor
 
 

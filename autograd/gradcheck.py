@@ -6,7 +6,8 @@ gradient's scale, so entries that are nearly zero do not blow the ratio up.
 """
 import numpy
 
-from .backend import InputError, get_array_module
+from .backend import get_array_module
+from .errors import InputError
 from .engine import backward
 from .tensor import Tensor, no_grad
 

@@ -52,14 +52,10 @@ class Tensor:
     ndim = property(lambda self: self.data.ndim)
     size = property(lambda self: self.data.size)
     xp = property(lambda self: get_array_module(self.data))
-    is_leaf = property(lambda self: self.grad_fn is None)
 
     def backward(self, grad=None):
         from .engine import backward
         backward([self], None if grad is None else [grad])
-
-    def detach(self):
-        return Tensor(self.data)
 
     def item(self):
         return self.data.item()

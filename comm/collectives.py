@@ -5,7 +5,8 @@ agreement in debug mode and records op, group, bytes and seconds for comm.stats(
 """
 import time
 
-from npmegatron.autograd.backend import InputError, get_array_module
+from npmegatron.autograd.backend import get_array_module
+from npmegatron.autograd.errors import InputError
 
 from . import debug
 from .backends import backend_for

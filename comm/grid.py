@@ -3,7 +3,7 @@
 TP varies fastest (rank = tp + TP * (dp + DP * pp)), so a tensor-parallel group is neighbouring
 ranks (one node on a cluster), then data parallel, then pipeline stages.
 """
-from npmegatron.autograd.backend import InputError
+from npmegatron.autograd.errors import InputError
 
 from .group import Group
 

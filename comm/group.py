@@ -22,8 +22,5 @@ class Group:
         group.rank, group.size, group.nccl = 0, 1, None
         return group
 
-    def global_rank(self, group_rank):
-        return self.ranks[group_rank]
-
     def __repr__(self):
         return f"Group({self.name}, ranks={list(self.ranks)}, rank={self.rank})"

@@ -11,6 +11,7 @@ from typing import Any, Optional
 import numpy
 
 from npmegatron.autograd.backend import get_array_module
+from npmegatron.autograd.errors import InputError
 
 from .backends import backend_for
 from .collectives import contiguous
@@ -97,7 +98,7 @@ def batch_isend_irecv(ops, group=None):
             elif op.kind == "send":
                 requests[i] = isend(op.array, op.peer, group, op.tag)
             else:
-                raise ValueError(f"P2P operation kind {op.kind!r} is neither 'send' nor 'recv'")
+                raise InputError(f"P2P operation kind {op.kind!r} is neither 'send' nor 'recv'")
     finally:
         backend.end_batch()
     return requests

@@ -10,7 +10,7 @@ import sys
 import time
 import traceback
 
-from npmegatron.autograd.backend import InputError
+from npmegatron.autograd.errors import InputError
 
 from .group import Group
 
@@ -83,10 +83,6 @@ def _launch_variable(names, default):
         if name in os.environ:
             return int(os.environ[name])
     return default
-
-
-def is_initialized():
-    return "world" in _state
 
 
 def local_size():

@@ -25,9 +25,6 @@ class Stats:
     def seconds(self, op, group=None):
         return self._total("seconds", op, group)
 
-    def as_dict(self):
-        return self.table
-
     def __repr__(self):
         rows = [f"{op}[{g}]: {v['count']} calls, {v['bytes']} B, {v['seconds']:.4f} s"
                 for op, groups in sorted(self.table.items()) for g, v in sorted(groups.items())]

@@ -258,6 +258,30 @@ class TokenDataset:
         return tokenizer_from_spec(self.index["tokenizer"], self.tokenizer_file)
 
 
+class TrainingData:
+    """What a training run reads: training and validation token arrays, the vocabulary and the
+    tokenizer, from --data-path or the embedded corpus."""
+
+    def __init__(self, data_path=None):
+        if data_path is None:
+            self.train, self.valid = load_default_corpus()
+            self.tokenizer, self.tokenizer_file = ByteTokenizer(), None
+            self.description = "the embedded corpus"
+        else:
+            dataset = TokenDataset(data_path)
+            self.train, self.valid = dataset.split()
+            self.tokenizer, self.tokenizer_file = dataset.tokenizer(), dataset.tokenizer_file
+            self.description = dataset.prefix
+        self.vocab_size = self.tokenizer.vocab_size
+
+    def validation_or_train(self, seq_length):
+        """The held-out tokens, or the training tokens when too few are held out for a window."""
+        if len(self.valid) > seq_length:
+            return self.valid
+        self.description += " (too little held out for one window: validating on training data)"
+        return self.train
+
+
 # ---- sampling -----------------------------------------------------------------------------------
 
 class WindowSampler:

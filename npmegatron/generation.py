@@ -106,19 +106,17 @@ def load_for_generation(path, device="cpu"):
     import dataclasses
     import os
 
-    from . import checkpoint, comm
+    from . import comm
+    from .build import build_grid
     from .data import tokenizer_from_spec
     from .model import GPT, GPTConfig
+    from .training import checkpoint
     folder, manifest = checkpoint.read_manifest(path)
     tp = manifest["layout"]["tp"]
-    if comm.launched_by_mpi():
-        comm.init()
-        grid = comm.ProcessGrid(tp=tp, pp=1)
-    elif tp == 1:
-        grid = comm.ProcessGrid.single()
-    else:
+    if tp > 1 and not comm.launched_by_mpi():
         raise InputError(f"checkpoint {folder} was saved with TP size {tp}; generate under "
                          f"mpirun -n {tp}")
+    grid = build_grid(tp)
     fields = {f.name for f in dataclasses.fields(GPTConfig)}
     saved = {k: v for k, v in manifest["model"].items() if k in fields}
     cfg = GPTConfig(**{**saved, "sequence_parallel": False, "hidden_dropout": 0.0,

@@ -4,8 +4,6 @@ vocabulary-parallel embedding tied to the output layer, fused vocab-parallel cro
 optionally sequence parallelism. With a TP group of one rank it is the serial reference model.
 """
 import math
-from dataclasses import dataclass
-from typing import Optional
 
 import numpy
 
@@ -14,53 +12,11 @@ from . import comm
 from .autograd import InputError
 from .autograd.backend import array_module_for
 from .autograd.ops.nn import check_ids
+from .config import GPTConfig
 from .module import Module, ParamSpec, parameter
 from .tensor_parallel import (DEFAULT, MODEL_PARALLEL, ColumnParallelLinear, RNGTracker,
                               RowParallelLinear, VocabParallelEmbedding, pad_vocab_size,
                               vocab_parallel_cross_entropy)
-
-
-@dataclass
-class GPTConfig:
-    num_layers: int = 4
-    hidden_size: int = 128
-    num_attention_heads: int = 4
-    vocab_size: int = 256                  # byte-level tokens for the embedded corpus
-    max_position_embeddings: int = 256     # length of the learned position table
-    ffn_hidden_size: Optional[int] = None  # None: 4 * hidden_size, as GPT-2
-    hidden_dropout: float = 0.1            # embeddings and residual branches
-    attention_dropout: float = 0.1         # attention probabilities
-    layernorm_epsilon: float = 1e-5
-    init_method_std: float = 0.02          # paper §4.2
-    gelu: str = "tanh"                     # GPT-2's approximation; 'none' for exact erf
-    sequence_parallel: bool = False        # LayerNorm and dropout on a sequence shard per TP rank
-    make_vocab_size_divisible_by: int = 128  # padding unit, times the TP size
-    dtype: str = "float32"                 # float32, or float64 for exact comparisons
-    device: str = "cpu"                    # 'gpu' puts every array on CuPy
-    seed: int = 1234                       # weights and dropout streams derive from it
-
-    def __post_init__(self):
-        if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * self.hidden_size
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
-                     "max_position_embeddings", "ffn_hidden_size"):
-            if getattr(self, name) < 1:
-                raise InputError(f"{name} is {getattr(self, name)}; it must be a positive integer")
-        if self.hidden_size % self.num_attention_heads:
-            raise InputError(f"hidden size {self.hidden_size} is not divisible by "
-                             f"{self.num_attention_heads} attention heads; choose a hidden size that "
-                             "is a multiple of the number of heads")
-        for name in ("hidden_dropout", "attention_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise InputError(f"{name} is {getattr(self, name)}; it must be in [0, 1)")
-        if self.dtype not in ("float32", "float64"):
-            raise InputError(f"dtype {self.dtype!r} is not supported; use float32 or float64")
-        if self.device not in ("cpu", "gpu"):
-            raise InputError(f"device {self.device!r} is not supported; use cpu or gpu")
-
-    @property
-    def head_dim(self):
-        return self.hidden_size // self.num_attention_heads
 
 
 class LayerNorm(Module):
@@ -140,6 +96,13 @@ class Block(Module):
         return x + ag.dropout(self.mlp(self.ln_2(x)), p, stream, self.training)
 
 
+def dropout_rng(cfg, grid, xp):
+    """The dropout streams of one pipeline rank (shared by its virtual stages). Seeded apart from
+    the weights (seed + 1), so changing dropout never changes the initial weights, and apart per
+    pipeline rank (Megatron: +100 per stage)."""
+    return RNGTracker(cfg.seed + 1 + 100 * grid.pp_rank, grid.tp_rank, xp)
+
+
 def hidden_dropout_stream(cfg):
     """Replicated activations share masks across TP ranks; sequence shards need their own."""
     return MODEL_PARALLEL if cfg.sequence_parallel else DEFAULT
@@ -164,9 +127,7 @@ class GPT(Module):
         self.xp = xp = array_module_for(cfg.device)
         dtype = numpy.dtype(cfg.dtype)
         sp = cfg.sequence_parallel
-        # Dropout streams are seeded apart from the weights (seed + 1): changing dropout never
-        # changes the initial weights. Pipeline stages get streams of their own (Megatron: +100 per stage).
-        self.rng = rng or RNGTracker(cfg.seed + 1 + 100 * self.grid.pp_rank, group.rank, xp)
+        self.rng = rng or dropout_rng(cfg, self.grid, xp)
         self.padded_vocab_size = pad_vocab_size(cfg.vocab_size, group.size, cfg.make_vocab_size_divisible_by)
         self.specs = {}
         if pre_process or post_process:

@@ -37,25 +37,37 @@ class ParamSpec:
 
 
 class Module:
-    """Parameters are Tensor attributes with requires_grad, each described in `self.specs`."""
+    """Parameters are Tensor attributes with requires_grad, each described in `self.specs`.
+    Sub-modules are Module attributes, or lists, tuples or dicts of them."""
 
     training = True
 
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
 
-    def named_modules(self, prefix=""):
-        yield prefix, self
+    def children(self):
+        """(name, sub-module) pairs; a list or tuple names its items by index, a dict by key (GPT's
+        layers by their global number). A subclass may give "" to list a child under its own
+        prefix."""
         for name, value in vars(self).items():
-            if isinstance(value, dict):          # {global index: module}: a pipeline stage's layers
-                children = [(f"{name}.{key}", child) for key, child in value.items()]
+            if isinstance(value, dict):
+                items = [(f"{name}.{key}", child) for key, child in value.items()]
             elif isinstance(value, (list, tuple)):
-                children = [(f"{name}.{i}", child) for i, child in enumerate(value)]
+                items = [(f"{name}.{i}", child) for i, child in enumerate(value)]
             else:
-                children = [(name, value)]
-            for label, child in children:
-                if isinstance(child, Module):
-                    yield from child.named_modules(f"{prefix}{label}.")
+                items = [(name, value)]
+            yield from ((label, child) for label, child in items if isinstance(child, Module))
+
+    def named_modules(self, prefix="", seen=None):
+        """(name prefix, module) for this module and each below it, once: a module held twice
+        (a word embedding tied across pipeline stages) keeps its first name."""
+        seen = set() if seen is None else seen
+        if id(self) in seen:
+            return
+        seen.add(id(self))
+        yield prefix, self
+        for label, child in self.children():
+            yield from child.named_modules(f"{prefix}{label}." if label else prefix, seen)
 
     def named_parameters(self):
         for prefix, module in self.named_modules():

@@ -16,7 +16,7 @@ import sys
 import pytest
 import setuptools  # first: on Python 3.12+ it provides distutils.core
 
-from conftest import rank_environment
+from helpers import rank_environment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Source folder -> import name (setup.py's package_dir).

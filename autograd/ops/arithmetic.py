@@ -1,5 +1,6 @@
 """Broadcasting arithmetic and matrix products; gradients are summed back to each input's shape."""
-from ..backend import InputError, get_array_module
+from ..backend import get_array_module
+from ..errors import InputError
 from ..function import Function
 from ..tensor import Tensor
 

@@ -107,5 +107,5 @@ def gelu(x, approximate="tanh"):
         return GeluTanh.apply(x)
     if approximate == "none":
         return GeluErf.apply(x)
-    from ..backend import InputError
+    from ..errors import InputError
     raise InputError(f"unknown GeLU approximation {approximate!r}; use 'tanh' or 'none'")

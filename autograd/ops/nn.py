@@ -3,7 +3,8 @@
 Fused means one Function with a hand-written backward, as Megatron's fused kernels
 (FusedScaleMaskSoftmax, fused LayerNorm), instead of a chain of primitives each saving arrays.
 """
-from ..backend import InputError, get_array_module, scatter_add
+from ..backend import get_array_module, scatter_add
+from ..errors import InputError
 from ..function import Function
 from ..tensor import Tensor
 

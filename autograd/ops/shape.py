@@ -1,5 +1,6 @@
 """Shape ops: reshape, transpose, split, concatenate and indexing. Each backward is the inverse."""
-from ..backend import InputError, get_array_module, scatter_add
+from ..backend import get_array_module, scatter_add
+from ..errors import InputError
 from ..function import Function
 from ..tensor import Tensor
 

@@ -38,12 +38,13 @@ class _Incoming:
 
 
 class StageExchange:
+    """This rank's sends and receives to its pipeline neighbours, for one schedule's M micro-batches."""
+
     def __init__(self, grid, dtype, xp, num_micro_batches, variable_seq_lengths=False):
         self.grid, self.dtype, self.xp = grid, numpy.dtype(dtype), xp
         self.num_micro_batches = num_micro_batches
         self.variable_seq_lengths = variable_seq_lengths
-        self.sends = []
-        self.ring_exchanges = 0      # send and receive to one neighbour posted as one sendrecv
+        self.sends = []     # sends not yet seen to finish; finish() waits on the rest
 
     def tag(self, kind, stage, micro_batch):
         return kind + 4 * (micro_batch + self.num_micro_batches * stage)
@@ -70,7 +71,6 @@ class StageExchange:
             r_kind, r_stage, r_mb, r_shape = then_receive
             ops.append(comm.P2POp("recv", peer, shape=r_shape, dtype=self.dtype, xp=self.xp,
                                   tag=self.tag(r_kind, r_stage, r_mb)))
-            self.ring_exchanges += 1
         requests = comm.batch_isend_irecv(ops)
         if ops[-1].kind == "recv":
             incoming = requests.pop()

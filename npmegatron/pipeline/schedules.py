@@ -1,5 +1,5 @@
 """Pipeline schedules over M micro-batches, as lists of actions (forward or backward of one
-virtual stage on one micro-batch) that one executor runs.
+virtual stage on one micro-batch) that one executor runs (run_schedule, stepping a ScheduleRun).
 
 - afab: all forwards, then all backwards (GPipe). Holds every micro-batch's activations.
 - 1f1b: warm-up of min(PP - rank - 1, M) forwards, then one forward and one backward in turn,
@@ -12,6 +12,8 @@ The loss of each micro-batch is divided by M. Receives for the next action are p
 the current compute (overlap), except when the next action's data comes from the neighbour the
 current action sends to: then send and receive go as one exchange (ring exchange).
 """
+import contextlib
+
 from .. import autograd as ag
 from ..autograd import InputError
 from ..autograd.memory import saved_bytes_by_function
@@ -63,106 +65,155 @@ class MemoryProbe:
         self.peak = max(self.peak, tape + held)
 
 
-def run_schedule(model, exchange, batches, schedule="1f1b", buckets=None, deallocate_outputs=True,
-                 overlap=True, forward_only=False, memory=None):
-    """Forward (and backward) every micro-batch through this rank's stages. `batches` is the
-    list of M (inputs, targets) for this data-parallel rank; every pipeline rank passes the same.
-    Returns the sum of the micro-batch losses on the rank holding the loss, else 0.0."""
-    pp, rank = model.grid.pp_size, model.grid.pp_rank
-    m = len(batches)
-    if forward_only:
-        actions = [(FORWARD, c, i) for c in range(model.virtual_size) for i in range(m)]
-    else:
-        actions = build_actions(schedule, rank, pp, model.virtual_size, m)
-    last_backward = max((k for k, a in enumerate(actions) if a[0] == BACKWARD), default=None)
-    inputs, outputs, posted = {}, {}, {}
-    loss_sum = 0.0
-    scale = None
+class ScheduleRun:
+    """The state of one schedule on this rank while its actions run: the posted receives, the
+    stage inputs and outputs kept for backward, and the loss sum. A receive is described as
+    (kind, stage, micro-batch, shape) and posted at most once, keyed by its first three."""
 
-    def stage_of(chunk):
-        return chunk * pp + rank
+    def __init__(self, model, exchange, batches, overlap, deallocate_outputs, forward_only):
+        self.model, self.exchange, self.batches = model, exchange, batches
+        self.overlap, self.deallocate_outputs, self.forward_only = overlap, deallocate_outputs, forward_only
+        self.posted = {}        # (kind, stage, micro-batch) -> a posted receive not yet waited on
+        self.inputs = {}        # (chunk, micro-batch) -> received activation, None on the first stage
+        self.outputs = {}       # (chunk, micro-batch) -> output sent on, or loss, to run backward from
+        self.loss_sum = 0.0
+        self.loss_scale = None  # 1 / M, made once in the loss's dtype
 
-    def needs(action):
-        """The receive an action waits for: (kind, stage, micro-batch, shape) or None."""
-        kind, c, i = action
-        spec = model.specs[c]
+    def stage_of(self, chunk):
+        """The global stage number of this rank's virtual stage `chunk`."""
+        return chunk * self.model.grid.pp_size + self.model.grid.pp_rank
+
+    def receive_for(self, action):
+        """The receive `action` waits for, or None when its input is on this rank (token ids
+        for the first stage's forward, the loss for the last stage's backward)."""
+        kind, chunk, micro_batch = action
+        spec = self.model.stage_specs[chunk]
         if kind == FORWARD and not spec.pre_process:
-            return (ACTIVATION, stage_of(c), i, hidden_shape(model, batches[i][0]))
+            return (ACTIVATION, self.stage_of(chunk), micro_batch, self.shape_of(micro_batch))
         if kind == BACKWARD and not spec.post_process:
-            return (GRADIENT, stage_of(c), i, hidden_shape(model, batches[i][0]))
+            return (GRADIENT, self.stage_of(chunk), micro_batch, self.shape_of(micro_batch))
         return None
 
-    def post(request):
-        key = request[:3]
-        if key not in posted:
-            posted[key] = exchange.receive(*request)
-        return posted[key]
+    def shape_of(self, micro_batch):
+        """The shape of the activations and gradients `micro_batch` passes between stages."""
+        return hidden_shape(self.model, self.batches[micro_batch][0])
 
-    for k, action in enumerate(actions):
-        kind, c, i = action
-        chunk, spec = model.chunks[c], model.specs[c]
-        nxt = needs(actions[k + 1]) if k + 1 < len(actions) else None
-        sends_to = None
+    def sends_to(self, action):
+        """The rank `action` sends its result to, or None when the result stays here."""
+        kind, chunk, _ = action
+        spec = self.model.stage_specs[chunk]
         if kind == FORWARD and not spec.post_process:
-            sends_to = exchange.grid.pp_next_rank
-        elif kind == BACKWARD and not spec.pre_process:
-            sends_to = exchange.grid.pp_prev_rank
-        nxt_from = None
-        if nxt is not None:
-            nxt_from = exchange.grid.pp_prev_rank if nxt[0] == ACTIVATION else exchange.grid.pp_next_rank
-        ring = nxt is not None and sends_to is not None and nxt_from == sends_to and nxt[:3] not in posted
-        if overlap and nxt is not None and not ring:
-            post(nxt)                                    # arrives while this action computes
-        need = needs(action)
-        if kind == FORWARD:
-            ids, targets = batches[i]
-            if spec.pre_process:
-                x = ids
-            else:
-                x = ag.Tensor(post(need).wait(), requires_grad=not forward_only)
-                posted.pop(need[:3])
-            if forward_only:
-                with ag.no_grad():
-                    out, loss = chunk(x, targets if spec.post_process else None)
-            else:
-                out, loss = chunk(x, targets if spec.post_process else None)
-            if spec.post_process:
-                loss_sum += loss.item()
-                result = loss
-            else:
-                result = out
-            if not forward_only:
-                inputs[c, i] = x if not spec.pre_process else None
-                outputs[c, i] = result
-            if not spec.post_process:
-                incoming = exchange.send(ACTIVATION, stage_of(c), i, out.data,
-                                         then_receive=nxt if ring else None)
-                if ring:
-                    posted[nxt[:3]] = incoming
-                if deallocate_outputs and not forward_only:
-                    deallocate(out)
+            return self.exchange.grid.pp_next_rank
+        if kind == BACKWARD and not spec.pre_process:
+            return self.exchange.grid.pp_prev_rank
+        return None
+
+    def receives_from(self, request):
+        """The rank a receive comes from: activations from the previous, gradients the next."""
+        grid = self.exchange.grid
+        return grid.pp_prev_rank if request[0] == ACTIVATION else grid.pp_next_rank
+
+    def post(self, request):
+        """Post `request` unless it is posted already; the posted receive."""
+        key = request[:3]
+        if key not in self.posted:
+            self.posted[key] = self.exchange.receive(*request)
+        return self.posted[key]
+
+    def take(self, request):
+        """Wait for `request` (posting it now if it is not yet) and forget it: its array."""
+        array = self.post(request).wait()
+        self.posted.pop(request[:3])
+        return array
+
+    def post_next(self, action, following):
+        """Post the receive of the action after `action`: now, so that it arrives while `action`
+        computes (with overlap on), or, when it comes from the rank `action` sends to, together
+        with that send as one exchange (the ring exchange): then it is returned, for send()."""
+        upcoming = self.receive_for(following) if following is not None else None
+        if upcoming is None:
+            return None
+        # Megatron's send_forward_recv_backward (and its mirror): in the steady state the rank we
+        # send to is the one sending `upcoming`, so both go in one batched P2P call, not two.
+        if self.sends_to(action) == self.receives_from(upcoming) and upcoming[:3] not in self.posted:
+            return upcoming
+        if self.overlap:
+            self.post(upcoming)
+        return None
+
+    def send(self, kind, chunk, micro_batch, array, then_receive):
+        """Send `array` (an activation forward, an input gradient backward) to the neighbour,
+        with `then_receive` from that same neighbour posted in the same exchange."""
+        incoming = self.exchange.send(kind, self.stage_of(chunk), micro_batch, array,
+                                      then_receive=then_receive)
+        if then_receive is not None:
+            self.posted[then_receive[:3]] = incoming
+
+    def forward_step(self, chunk, micro_batch, then_receive=None):
+        """Virtual stage `chunk` forward on one micro-batch: its output is sent on, or its loss
+        added to the sum; both are kept for backward unless the run is forward only."""
+        spec, module = self.model.stage_specs[chunk], self.model.chunks[chunk]
+        ids, targets = self.batches[micro_batch]
+        if spec.pre_process:
+            x = ids
         else:
-            result = outputs.pop((c, i))
-            if k == last_backward and buckets is not None:
-                buckets.start_sync()        # the DP sync starts with this rank's last backward
-            if spec.post_process:
-                if scale is None:
-                    scale = model.xp.asarray(1.0 / m, dtype=result.dtype)
-                ag.backward(result, scale)
-            else:
-                grad = post(need).wait()
-                posted.pop(need[:3])
-                ag.backward([result], [grad])
-            x = inputs.pop((c, i))
-            if x is not None:
-                incoming = exchange.send(GRADIENT, stage_of(c), i, x.grad,
-                                         then_receive=nxt if ring else None)
-                if ring:
-                    posted[nxt[:3]] = incoming
+            received = self.take(self.receive_for((FORWARD, chunk, micro_batch)))
+            x = ag.Tensor(received, requires_grad=not self.forward_only)
+        with ag.no_grad() if self.forward_only else contextlib.nullcontext():
+            out, loss = module(x, targets if spec.post_process else None)
+        if spec.post_process:
+            self.loss_sum += loss.item()
+        if not self.forward_only:
+            self.inputs[chunk, micro_batch] = None if spec.pre_process else x
+            self.outputs[chunk, micro_batch] = loss if spec.post_process else out
+        if not spec.post_process:
+            self.send(ACTIVATION, chunk, micro_batch, out.data, then_receive)
+            if self.deallocate_outputs and not self.forward_only:
+                deallocate(out)
+
+    def backward_step(self, chunk, micro_batch, then_receive=None):
+        """Virtual stage `chunk` backward on one micro-batch, from its loss scaled by 1/M or from
+        the gradient received for its output; the gradient of its input is sent back."""
+        spec = self.model.stage_specs[chunk]
+        result = self.outputs.pop((chunk, micro_batch))
+        if spec.post_process:
+            if self.loss_scale is None:
+                self.loss_scale = self.model.xp.asarray(1.0 / len(self.batches), dtype=result.dtype)
+            ag.backward(result, self.loss_scale)
+        else:
+            ag.backward([result], [self.take(self.receive_for((BACKWARD, chunk, micro_batch)))])
+        x = self.inputs.pop((chunk, micro_batch))
+        if x is not None:
+            self.send(GRADIENT, chunk, micro_batch, x.grad, then_receive)
+
+
+def run_schedule(model, exchange, batches, schedule="1f1b", on_last_backward=None,
+                 deallocate_outputs=True, overlap=True, forward_only=False, memory=None):
+    """Forward (and backward) every micro-batch through this rank's stages. `batches` is the
+    list of M (inputs, targets) for this data-parallel rank; every pipeline rank passes the same.
+    `on_last_backward` is called right before this rank's last backward (data parallelism
+    starts its gradient sync there). Returns the sum of the micro-batch losses on the rank
+    holding the loss, else 0.0."""
+    grid, virtual, num_micro_batches = model.grid, model.virtual_size, len(batches)
+    if forward_only:
+        actions = [(FORWARD, chunk, i) for chunk in range(virtual) for i in range(num_micro_batches)]
+    else:
+        actions = build_actions(schedule, grid.pp_rank, grid.pp_size, virtual, num_micro_batches)
+    last_backward = max((k for k, action in enumerate(actions) if action[0] == BACKWARD), default=None)
+    run = ScheduleRun(model, exchange, batches, overlap, deallocate_outputs, forward_only)
+    for k, (kind, chunk, micro_batch) in enumerate(actions):
+        following = actions[k + 1] if k + 1 < len(actions) else None
+        then_receive = run.post_next(actions[k], following)
+        if kind == FORWARD:
+            run.forward_step(chunk, micro_batch, then_receive)
+        else:
+            if k == last_backward and on_last_backward is not None:
+                on_last_backward()
+            run.backward_step(chunk, micro_batch, then_receive)
         if memory is not None:
-            memory.measure(inputs, outputs)
+            memory.measure(run.inputs, run.outputs)
     exchange.finish()
-    return loss_sum
+    return run.loss_sum
 
 
 def hidden_shape(model, ids):

@@ -1,62 +1,40 @@
 """The stages one pipeline rank holds (one, or several virtual stages for the interleaved
-schedule), presented as one model: parameters, checkpoint names, gradient finalisation."""
+schedule), presented as one Module: parameters under the serial model's names, gradient
+finalisation over the tensor-parallel and embedding groups."""
 from .. import comm
 from ..autograd.backend import array_module_for
-from ..model import GPT, gpt_num_parameters
-from ..tensor_parallel import RNGTracker
+from ..model import GPT, dropout_rng, gpt_num_parameters
+from ..module import Module
 
 
-class PipelineModel:
+class PipelineModel(Module):
+    """This rank's virtual stages i = 0..V-1 (global stages i * PP + pp_rank) as `chunks`, with
+    the StageSpec of each in `stage_specs`."""
+
     def __init__(self, cfg, grid, stages):
         self.cfg, self.grid = cfg, grid
         self.num_stages = len(stages)
         self.virtual_size = self.num_stages // grid.pp_size
         self.xp = array_module_for(cfg.device)
-        # One set of dropout streams per rank, shared by its virtual stages (Megatron: +100 per stage).
-        self.rng = RNGTracker(cfg.seed + 1 + 100 * grid.pp_rank, grid.tp_rank, self.xp)
-        self.specs = stages[grid.pp_rank::grid.pp_size]
+        self.rng = dropout_rng(cfg, grid, self.xp)       # shared by this rank's virtual stages
+        self.stage_specs = stages[grid.pp_rank::grid.pp_size]
         self.chunks, wte = [], None
-        for spec in self.specs:
+        for spec in self.stage_specs:
             # Embedding and loss on one rank (PP = 1, or virtual stages) share one word embedding.
             chunk = GPT(cfg, grid, spec.layers, spec.pre_process, spec.post_process, self.rng, wte)
             wte = getattr(chunk, "wte", wte)
             self.chunks.append(chunk)
         self.tp_group = grid.tp_group
-        holds = lambda attr: any(getattr(s, attr) for s in self.specs)
+        holds = lambda attr: any(getattr(s, attr) for s in self.stage_specs)
         # The last stage's copy of the word embedding, when the first stage is another rank.
         self.embedding_copy = wte if holds("post_process") and not holds("pre_process") else None
         self.tied = wte if (holds("pre_process") or holds("post_process")) else None
 
-    def named_specs(self):
-        seen = set()
-        for chunk in self.chunks:
-            for name, param, spec in chunk.named_specs():
-                if id(param) not in seen:
-                    seen.add(id(param))
-                    yield name, param, spec
-
-    def named_parameters(self):
-        for name, param, _ in self.named_specs():
-            yield name, param
-
-    def parameters(self):
-        return [p for _, p, _ in self.named_specs()]
-
-    def zero_grad(self):
-        for p in self.parameters():
-            p.grad = None
-
-    def train(self, mode=True):
-        for chunk in self.chunks:
-            chunk.train(mode)
-        return self
-
-    def eval(self):
-        return self.train(False)
-
-    @property
-    def training(self):
-        return self.chunks[0].training
+    def children(self):
+        """The stages, unnamed: a parameter keeps its name in the serial model (`blocks.3.…`)
+        whatever the split, so checkpoints reshard by name. A word embedding shared by two
+        stages is listed once (named_modules skips a module it has seen)."""
+        return [("", chunk) for chunk in self.chunks]
 
     def finalize_grads(self):
         """Sequence-parallel partial gradients summed over TP (per stage), then the two copies of
@@ -83,6 +61,7 @@ class PipelineModel:
     @property
     def whole(self):
         """The serial-shaped GPT when this rank holds every layer (PP = 1), else None."""
-        if len(self.chunks) == 1 and self.specs[0].pre_process and self.specs[0].post_process:
+        spec = self.stage_specs[0]
+        if len(self.chunks) == 1 and spec.pre_process and spec.post_process:
             return self.chunks[0]
         return None

@@ -3,7 +3,7 @@ import json
 import subprocess
 import sys
 
-from conftest import ROOT, mpiexec_path, rank_environment
+from helpers import ROOT, mpiexec_path, rank_environment
 
 ARGS = ["bench", "comm", "--min-bytes", "1024", "--max-bytes", "65536"]
 

@@ -4,121 +4,18 @@ import re
 
 import pytest
 
-CHECKS = r'''
-import numpy as np
-from npmegatron import comm
-
-world = comm.init()
-
-DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64]
-SHAPES = [(), (5,), (3, 4), (2, 3, 4), (0, 3)]
+RANKS = "ranks/collectives.py"
 
 
-def values(shape, dtype, rank):
-    return (np.ones(shape) * rank).astype(dtype)
-
-
-def non_contiguous(shape, dtype, rank):
-    """Same values through a strided view (every other column of a wider array)."""
-    if len(shape) < 2:
-        return values(shape, dtype, rank)
-    wide = values(shape[:-1] + (2 * shape[-1],), dtype, rank)
-    view = wide[..., ::2]
-    assert not view.flags.c_contiguous or view.size == 0
-    return view
-
-
-def check_group(group):
-    ranks = group.ranks                     # global ranks in group order; inputs are ones * global rank
-    me = world.rank
-    for dtype in DTYPES:
-        for shape in SHAPES:
-            for make in (values, non_contiguous):
-                x = make(shape, dtype, me)
-                for op, expect in (("sum", sum(ranks)), ("max", max(ranks)), ("min", min(ranks))):
-                    y = comm.all_reduce(x, group, op)
-                    assert y.dtype == x.dtype and y.shape == x.shape, (op, y.dtype, y.shape)
-                    assert np.array_equal(y, np.full(shape, expect, dtype)), (op, dtype, shape, y)
-                if len(shape):
-                    for axis in range(len(shape)):
-                        y = comm.all_gather(x, group, axis)
-                        ref = np.concatenate([values(shape, dtype, r) for r in ranks], axis=axis)
-                        assert y.shape == ref.shape and np.array_equal(y, ref), (axis, dtype, shape)
-                root = group.size - 1
-                y = comm.broadcast(x, group, root)
-                assert np.array_equal(y, np.full(shape, ranks[root], dtype)), (dtype, shape)
-            # reduce-scatter: rank r holds base + r; the sum is n * base + sum(ranks), split in blocks
-            for axis in (0, 1):
-                full = (group.size * 2, 3) if axis == 0 else (3, group.size * 2)
-                base = np.arange(np.prod(full)).reshape(full) % 7
-                x = (base + me).astype(dtype)
-                y = comm.reduce_scatter(x, group, axis)
-                expect = np.split((group.size * base + sum(ranks)).astype(dtype), group.size, axis)[group.rank]
-                assert np.array_equal(y, expect), (axis, dtype, y, expect)
-                assert np.array_equal(comm.reduce_scatter(x, group, axis, op="max"),
-                                      np.split((base + max(ranks)).astype(dtype), group.size, axis)[group.rank])
-    comm.barrier(group)
-
-
-def check_point_to_point(group):
-    n, r = group.size, group.rank
-    right, left = (r + 1) % n, (r - 1) % n
-    for dtype in DTYPES:
-        for shape in ((4, 3), (0,), (2, 2, 2)):
-            x = values(shape, dtype, group.ranks[r])
-            got = comm.sendrecv(x, right, left, group=group)
-            assert np.array_equal(got, values(shape, dtype, group.ranks[left])), (dtype, shape)
-            reqs = [comm.irecv(left, shape, dtype, group=group, tag=3), comm.isend(x, right, group=group, tag=3)]
-            got = comm.wait_all(reqs)[0]
-            assert np.array_equal(got, values(shape, dtype, group.ranks[left]))
-    # blocking send/recv pairs ordered so they cannot deadlock: even ranks send first
-    if n > 1:
-        x = non_contiguous((3, 4), np.float64, group.ranks[r])
-        if r % 2 == 0:
-            if right != r and not (n % 2 and r == n - 1):
-                comm.send(x, right, group=group)
-            if not (n % 2 and r == 0):
-                got = comm.recv(left, (3, 4), np.float64, group=group)
-                assert np.array_equal(got, values((3, 4), np.float64, group.ranks[left]))
-        else:
-            got = comm.recv(left, (3, 4), np.float64, group=group)
-            assert np.array_equal(got, values((3, 4), np.float64, group.ranks[left]))
-            comm.send(x, right, group=group)
-    # a batch listed in opposite orders on neighbours (sends first on even ranks) must not deadlock
-    ops = [comm.P2POp("send", right, array=values((6,), np.float32, group.ranks[r])),
-           comm.P2POp("send", left, array=values((6,), np.float32, group.ranks[r])),
-           comm.P2POp("recv", left, shape=(6,), dtype=np.float32),
-           comm.P2POp("recv", right, shape=(6,), dtype=np.float32)]
-    if r % 2:
-        ops = ops[::-1]
-    results = comm.wait_all(comm.batch_isend_irecv(ops, group))
-    received = [res for op, res in zip(ops, results) if op.kind == "recv"]
-    peers = [op.peer for op in ops if op.kind == "recv"]
-    for peer, res in zip(peers, received):
-        assert np.array_equal(res, values((6,), np.float32, group.ranks[peer]))
-'''
-
-
-@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@pytest.mark.parametrize("n", [1, 2, 4, pytest.param(8, marks=pytest.mark.slow)])
 def test_collectives_and_p2p_on_the_world(mpirun, n):
-    result = mpirun(n, CHECKS + r'''
-check_group(world)
-check_point_to_point(world)
-print("rank", world.rank, "ok")
-''', timeout=240)
+    result = mpirun(n, RANKS, args=["world"], timeout=240)
     assert result.stdout.count("ok") == n
 
 
+@pytest.mark.slow
 def test_every_group_of_a_2x2x2_grid(mpirun):
-    result = mpirun(8, CHECKS + r'''
-grid = comm.ProcessGrid(tp=2, pp=2, dp=2)
-for group in (grid.tp_group, grid.pp_group, grid.dp_group, grid.mp_group, grid.embedding_group):
-    check_group(group)
-for group in (grid.tp_group, grid.pp_group, grid.dp_group):
-    check_point_to_point(group)
-print(f"<{grid} tp {list(grid.tp_group.ranks)} dp {list(grid.dp_group.ranks)} "
-      f"pp {list(grid.pp_group.ranks)} next {grid.pp_next_rank} prev {grid.pp_prev_rank}>", flush=True)
-''', timeout=300)
+    result = mpirun(8, RANKS, args=["grid"], timeout=300)
     reports = re.findall(r"<(TP[^>]*)>", result.stdout)
     assert "TP(2)-PP(2)-DP(2)-Rank(5) tp [4, 5] dp [5, 7] pp [1, 5] next 1 prev 1" in reports
     assert "TP(2)-PP(2)-DP(2)-Rank(2) tp [2, 3] dp [0, 2] pp [2, 6] next 6 prev 6" in reports
@@ -126,40 +23,9 @@ print(f"<{grid} tp {list(grid.tp_group.ranks)} dp {list(grid.dp_group.ranks)} "
 
 
 def test_stats_count_calls_bytes_and_reset(mpirun):
-    mpirun(2, r'''
-import numpy as np
-from npmegatron import comm
-world = comm.init()
-grid = comm.ProcessGrid(tp=2, pp=1, dp=1)
-comm.reset_stats()
-x = np.ones((4, 8), np.float32)
-for _ in range(3):
-    comm.all_reduce(x, grid.tp_group)
-comm.all_gather(x, grid.tp_group, axis=1)
-comm.reduce_scatter(x, grid.tp_group, axis=0)
-comm.all_reduce(x, grid.dp_group)            # a group of one rank: no call, nothing recorded
-comm.sendrecv(x, 1 - world.rank, 1 - world.rank)
-s = comm.stats()
-assert s.count("all_reduce", "tp") == 3 and s.bytes("all_reduce", "tp") == 3 * 128, s
-assert s.count("all_reduce", "dp") == 0 and s.count("all_reduce") == 3, s
-assert s.count("all_gather", "tp") == 1 and s.count("reduce_scatter") == 1, s
-assert s.count("send", "world") == 1 and s.bytes("recv", "world") == 128, s
-assert s.seconds("all_reduce") > 0
-comm.reset_stats()
-assert comm.stats().count("all_reduce") == 0
-''')
+    mpirun(2, RANKS, args=["stats"])
 
 
 def test_blas_is_pinned_to_cores_over_local_ranks(mpirun):
-    result = mpirun(2, r'''
-import os
-from threadpoolctl import threadpool_info
-from npmegatron import comm
-comm.init()
-cores = len(os.sched_getaffinity(0))
-blas = [p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"]
-assert comm.blas_threads() == max(1, cores // comm.local_size()), comm.blas_threads()
-assert blas and all(t == comm.blas_threads() for t in blas), blas
-print("threads", comm.blas_threads())
-''', env={"OMP_NUM_THREADS": "", "OPENBLAS_NUM_THREADS": ""})
+    result = mpirun(2, RANKS, args=["blas"], env={"OMP_NUM_THREADS": "", "OPENBLAS_NUM_THREADS": ""})
     assert "threads" in result.stdout

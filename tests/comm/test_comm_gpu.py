@@ -10,34 +10,12 @@ except Exception:
 if GPUS < 1:
     pytest.skip("no CUDA device", allow_module_level=True)
 
+RANKS = "ranks/comm_gpu.py"
+
 
 def test_nccl_backend_on_a_one_rank_group(mpirun):
-    mpirun(1, r'''
-import cupy, numpy as np
-from npmegatron import comm
-from npmegatron.comm.backends import NCCLBackend
-world = comm.init()
-nccl = NCCLBackend()
-x = cupy.arange(6, dtype=cupy.float32).reshape(2, 3)
-assert cupy.array_equal(nccl.all_reduce(world, x, "sum"), x)
-assert cupy.array_equal(nccl.all_gather(world, x), x[None])
-assert cupy.array_equal(nccl.reduce_scatter(world, x[None], "max"), x)
-assert cupy.array_equal(nccl.broadcast(world, x, 0), x)
-''')
+    mpirun(1, RANKS, args=["nccl"])
 
 
 def test_two_ranks_on_one_gpu_stage_through_host(mpirun):
-    mpirun(2, r'''
-import cupy, numpy as np
-from npmegatron import comm
-from npmegatron.comm.backends import backend_for
-world = comm.init()
-x = cupy.ones((4, 3), cupy.float64) * world.rank
-expect = "nccl" if cupy.cuda.runtime.getDeviceCount() >= 2 else "mpi"
-assert backend_for(x).name == expect, backend_for(x).name
-assert cupy.array_equal(comm.all_reduce(x, world), cupy.ones((4, 3)))
-assert cupy.array_equal(comm.all_gather(x, world, axis=1)[:, 3:], cupy.ones((4, 3)))
-assert cupy.array_equal(comm.reduce_scatter(x, world, axis=0), cupy.ones((2, 3)))
-got = comm.sendrecv(x, 1 - world.rank, 1 - world.rank)
-assert isinstance(got, cupy.ndarray) and float(got[0, 0]) == 1 - world.rank
-''')
+    mpirun(2, RANKS, args=["shared-gpu"])

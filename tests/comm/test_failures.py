@@ -1,21 +1,11 @@
 """A failing rank ends the whole job quickly with its message printed once, never a hang."""
 import re
 
-PRELUDE = r'''
-import os, signal, sys, time
-import numpy as np
-from npmegatron import comm
-world = comm.init()
-'''
+RANKS = "ranks/failures.py"
 
 
 def test_a_rank_that_raises_aborts_the_job_with_one_message(mpirun):
-    result = mpirun(4, PRELUDE + r'''
-if world.rank == 2:
-    time.sleep(0.3)
-    raise ValueError("rank two hit a bad value")
-comm.all_reduce(np.ones(3), world)     # the others wait here forever without the abort
-''', check=False, timeout=60)
+    result = mpirun(4, RANKS, args=["raise"], check=False, timeout=60)
     assert result.returncode != 0, str(result)
     assert result.seconds < 30, str(result)
     assert result.stderr.count("ValueError: rank two hit a bad value") == 1, str(result)
@@ -23,34 +13,21 @@ comm.all_reduce(np.ones(3), world)     # the others wait here forever without th
 
 
 def test_an_error_every_rank_shares_is_printed_once(mpirun):
-    result = mpirun(4, PRELUDE + r'''
-comm.ProcessGrid(tp=3, pp=1)
-''', check=False, timeout=60)
+    result = mpirun(4, RANKS, args=["shared-error"], check=False, timeout=60)
     assert result.returncode != 0 and result.seconds < 30, str(result)
     assert result.stderr.count("world size 4 is not divisible by TP x PP = 3") == 1, str(result)
     assert "Traceback" not in result.stderr
 
 
 def test_a_killed_rank_ends_the_job(mpirun):
-    result = mpirun(4, PRELUDE + r'''
-if world.rank == 1:
-    time.sleep(0.3)
-    os.kill(os.getpid(), signal.SIGKILL)
-comm.all_reduce(np.ones(3), world)
-comm.barrier(world)
-''', check=False, timeout=60)
+    result = mpirun(4, RANKS, args=["kill"], check=False, timeout=60)
     assert result.returncode != 0, str(result)
     assert result.seconds < 30, str(result)
 
 
 def test_mismatched_collectives_in_debug_mode_are_a_clear_error(mpirun):
-    result = mpirun(2, PRELUDE + r'''
-x = np.ones(4)
-if world.rank == 0:
-    comm.all_reduce(x, world)
-else:
-    comm.all_gather(x, world)
-''', env={"NPMEGATRON_DEBUG_COMM": "1"}, check=False, timeout=60)
+    result = mpirun(2, RANKS, args=["mismatched-collectives"],
+                    env={"NPMEGATRON_DEBUG_COMM": "1"}, check=False, timeout=60)
     assert result.returncode != 0 and result.seconds < 30, str(result)
     message = ("mismatched collectives in group world: rank 0 called all_reduce(shape=(4,), "
                "dtype=float64, op=sum) but rank 1 called all_gather(shape=(4,), dtype=float64, axis=0)")
@@ -59,9 +36,8 @@ else:
 
 
 def test_mismatched_shapes_in_debug_mode_are_a_clear_error(mpirun):
-    result = mpirun(2, PRELUDE + r'''
-comm.all_reduce(np.ones(4 + world.rank, np.float32), world)
-''', env={"NPMEGATRON_DEBUG_COMM": "1"}, check=False, timeout=60)
+    result = mpirun(2, RANKS, args=["mismatched-shapes"],
+                    env={"NPMEGATRON_DEBUG_COMM": "1"}, check=False, timeout=60)
     assert result.returncode != 0, str(result)
     assert "rank 0 called all_reduce(shape=(4,), dtype=float32, op=sum) but rank 1 called " \
            "all_reduce(shape=(5,), dtype=float32, op=sum)" in result.stderr, str(result)

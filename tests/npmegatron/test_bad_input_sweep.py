@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, mpiexec_path, rank_environment
+from helpers import ROOT, mpiexec_path, rank_environment
 
 TRAIN = [sys.executable, "scripts/train.py", "--num-layers", "1", "--hidden-size", "32",
          "--num-attention-heads", "2", "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "2",
@@ -21,7 +21,7 @@ USAGE = 2           # click's exit status for a bad flag or value; bad input oth
 
 # (id, ranks (0: no mpiexec), command, the sentence's telling part, exit status)
 CASES = [
-    ("train-layers-0", 0, TRAIN + ["--num-layers", "0"], "Invalid value for '--num-layers': 0 is not in the range x>=1", USAGE),
+    ("train-layers-0", 0, TRAIN + ["--num-layers", "0"], "--num-layers is 0; it must be a positive integer", 1),
     ("train-hidden-heads", 0, TRAIN + ["--hidden-size", "30", "--num-attention-heads", "4"],
      "hidden size 30 is not divisible by 4 attention heads", 1),
     ("train-iters-negative", 0, TRAIN + ["--train-iters", "-5"], "--train-iters is -5; it must be a positive integer", 1),
@@ -40,7 +40,7 @@ CASES = [
     ("train-global-batch-3", 0, TRAIN + ["--global-batch-size", "3"],
      "--global-batch-size 3 is not divisible by micro-batch x DP = 2 x 1 = 2", 1),
     ("train-micro-batches-0", 0, TRAIN + ["--num-micro-batches", "0"], "--num-micro-batches is 0; it must be a positive integer", 1),
-    ("train-pp-0", 0, TRAIN + ["--pp", "0"], "--pipeline-model-parallel-size 0 must be a positive integer", 1),
+    ("train-pp-0", 0, TRAIN + ["--pp", "0"], "--pipeline-model-parallel-size is 0; it must be a positive integer", 1),
     ("train-tp-without-mpirun", 0, TRAIN + ["--tp", "2"], "--tp 2 x --pp 1 needs 2 ranks; launch with mpirun -n 2", 1),
     ("train-layout", 0, TRAIN + ["--pipeline-model-parallel-layout", "XYZ"], "layout 'XYZ' has an unknown symbol 'X'", 1),
     ("train-virtual-stages", 0, TRAIN + ["--num-layers-per-virtual-pipeline-stage", "3"],
@@ -49,8 +49,9 @@ CASES = [
     ("train-dtype", 0, TRAIN + ["--dtype", "float16"], "Invalid value for '--dtype'", USAGE),
     ("train-tp-not-a-number", 0, TRAIN + ["--tp", "abc"], "'abc' is not a valid integer", USAGE),
     ("train-log-file-folder", 0, TRAIN + ["--log-file", "{d}/nowhere/log.jsonl"],
-     "--log-file {d}/nowhere/log.jsonl: folder {d}/nowhere does not exist", 1),
-    ("train-seed-negative", 0, TRAIN + ["--seed", "-1"], "Invalid value for '--seed': -1 is not in the range x>=0", USAGE),
+     "--log-file {d}/nowhere/log.jsonl: the folder {d}/nowhere must exist", 1),
+    ("train-log-file-is-folder", 0, TRAIN + ["--log-file", "{d}"], "--log-file {d}: the folder", 1),
+    ("train-seed-negative", 0, TRAIN + ["--seed", "-1"], "--seed is -1; it must be a finite number, not negative", 1),
     ("train-sample-tokens", 0, TRAIN + ["--sample-tokens", "-1"], "--sample-tokens is -1; it must be a finite number", 1),
     ("train-gpu-without-cupy", 0, TRAIN + ["--device", "gpu"], "device 'gpu' needs CuPy, which is not installed", 1),
     ("train-no-data", 0, TRAIN + ["--data-path", "{d}/missing"], "--data-path {d}/missing: {d}/missing.bin and "
@@ -99,7 +100,7 @@ CASES = [
      "was saved with TP size 2; generate under mpirun -n 2", 1),
     ("generate-mpi-temperature", 2, GENERATE + ["--load", "{d}/ck_tp2", "--prompt", "x", "--temperature", "inf"],
      "temperature inf must be a finite number >= 0", 1),
-    ("bench-step-layers", 0, BENCH + ["step", "--num-layers", "0"], "Invalid value for '--num-layers'", USAGE),
+    ("bench-step-layers", 0, BENCH + ["step", "--num-layers", "0"], "--num-layers is 0; it must be a positive integer", 1),
     ("bench-step-hidden-heads", 0, BENCH + ["step", "--hidden-size", "30", "--num-attention-heads", "4"],
      "hidden size 30 is not divisible by 4 attention heads", 1),
     ("bench-step-iters", 0, BENCH + ["step", "--iters", "0"], "Invalid value for '--iters'", USAGE),

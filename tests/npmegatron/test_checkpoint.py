@@ -8,7 +8,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from npmegatron.autograd import InputError
-from npmegatron.training import TrainArgs, train
+from npmegatron.training import TrainConfig, train
 
 
 def small(tmp_path, **kw):
@@ -17,7 +17,7 @@ def small(tmp_path, **kw):
                 eval_interval=10, eval_iters=1, hidden_dropout=0.1, attention_dropout=0.1,
                 sample_tokens=0)
     base.update(kw)
-    return TrainArgs(**base)
+    return TrainConfig.from_flat(**base)
 
 
 def shard_tensors(folder):

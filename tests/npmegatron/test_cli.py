@@ -113,7 +113,7 @@ def test_bad_generate_input_is_one_sentence(tiny_checkpoint, args, message):
 
 
 def test_bench_comm_without_ranks_launches_two():
-    from conftest import rank_environment
+    from helpers import rank_environment
     result = subprocess.run(CLI + ["bench", "comm", "--max-bytes", "4096"], capture_output=True, text=True,
                             timeout=120, cwd=ROOT, env=rank_environment())
     assert result.returncode == 0, result.stderr
@@ -128,7 +128,7 @@ def test_bench_comm_without_ranks_launches_two():
      "bench step times one process, but mpirun started 2 ranks; run it without mpirun"),
 ], ids=["comm-on-one-rank", "step-on-two-ranks"])
 def test_bench_on_the_wrong_number_of_ranks_says_so_once(ranks, command, message):
-    from conftest import mpiexec_path, rank_environment
+    from helpers import mpiexec_path, rank_environment
     result = subprocess.run([mpiexec_path(), "-n", str(ranks)] + CLI + command, capture_output=True, text=True,
                             timeout=120, cwd=ROOT, env=rank_environment())
     output = result.stdout + result.stderr

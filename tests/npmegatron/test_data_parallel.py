@@ -2,16 +2,20 @@
 trajectory, gradients reduce in buckets while backward runs, resume is bitwise, and a run killed
 while saving resumes from the previous checkpoint."""
 import json
+import subprocess
+import sys
 
 import pytest
 from safetensors.numpy import load_file
 
-from test_train_mpirun import launch
+from helpers import ROOT, launch, mpiexec_path, rank_environment
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "20", "--log-interval",
         "1", "--eval-interval", "10", "--eval-iters", "1", "--lr-warmup-iters", "3", "--lr", "3e-3",
         "--sample-tokens", "0", "--ddp-bucket-size", "4000"]
+
+RANKS = "ranks/data_parallel.py"
 
 
 def losses(path):
@@ -37,39 +41,7 @@ def test_every_tp_dp_layout_follows_the_serial_trajectory(tmp_path):
 
 
 def test_buckets_reduce_while_backward_runs(mpirun):
-    result = mpirun(2, """
-        import numpy as np
-        from npmegatron import comm
-        from npmegatron import data_parallel
-        from npmegatron.model import GPT, GPTConfig
-        comm.init()
-        grid = comm.ProcessGrid(tp=1)
-        cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
-                        hidden_dropout=0, attention_dropout=0, dtype="float64")
-        model = GPT(cfg, grid)
-        params = model.parameters()
-        buckets = data_parallel.GradientBuckets(params, grid.dp_group, bucket_size=5000)
-        ready, launched_at = [], []
-        for p in params:
-            p._accumulator.hooks.insert(0, lambda leaf: ready.append(leaf))
-        real = comm.all_reduce_async
-        data_parallel.comm.all_reduce_async = lambda x, g: (launched_at.append(len(ready)), real(x, g))[1]
-        ids = np.random.default_rng(grid.rank).integers(0, 256, (2, 16))
-        buckets.zero_grad()
-        buckets.start_sync()
-        _, loss = model(ids, np.roll(ids, -1, axis=1))
-        loss.backward()
-        buckets.finish_sync()
-        # every rank holds the same averaged gradients: the sum over ranks is twice each one
-        total = [comm.all_reduce(g, grid.world) for g in [p.grad for p in params]]
-        for p, t in zip(params, total):
-            assert np.allclose(p.grad * 2, t), "grads differ across ranks"
-        n = len(buckets.buckets)
-        assert n >= 3, n
-        assert len(launched_at) == n
-        assert launched_at[0] < len(params), launched_at      # first bucket left before backward ended
-        print(f"buckets {n}", flush=True)
-    """, timeout=120)
+    result = mpirun(2, RANKS, args=["buckets"], timeout=120)
     assert result.stdout.count("buckets") == 2, result
 
 
@@ -78,6 +50,7 @@ def shards(folder):
     return {p.name: load_file(str(p)) for p in sorted((folder / latest).glob("*.safetensors"))}
 
 
+@pytest.mark.slow
 def test_resume_at_tp2_dp2_is_bitwise_with_dropout(tmp_path):
     args = TINY + ["--tp", "2", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
     straight = launch(4, args + ["--save", str(tmp_path / "a"), "--log-file", str(tmp_path / "a.jsonl")])
@@ -97,43 +70,23 @@ def test_resume_at_tp2_dp2_is_bitwise_with_dropout(tmp_path):
 
 
 def test_killed_while_saving_resumes_from_the_previous_checkpoint(mpirun, tmp_path):
-    code = f"""
-        import os, signal, sys
-        from npmegatron import checkpoint
-        from npmegatron.training import TrainArgs, train
-        real = checkpoint._write_synced
-        def dying(path, data):
-            if "iter_0000004.partial" in path and path.endswith("manifest.json"):
-                os.kill(os.getpid(), signal.SIGKILL)      # shards written, manifest not yet
-            real(path, data)
-        if "--kill" in sys.argv:
-            checkpoint._write_synced = dying
-        args = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32,
-                    micro_batch_size=2, global_batch_size=4, train_iters=6, log_interval=1,
-                    eval_interval=100, eval_iters=1, hidden_dropout=0.1, sample_tokens=0,
-                    tensor_model_parallel_size=2, save={str(tmp_path / 'ck')!r}, save_interval=2,
-                    log_file=sys.argv[-1])
-        if "--resume" in sys.argv:
-            args["load"] = {str(tmp_path / 'ck')!r}
-        if "--straight" in sys.argv:        # a run of its own: never into another run's folder
-            args["save"] = {str(tmp_path / 'straight')!r}
-        train(TrainArgs(**args), echo=lambda *a: None)
-    """
-    killed = mpirun(4, code, args=["--kill", str(tmp_path / "killed.jsonl")], check=False, timeout=120)
+    def run(mode, log):
+        return ["save-and-resume", mode, "--checkpoint", tmp_path / "ck",
+                "--straight-checkpoint", tmp_path / "straight", "--log-file", tmp_path / log]
+
+    killed = mpirun(4, RANKS, args=run("kill", "killed.jsonl"), check=False, timeout=120)
     assert killed.returncode != 0
     assert (tmp_path / "ck" / "latest").read_text() == "iter_0000002"
     assert (tmp_path / "ck" / "iter_0000004.partial" / "mp_rank_01_000.safetensors").exists()
     assert not (tmp_path / "ck" / "iter_0000004").exists()
-    mpirun(4, code, args=["--resume", str(tmp_path / "resumed.jsonl")])
-    mpirun(4, code, args=["--straight", str(tmp_path / "straight.jsonl")])
+    mpirun(4, RANKS, args=run("resume", "resumed.jsonl"))
+    mpirun(4, RANKS, args=run("straight", "straight.jsonl"))
     assert losses(tmp_path / "resumed.jsonl") == losses(tmp_path / "straight.jsonl")[2:]
     assert (tmp_path / "ck" / "latest").read_text() == "iter_0000006"
     assert not (tmp_path / "ck" / "iter_0000004.partial").exists()
 
 
 def test_generate_from_a_tensor_parallel_checkpoint(tmp_path):
-    import subprocess, sys
-    from conftest import ROOT, mpiexec_path, rank_environment
     run = launch(2, TINY + ["--tp", "2", "--train-iters", "4", "--save", str(tmp_path / "ck")])
     assert run.returncode == 0, run.stderr
     command = [mpiexec_path(), "-n", "2", sys.executable, "-m", "npmegatron.cli", "generate", "--load",

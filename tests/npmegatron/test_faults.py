@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from conftest import ROOT, mpiexec_path, rank_environment
-from npmegatron import checkpoint
+from helpers import ROOT, mpiexec_path, rank_environment
+from npmegatron.training import checkpoint
 from npmegatron.autograd import InputError
-from npmegatron.training import TrainArgs, train
+from npmegatron.training import TrainConfig, train
 
 TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
         "--micro-batch-size", "2", "--lr-warmup-iters", "1", "--eval-iters", "1", "--sample-tokens", "0",
@@ -112,7 +112,7 @@ def test_sigterm_without_the_flag_ends_the_job_quickly(tmp_path):
 def small(tmp_path, **kw):
     base = dict(num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=32, micro_batch_size=2,
                 train_iters=2, lr_warmup_iters=1, eval_iters=1, sample_tokens=0, dtype="float64")
-    return TrainArgs(**{**base, **kw})
+    return TrainConfig.from_flat(**{**base, **kw})
 
 
 def quiet(args):
@@ -207,7 +207,7 @@ def test_another_runs_checkpoints_are_never_replaced_silently(tmp_path):
     assert (ck / "latest").read_text() == "iter_0000003"
     quiet(small(tmp_path, save=str(ck), seed=7, train_iters=1, overwrite=True))
     assert sorted(manifests(ck)) == ["iter_0000001"] and (ck / "latest").read_text() == "iter_0000001"
-    assert json.loads(manifests(ck)["iter_0000001"])["args"]["seed"] == 7
+    assert json.loads(manifests(ck)["iter_0000001"])["args"]["model"]["seed"] == 7
 
 
 def test_a_second_run_on_the_same_folder_is_refused_naming_the_first(tmp_path):

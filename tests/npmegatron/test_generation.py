@@ -1,5 +1,7 @@
 """Generation: the key/value cache gives the full forward's logits while feeding one position
 per new token; tensor-parallel generation samples what the serial model samples."""
+import json
+
 import numpy as np
 import pytest
 
@@ -66,20 +68,5 @@ def test_a_tiny_temperature_is_greedy_not_nan():
 
 
 def test_tensor_parallel_generation_equals_serial(mpirun):
-    result = mpirun(2, f"""
-        import numpy as np
-        from npmegatron import comm
-        from npmegatron.generation import generate
-        from npmegatron.model import GPT, GPTConfig
-        cfg = GPTConfig(**{CFG!r})
-        serial = generate(GPT(cfg), [1, 2, 3], 15, temperature=0.7, top_k=20, seed=4)
-        comm.init()
-        parallel = generate(GPT(cfg, comm.ProcessGrid(tp=2)), [1, 2, 3], 15, temperature=0.7,
-                            top_k=20, seed=4)
-        assert parallel == serial, (parallel, serial)
-        import dataclasses
-        sp = GPT(dataclasses.replace(cfg, sequence_parallel=True), comm.ProcessGrid(tp=2))
-        assert generate(sp, [1, 2, 3], 15, temperature=0.7, top_k=20, seed=4) == serial
-        print("same " + str(len(serial)), flush=True)
-    """, timeout=120)
+    result = mpirun(2, "ranks/generation.py", args=["tp-equals-serial", json.dumps(CFG)], timeout=120)
     assert result.stdout.count("same 18") == 2

@@ -18,6 +18,7 @@ def batch(cfg, b=2, t=5, seed=0):
     return ids[:, :-1], ids[:, 1:]
 
 
+@pytest.mark.slow
 def test_whole_two_layer_gpt_gradcheck_float64():
     model = GPT(GPTConfig(**TINY, hidden_dropout=0.0, attention_dropout=0.0))
     ids, targets = batch(model.cfg)

@@ -5,67 +5,13 @@ import json
 
 import pytest
 
-from test_train_mpirun import launch
+from helpers import launch
 
-CHECK = r'''
-import json, sys
-import numpy as np
-import npmegatron.autograd as ag
-from npmegatron import comm
-from npmegatron.data_parallel import GradientBuckets
-from npmegatron.model import GPT, GPTConfig
-from npmegatron.pipeline import (PipelineModel, StageExchange, default_layout, parse_layout,
-                                 plan_stages, run_schedule)
-
-world = comm.init()
-worst = 0.0
-for case in json.loads(sys.argv[1]):
-    grid = comm.ProcessGrid(tp=case["tp"], pp=case["pp"])
-    layers = case.get("layers", 4)
-    cfg = GPTConfig(num_layers=layers, hidden_size=16, num_attention_heads=4, vocab_size=50,
-                    max_position_embeddings=12, dtype="float64", hidden_dropout=0.0,
-                    attention_dropout=0.0, sequence_parallel=case.get("sp", False))
-    m, dp = case["m"], grid.dp_size
-    rng = np.random.default_rng(7)
-    lengths = [4 + 2 * (i % 4) if case.get("variable") else 12 for i in range(m * dp)]
-    batches = [(ids[:, :-1], ids[:, 1:]) for ids in (rng.integers(0, 50, (2, n + 1)) for n in lengths)]
-
-    serial = GPT(cfg)
-    total = 0.0
-    for x, y in batches:
-        _, loss = serial(x, y)
-        ag.backward(loss, np.asarray(1.0 / (m * dp)))
-        total += loss.item()
-    reference = dict(serial.named_parameters())
-
-    layout = case.get("layout") or default_layout(layers, case["pp"], case.get("virtual", 1))
-    model = PipelineModel(cfg, grid, plan_stages(parse_layout(layout), layers, case["pp"], layout))
-    exchange = StageExchange(grid, "float64", np, m, case.get("variable", False))
-    buckets = GradientBuckets(model.parameters(), grid.dp_group, bucket_size=3000)
-    buckets.zero_grad()
-    mine = batches[grid.dp_rank * m:(grid.dp_rank + 1) * m]
-    loss_sum = run_schedule(model, exchange, mine, case["schedule"], buckets=buckets)
-    buckets.finish_sync()
-    model.finalize_grads()
-    loss = comm.all_reduce(comm.all_reduce(np.array([loss_sum]), grid.pp_group), grid.dp_group)[0] / (m * dp)
-    errors = [abs(loss - total / (m * dp)) / abs(total / (m * dp))]
-    for name, param, spec in model.named_specs():
-        grad = param.grad
-        if spec.tp_axis is not None:
-            grad = comm.all_gather(grad, grid.tp_group, axis=spec.tp_axis)
-        cut = tuple(slice(0, n) for n in spec.shape)
-        want = reference[name].grad[cut]
-        errors.append(float(np.abs(grad[cut] - want).max() / np.abs(want).max()))
-    worst = max(worst, max(errors))
-    assert max(errors) < 1e-10, (case, max(errors))
-    comm.barrier(world)
-if world.rank == 0:
-    print("worst relative error " + repr(worst), flush=True)
-'''
+RANKS = "ranks/pipeline_parallel.py"
 
 
 def check(mpirun, n, cases):
-    result = mpirun(n, CHECK, args=[json.dumps(cases)], timeout=300)
+    result = mpirun(n, RANKS, args=["check", json.dumps(cases)], timeout=300)
     assert "worst relative error" in result.stdout, result
     worst = float(result.stdout.split("worst relative error")[1].split()[0])
     print(f"{n} ranks, {len(cases)} cases: worst relative error {worst:.2e}")
@@ -94,6 +40,7 @@ def test_four_ranks_pp4_pp2xtp2_pp2xdp2(mpirun):
     assert check(mpirun, 4, cases) < 1e-10
 
 
+@pytest.mark.slow
 def test_eight_ranks_pp4xtp2_and_pp2xtp2xdp2(mpirun):
     cases = []
     for grid in (dict(tp=2, pp=4), dict(tp=2, pp=2)):                         # the last is DP=2
@@ -106,26 +53,7 @@ def test_eight_ranks_pp4xtp2_and_pp2xtp2xdp2(mpirun):
 def test_schedule_memory_and_deallocated_outputs(mpirun):
     """PP = 4, M = 8: 1F1B holds fewer activations on stage 0 than AFAB, and deallocating sent
     outputs lowers the peak further; a deallocated output holds one element after its send."""
-    result = mpirun(4, r'''
-        import numpy as np
-        from npmegatron import comm
-        from npmegatron.bench_pipeline import memory_table
-        from npmegatron.model import GPTConfig
-        from npmegatron.pipeline import schedules
-        comm.init()
-        freed = []
-        real = schedules.deallocate
-        def watch(t):
-            real(t)
-            freed.append(t)
-        schedules.deallocate = watch
-        cfg = GPTConfig(num_layers=8, hidden_size=32, num_attention_heads=4, max_position_embeddings=32,
-                        hidden_dropout=0.0, attention_dropout=0.0)
-        table = memory_table(cfg, 4, 8, 4, 32)
-        assert all(t.data.size == 1 for t in freed) and freed or comm.init().rank == 3
-        if comm.init().rank == 0:
-            print("TABLE " + repr(table), flush=True)
-    ''', timeout=180)
+    result = mpirun(4, RANKS, args=["memory"], timeout=180)
     table = eval(result.stdout.split("TABLE ")[1].strip())
     assert table["1f1b", False][0] < table["afab", False][0]
     assert table["1f1b", True][0] < table["1f1b", False][0]
@@ -154,6 +82,7 @@ def losses(path):
     return [json.loads(line)["loss"] for line in open(path)]
 
 
+@pytest.mark.slow
 def test_pipeline_training_follows_serial_and_resumes_bitwise(tmp_path):
     serial = launch(0, TRAIN + ["--dtype", "float64", "--log-file", str(tmp_path / "serial.jsonl")])
     assert serial.returncode == 0, serial.stderr

@@ -4,137 +4,25 @@ import json
 
 import pytest
 
-SETUP = r'''
-import json
-import numpy as np
-import npmegatron.autograd as ag
-from npmegatron import comm
-from npmegatron.model import GPT, GPTConfig
-
-world = comm.init()
-grid = comm.ProcessGrid(tp=world.size)
-
-
-def config(**kw):
-    base = dict(num_layers=2, hidden_size=16, num_attention_heads=4, vocab_size=50,
-                max_position_embeddings=8, dtype="float64", hidden_dropout=0.0, attention_dropout=0.0)
-    base.update(kw)
-    return GPTConfig(**base)
-
-
-def batch(b=2, t=8, vocab=50, seed=0):
-    ids = np.random.default_rng(seed).integers(0, vocab, (b, t + 1))
-    return ids[:, :-1], ids[:, 1:]
-
-
-def full(model, param, spec, grad=True):
-    """A parameter's (or its gradient's) whole master array: TP shards gathered, padding cut."""
-    data = param.grad if grad else param.data
-    if spec.tp_axis is not None:
-        data = comm.all_gather(data, model.tp_group, axis=spec.tp_axis)
-    return data[tuple(slice(0, n) for n in spec.shape)]
-
-
-def rel(a, b):
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-300))
-'''
+RANKS = "ranks/tensor_parallel.py"
 
 
 def test_mappings_are_adjoint_pairs(mpirun):
     """<y, F(x)> = <F*(y), x>, where F* is F's backward. Replicated spaces (R) count once;
     distributed ones (D: per-rank copies or shards) sum over ranks."""
-    mpirun(4, SETUP + r'''
-from npmegatron import tensor_parallel as tp
-g = grid.tp_group
-n = g.size
-B, S, H = 2, 8, 12
-TABLE = [  # (mapping, input space, input shape, output space)
-    (tp.copy_to_tp_region, "R", (B, S, H), "D"),
-    (tp.reduce_from_tp_region, "D", (B, S, H), "R"),
-    (tp.scatter_to_tp_region, "R", (B, S, H), "D"),
-    (tp.gather_from_tp_region, "D", (B, S, H // n), "R"),
-    (tp.scatter_to_sp_region, "R", (B, S, H), "D"),
-    (tp.gather_from_sp_region, "D", (B, S // n, H), "D"),
-    (tp.reduce_scatter_to_sp_region, "D", (B, S, H), "D"),
-]
-
-
-def draw(space, shape, seed):
-    rng = np.random.default_rng(seed if space == "R" else seed + 1000 * (g.rank + 1))
-    return rng.standard_normal(shape)
-
-
-def inner(space, a, b):
-    local = np.array([float((a * b).sum())])
-    return local[0] if space == "R" else float(comm.all_reduce(local, g)[0])
-
-
-for mapping, space_in, shape, space_out in TABLE:
-    x = ag.Tensor(draw(space_in, shape, 1), requires_grad=True)
-    out = mapping(x, g)
-    y = draw(space_out, out.shape, 2)
-    ag.backward([out], [y])
-    lhs, rhs = inner(space_out, y, out.data), inner(space_in, x.grad, x.data)
-    assert abs(lhs - rhs) <= 1e-12 * abs(lhs), (mapping.__name__, lhs, rhs)
-    assert mapping.__doc__.count("forward:") == 1 and "backward:" in mapping.__doc__
-print("adjoint ok")
-''')
+    mpirun(4, RANKS, args=["adjoint"])
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_tensor_parallel_equals_serial(mpirun, tp):
-    result = mpirun(tp, SETUP + r'''
-ids, targets = batch()
-for sp in (False, True):
-    serial = GPT(config(), comm.ProcessGrid.single())
-    model = GPT(config(sequence_parallel=sp), grid)
-    logits_s, loss_s = serial(ids, targets)
-    logits_p, loss_p = model(ids, targets)
-    loss_s.backward()
-    loss_p.backward()
-    model.finalize_grads()
-    worst = {"loss": rel(np.array(loss_p.item()), np.array(loss_s.item())),
-             "logits": rel(model.full_logits(logits_p), serial.full_logits(logits_s))}
-    serial_specs = {name: (p, spec) for name, p, spec in serial.named_specs()}
-    for name, param, spec in model.named_specs():
-        p_s, spec_s = serial_specs[name]
-        worst[name] = rel(full(model, param, spec), full(serial, p_s, spec_s))
-        assert np.array_equal(full(model, param, spec, grad=False), full(serial, p_s, spec_s, grad=False)), name
-    bad = {k: v for k, v in worst.items() if not v < 1e-10}
-    assert not bad, (sp, bad)
-    if world.rank == 0:
-        print(json.dumps({"tp": world.size, "sp": sp, "padded_vocab": model.padded_vocab_size,
-                          "max_rel_error": max(worst.values())}))
-''', timeout=180)
+    result = mpirun(tp, RANKS, args=["equals-serial"], timeout=180)
     reports = [json.loads(l) for l in result.stdout.splitlines() if l.startswith("{")]
     assert [r["sp"] for r in reports] == [False, True]
     assert reports[0]["padded_vocab"] == 128 * tp
 
 
-COUNT = SETUP + r'''
-def counts(layers, sp):
-    model = GPT(config(num_layers=layers, sequence_parallel=sp), grid)
-    ids, targets = batch()
-    comm.reset_stats()
-    _, loss = model(ids, targets)
-    forward = comm.stats()
-    comm.reset_stats()
-    loss.backward()
-    backward = comm.stats()
-    return {op: (forward.count(op, "tp"), backward.count(op, "tp"))
-            for op in ("all_reduce", "all_gather", "reduce_scatter")}
-
-
-for sp in (False, True):
-    one, two = counts(1, sp), counts(2, sp)
-    per_layer = {op: (two[op][0] - one[op][0], two[op][1] - one[op][1]) for op in one}
-    if world.rank == 0:
-        print(json.dumps({"sp": sp, "per_layer": per_layer, "one_layer_model": one}))
-'''
-
-
 def test_communication_per_layer_matches_the_paper(mpirun):
-    result = mpirun(2, COUNT)
+    result = mpirun(2, RANKS, args=["counts"])
     reports = {r["sp"]: r for r in (json.loads(l) for l in result.stdout.splitlines() if l.startswith("{"))}
     # paper Fig. 4: two all-reduces forward (g after attention and MLP) and two backward (f)
     assert reports[False]["per_layer"] == {"all_reduce": [2, 2], "all_gather": [0, 0], "reduce_scatter": [0, 0]}
@@ -145,94 +33,26 @@ def test_communication_per_layer_matches_the_paper(mpirun):
 
 
 def test_cross_entropy_communication_does_not_grow_with_the_vocabulary(mpirun):
-    result = mpirun(2, SETUP + r'''
-from npmegatron.tensor_parallel import vocab_parallel_cross_entropy
-g = grid.tp_group
-tokens = 2 * 8
-volumes = []
-for vocab in (128, 4096):
-    local = vocab // g.size
-    logits = ag.Tensor(np.random.default_rng(g.rank).standard_normal((2, 8, local)), requires_grad=True)
-    targets = np.random.default_rng(0).integers(0, vocab, (2, 8))
-    comm.reset_stats()
-    loss = vocab_parallel_cross_entropy(logits, targets, g, g.rank * local, vocab)
-    loss.backward()
-    s = comm.stats()
-    volumes.append((s.count("all_reduce", "tp"), s.bytes("all_reduce", "tp"), s.count("all_gather")))
-assert volumes[0] == volumes[1] == (3, 3 * tokens * 8, 0), volumes
-print("volumes", volumes)
-''')
+    result = mpirun(2, RANKS, args=["cross-entropy-volume"])
     assert "volumes" in result.stdout
 
 
 def test_megatron_cross_entropy_reference_values(mpirun):
     """Megatron's unit test: on 4 ranks the local logits are arange(8) repeated to 32 columns
     (vocabulary 128); 16 tokens with targets 0, 2, ..., 30."""
-    result = mpirun(4, SETUP + r'''
-from npmegatron.tensor_parallel import vocab_parallel_cross_entropy
-g = grid.tp_group
-logits = ag.Tensor(np.tile(np.arange(8.0), 4)[None, None, :].repeat(16, axis=1))
-targets = np.arange(0, 32, 2)[None, :]
-losses = vocab_parallel_cross_entropy(logits, targets, g, g.rank * 32, 128, reduction="none")
-expected = np.tile([10.2309, 8.2309, 6.2309, 4.2309], 4)
-assert np.allclose(losses.data[0], expected, atol=1e-4), losses.data
-exact = np.log(16 * np.exp(np.arange(8.0)).sum()) - (np.arange(0, 32, 2) % 8)
-assert np.allclose(losses.data[0], exact, rtol=1e-12)
-print("megatron values ok", np.round(losses.data[0][:4], 4).tolist())
-''')
+    result = mpirun(4, RANKS, args=["megatron-cross-entropy"])
     assert "megatron values ok" in result.stdout
 
 
 def test_dropout_masks_follow_the_rng_tracker(mpirun):
     """Residual/embedding dropout masks are identical across TP ranks; attention-probability
     masks (different heads per rank) differ. The masks are read off the autograd tape."""
-    result = mpirun(2, SETUP + r'''
-model = GPT(config(hidden_dropout=0.3, attention_dropout=0.3), grid)
-ids, targets = batch()
-_, loss = model(ids, targets)
-masks = {"hidden": [], "attention": []}
-stack, seen = [loss.grad_fn], set()
-while stack:
-    node = stack.pop()
-    if id(node) in seen:
-        continue
-    seen.add(id(node))
-    if node.name == "Dropout":
-        keep = node.ctx.saved[0]
-        masks["attention" if keep.ndim == 4 else "hidden"].append(keep)
-    stack.extend(e[0] for e in node.edges if e is not None)
-assert len(masks["hidden"]) == 1 + 2 * 2 and len(masks["attention"]) == 2
-for kind, arrays in masks.items():
-    for keep in arrays:
-        both = comm.all_gather(keep.astype(np.int8)[None], grid.tp_group, axis=0)
-        same = np.array_equal(both[0], both[1])
-        assert same == (kind == "hidden"), (kind, same)
-states = model.rng.get_states()
-first = model.rng["default"].random(3)
-model.rng.set_states(states)
-assert np.array_equal(model.rng["default"].random(3), first)
-print("masks ok")
-''')
+    result = mpirun(2, RANKS, args=["dropout-masks"])
     assert "masks ok" in result.stdout
 
 
 def test_sequence_parallel_cuts_layernorm_and_dropout_tape_bytes(mpirun):
-    result = mpirun(4, SETUP + r'''
-from npmegatron.autograd.memory import saved_bytes_by_function
-row = {}
-for sp in (False, True):
-    model = GPT(config(num_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=16,
-                       hidden_dropout=0.1, attention_dropout=0.0, sequence_parallel=sp), grid)
-    ids, targets = batch(b=2, t=16)
-    _, loss = model(ids, targets)
-    saved = saved_bytes_by_function([loss])
-    row[sp] = {"LayerNorm": saved["LayerNorm"], "Dropout": saved["Dropout"]}
-if world.rank == 0:
-    print(json.dumps({"tp": world.size, "without_sp": row[False], "with_sp": row[True]}))
-for fn in ("LayerNorm", "Dropout"):
-    ratio = row[False][fn] / row[True][fn]
-    assert 0.9 * world.size <= ratio <= 1.1 * world.size, (fn, ratio)
-''')
+    result = mpirun(4, RANKS, args=["tape-bytes"])
     report = json.loads(next(l for l in result.stdout.splitlines() if l.startswith("{")))
     assert report["with_sp"]["LayerNorm"] * 4 == pytest.approx(report["without_sp"]["LayerNorm"], rel=0.1)
 

@@ -1,22 +1,14 @@
 """scripts/train.py under mpiexec: tensor-parallel training that equals the serial run, output
 from rank 0 only, and bad input reported once with a non-zero exit."""
 import json
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT, mpiexec_path, rank_environment
+from helpers import launch
 
 SMALL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
          "--micro-batch-size", "4", "--train-iters", "6", "--log-interval", "3", "--eval-interval", "6",
          "--eval-iters", "1", "--lr-warmup-iters", "2", "--dtype", "float64"]
-
-
-def launch(n, args, timeout=180):
-    command = ([mpiexec_path(), "-n", str(n)] if n else []) + [sys.executable, "scripts/train.py"] + args
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env=rank_environment())
 
 
 def losses(path):
@@ -104,6 +96,7 @@ def test_bad_training_input_is_reported_once(saved, args, message):
         assert (saved / "nan" / "latest").read_text() == "iter_0000001"
 
 
+@pytest.mark.slow
 def test_with_dropout_tensor_parallel_tracks_serial(tmp_path):
     """Attention-dropout masks differ per TP rank, so the runs are not equal, but they must be
     the same model statistically: the loss curves stay close."""

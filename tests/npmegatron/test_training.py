@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from npmegatron.autograd import Tensor
-from npmegatron.optimizer import AdamW, clip_grad_norm, learning_rate
-from npmegatron.training import TrainArgs, train
+from npmegatron.training.optimizer import AdamW, clip_grad_norm, learning_rate
+from npmegatron.training import TrainConfig, train
 
 
 def test_learning_rate_warmup_then_cosine_to_minimum():
@@ -34,7 +34,7 @@ def test_clip_grad_norm():
 
 
 def test_training_on_the_embedded_corpus_lowers_the_loss(tmp_path):
-    args = TrainArgs(num_layers=2, hidden_size=64, num_attention_heads=2, seq_length=64,
+    args = TrainConfig.from_flat(num_layers=2, hidden_size=64, num_attention_heads=2, seq_length=64,
                      micro_batch_size=8, train_iters=60, lr=3e-3, lr_warmup_iters=10,
                      log_interval=20, eval_interval=60, eval_iters=2,
                      log_file=str(tmp_path / "metrics.jsonl"))

@@ -21,12 +21,13 @@ import shutil
 
 import numpy
 
-from . import comm
-from .autograd import InputError
-from .autograd.backend import to_numpy
+from .. import comm
+from ..autograd import InputError
+from ..autograd.backend import to_numpy
 
 FORMAT = "npmegatron-checkpoint-1"
 ITERATION_FOLDER = re.compile(r"iter_[0-9]{7}")
+MOMENTS = ("exp_avg", "exp_avg_sq")      # AdamW's, saved per parameter beside its weights
 STRUCTURE = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
              "max_position_embeddings", "ffn_hidden_size")
 
@@ -71,13 +72,13 @@ def raise_if_any(error, group):
 
 
 def _state_tensors(model, optimizer):
-    tensors = {}
-    moments = dict(zip(map(id, optimizer.params), zip(optimizer.exp_avg, optimizer.exp_avg_sq)))
-    for name, param, _ in model.named_specs():
-        tensors[f"model.{name}"] = to_numpy(param.data)
-        m, v = moments[id(param)]
-        tensors[f"exp_avg.{name}"] = to_numpy(m)
-        tensors[f"exp_avg_sq.{name}"] = to_numpy(v)
+    """{'model.NAME' | 'exp_avg.NAME' | 'exp_avg_sq.NAME': host array}. The optimizer is the one
+    built over model.parameters(), so its moment lists follow named_parameters' order."""
+    named = list(model.named_parameters())
+    tensors = {f"model.{name}": to_numpy(param.data) for name, param in named}
+    state = optimizer.state_dict()
+    for kind in MOMENTS:
+        tensors.update((f"{kind}.{name}", to_numpy(moment)) for (name, _), moment in zip(named, state[kind]))
     return tensors
 
 
@@ -110,7 +111,7 @@ def save(root, iteration, model, optimizer, grid, extra, files=None):
     if world.rank == 0:
         manifest = {"format": FORMAT, "iteration": iteration, "model": dict(vars(model.cfg)),
                     "layout": {"tp": grid.tp_size, "pp": grid.pp_size, "dp": grid.dp_size},
-                    "optimizer": optimizer.hyperparameters(),
+                    "optimizer": optimizer.state_dict()["hyperparameters"],
                     "ranks": [{k: r[k] for k in ("rank", "tp", "pp", "dp", "rng")} for r in records],
                     "shards": {r["shard"]["file"]: {k: r["shard"][k] for k in ("bytes", "sha256")}
                                for r in records if "shard" in r},
@@ -284,23 +285,19 @@ def load(root, model, optimizer, grid, pipeline_layout=None):
         folder, manifest = read_manifest(root)
         error = check_compatible(manifest, model.cfg, grid, folder, pipeline_layout)
         if error is None:
-            expected = {}
-            for name, param, _ in model.named_specs():
-                for kind in ("model", "exp_avg", "exp_avg_sq") if optimizer else ("model",):
-                    expected[f"{kind}.{name}"] = tuple(param.shape)
+            kinds = ("model",) + (MOMENTS if optimizer else ())
+            expected = {f"{kind}.{name}": tuple(param.shape) for name, param in model.named_parameters()
+                        for kind in kinds}
             tensors = _read_shard(folder, manifest, shard_name(grid.tp_rank, grid.pp_rank), expected)
     except InputError as e:
         error = str(e)
     raise_if_any(error, world)
-    for name, param, _ in model.named_specs():
+    names = [name for name, _ in model.named_parameters()]
+    for name, param in model.named_parameters():
         param.data[...] = param.xp.asarray(tensors[f"model.{name}"])
     if optimizer is not None:
-        moments = dict(zip(map(id, optimizer.params), zip(optimizer.exp_avg, optimizer.exp_avg_sq)))
-        for name, param, _ in model.named_specs():
-            m, v = moments[id(param)]
-            m[...] = param.xp.asarray(tensors[f"exp_avg.{name}"])
-            v[...] = param.xp.asarray(tensors[f"exp_avg_sq.{name}"])
-        optimizer.load_hyperparameters(manifest["optimizer"])
+        optimizer.load_state_dict({"hyperparameters": manifest["optimizer"],
+                                   **{kind: [tensors[f"{kind}.{name}"] for name in names] for kind in MOMENTS}})
     mine = next(r for r in manifest["ranks"] if r["tp"] == grid.tp_rank and r["pp"] == grid.pp_rank
                 and r["dp"] == 0)
     model.rng.set_states(mine["rng"])

@@ -6,9 +6,9 @@ import time
 
 import numpy
 
-from .autograd.backend import array_module_for
-from .model import GPT, GPTConfig, model_flops
-from .optimizer import SGD
+from ..autograd.backend import array_module_for
+from ..model import GPT, GPTConfig, model_flops
+from ..training.optimizer import SGD
 
 
 def _synchronize(xp):

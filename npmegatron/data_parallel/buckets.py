@@ -8,8 +8,8 @@ whose parameters are all done is pre-divided by the DP size and handed to a non-
 all-reduce. Buckets are launched in a fixed order so every rank issues the same sequence of
 collectives. Earlier micro-batches only accumulate: one DP sync per optimizer step.
 """
-from . import comm
-from .autograd import grad_accumulator
+from .. import comm
+from ..autograd import grad_accumulator
 
 
 class Bucket:

@@ -4,6 +4,8 @@ import math
 
 import numpy
 
+from ..autograd import get_array_module
+
 
 class SGD:
     """p -= lr * grad: the 'plain optimizer step' of the step benchmark."""
@@ -29,13 +31,19 @@ class AdamW:
         self.exp_avg = [p.xp.zeros_like(p.data) for p in self.params]
         self.exp_avg_sq = [p.xp.zeros_like(p.data) for p in self.params]
 
-    def hyperparameters(self):
-        """What a checkpoint keeps besides the moments (which go into the shards)."""
-        return {"step": self.step_count, "betas": list(self.betas), "eps": self.eps,
-                "weight_decay": self.weight_decay}
+    def state_dict(self):
+        """The state a checkpoint keeps: hyperparameters and step count (JSON-able), and the two
+        moments, each a list in the order of the parameters the optimizer was given."""
+        return {"hyperparameters": {"step": self.step_count, "betas": list(self.betas),
+                                    "eps": self.eps, "weight_decay": self.weight_decay},
+                "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
 
-    def load_hyperparameters(self, saved):
-        self.step_count = saved["step"]
+    def load_state_dict(self, state):
+        """Restore a state_dict (moments copied in place, onto this optimizer's device)."""
+        self.step_count = state["hyperparameters"]["step"]
+        for kind in ("exp_avg", "exp_avg_sq"):
+            for mine, saved in zip(getattr(self, kind), state[kind]):
+                mine[...] = get_array_module(mine).asarray(saved)
 
     def step(self, lr=None):
         lr = self.lr if lr is None else lr
@@ -82,7 +90,7 @@ def clip_grad_norm(params, max_norm, group=None, skip=()):
         if p.grad is not None and id(p) not in skip:
             total += float((p.grad * p.grad).sum())
     if group is not None and group.size > 1:
-        from . import comm
+        from .. import comm
         total = float(comm.all_reduce(numpy.array([total]), group)[0])
     norm = math.sqrt(total)
     if max_norm and norm > max_norm:

@@ -5,16 +5,16 @@ import time
 
 import numpy
 
-from . import comm
-from .data_parallel import GradientBuckets
-from .pipeline import (MemoryProbe, PipelineModel, StageExchange, default_layout, parse_layout,
-                       plan_stages, run_schedule)
+from .. import comm
+from ..build import build_model
+from ..data_parallel import GradientBuckets
+from ..pipeline import MemoryProbe, StageExchange, default_layout, run_schedule
+from ..training import train_step
 
 
 def _setup(cfg, pp, virtual, micro_batches, micro_batch_size, seq_length):
     grid = comm.ProcessGrid(tp=1, pp=pp)
-    layout = default_layout(cfg.num_layers, pp, virtual)
-    model = PipelineModel(cfg, grid, plan_stages(parse_layout(layout), cfg.num_layers, pp, layout))
+    model = build_model(cfg, grid, default_layout(cfg.num_layers, pp, virtual))
     rng = numpy.random.default_rng(0)
     batches = []
     for _ in range(micro_batches):
@@ -50,8 +50,7 @@ def overlap_timing(cfg, pp, micro_batches, micro_batch_size, seq_length, iters=5
         for _ in range(iters + 1):
             comm.barrier(grid.world)
             start = time.perf_counter()
-            buckets.zero_grad()
-            run_schedule(model, exchange, batches, "1f1b", overlap=overlap)
+            train_step(model, exchange, batches, buckets, "1f1b", overlap=overlap)
             comm.barrier(grid.world)
             times.append(time.perf_counter() - start)
         result.setdefault(overlap, []).append(float(numpy.median(times[1:])))

@@ -11,7 +11,7 @@ import shutil
 import socket
 import tempfile
 
-from .autograd import InputError
+from ..autograd import InputError
 from .checkpoint import ITERATION_FOLDER, raise_if_any
 
 LOCK_FILE = ".npmegatron.lock"

@@ -1,0 +1,107 @@
+"""What every `npmegatron` command shares: its options generated from the configuration
+dataclasses (config.py), bad input as one sentence printed once (under mpirun too), and the
+relaunch under mpiexec that the benchmarks use."""
+import functools
+import os
+import re
+import shutil
+import subprocess
+import sys
+import typing
+from dataclasses import fields
+
+import click
+
+from .autograd import InputError
+from .config import field_default
+
+
+def config_options(config_class, only=None, skip=(), defaults=None):
+    """click options for the fields of `config_class` made with config.option (a field's name
+    with dashes is its flag), in field order; `defaults` overrides where a command differs."""
+    decorators = [click_option(spec, (defaults or {}).get(spec.name, field_default(config_class, spec.name)))
+                  for spec in fields(config_class) if "help" in spec.metadata
+                  and spec.name not in skip and (only is None or spec.name in only)]
+    return lambda command: functools.reduce(lambda f, option: option(f), reversed(decorators), command)
+
+
+def click_option(spec, default):
+    meta, flag = spec.metadata, "--" + spec.name.replace("_", "-")
+    kind = next((t for t in typing.get_args(spec.type) if t is not type(None)), spec.type)
+    shown = default is not None
+    if kind is bool:
+        names = [f"{flag}/--no-{flag[2:]}"] if meta["negatable"] else [flag]
+        return click.option(*names, spec.name, is_flag=True, default=default,
+                            show_default=meta["negatable"], help=meta["help"])
+    choice = click.Choice(meta["choices"]) if meta["choices"] else kind
+    return click.option(flag, *meta["aliases"], spec.name, type=choice, default=default,
+                        show_default=shown, help=meta["help"])
+
+
+def user_errors(command):
+    """Bad input ends the command with its one-sentence message and a non-zero exit, no
+    traceback. Under mpirun it is printed once: by rank 0 when every rank hit it (then all exit
+    normally), else by the rank that hit it, which aborts the job."""
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except InputError as error:
+            from . import comm
+            error = InputError(in_flag_names(str(error)))
+            if comm.launch_size() > 1 and not comm.reports_input_error(error):
+                sys.exit(1)
+            raise click.ClickException(str(error)) from None
+    return wrapper
+
+
+def in_flag_names(message):
+    """The library names parameters (`num_micro_batches`); a user of this command reads its
+    flags (`--num-micro-batches`). Parameters the command has no flag for stay as they are."""
+    context = click.get_current_context(silent=True)
+    for param in context.command.params if context else ():
+        if not isinstance(param, click.Option):
+            continue
+        flag = max(param.opts, key=len)
+        if "_" in param.name:          # unmistakably a parameter wherever it appears
+            message = re.sub(rf"(?<![-\w]){param.name}(?!\w)", flag, message)
+        elif message.startswith(f"{param.name} is "):      # a one-word one only as the subject
+            message = flag + message[len(param.name):]
+    return message
+
+
+class OneRankUsageErrors:
+    """Every rank parses the same command line, so under mpirun rank 0 alone prints a usage
+    error (an unknown flag, a bad value) and the other ranks exit with the same status quietly."""
+
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as error:
+            from .comm import launch_rank
+            if launch_rank() != 0:
+                raise click.exceptions.Exit(error.exit_code) from None
+            raise
+
+
+class Command(OneRankUsageErrors, click.Command):
+    pass
+
+
+class Group(OneRankUsageErrors, click.Group):
+    command_class = Command
+
+
+Group.group_class = Group
+
+
+def relaunch_under_mpiexec(ranks):
+    """Run this same command line on `ranks` ranks with the environment's mpiexec."""
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if not os.path.exists(mpiexec):
+        mpiexec = shutil.which("mpiexec") or shutil.which("mpirun")
+    if mpiexec is None:
+        raise InputError("no mpiexec found; install the MPI extra (pip install 'npmegatron[mpi]') "
+                         "or launch this command with your MPI's mpirun")
+    command = [mpiexec, "-n", str(ranks), sys.executable, "-m", "npmegatron.cli"] + sys.argv[1:]
+    return subprocess.call(command)

@@ -1,0 +1,232 @@
+"""The one source of configuration: the model (GPTConfig), the parallel layout (ParallelConfig)
+and the training run (TrainConfig, which nests the other two), each field with its default, its
+help and its check written once. The click commands are generated from these fields (cli.py), so
+a new flag is a new field here and nowhere else. Flags are Megatron-LM's names.
+
+`TrainConfig.plan(world_size)` turns a configuration into the run's shape (DP size, micro-batches
+per step, pipeline layout and schedule): every check that needs the number of ranks is there.
+"""
+import math
+import os
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Optional
+
+from .autograd import InputError
+
+
+def option(default, help, *, aliases=(), choices=None, minimum=None, negatable=False):
+    """A configuration field that is also a command-line option `--field-name` (plus `aliases`);
+    `minimum` (1: a count, 0: a non-negative amount) is checked by `check_minimums`."""
+    return field(default=default, metadata={"help": help, "aliases": aliases, "choices": choices,
+                                            "minimum": minimum, "negatable": negatable})
+
+
+def check_minimums(config):
+    """Every field with a minimum holds a finite value at least that (None: not given)."""
+    for spec in fields(config):
+        minimum, value = spec.metadata.get("minimum"), getattr(config, spec.name)
+        if minimum is None or value is None:
+            continue
+        if not (value >= minimum and math.isfinite(value)):
+            rule = "a positive integer" if minimum == 1 else "a finite number, not negative"
+            raise InputError(f"{spec.name} is {value}; it must be {rule}")
+
+
+@dataclass
+class GPTConfig:
+    """GPT-2's shape and numerics; with a TP group of one rank the model is the serial one."""
+    num_layers: int = option(4, "Transformer layers.", minimum=1)
+    hidden_size: int = option(128, "Hidden (embedding) size.", minimum=1)
+    num_attention_heads: int = option(4, "Attention heads; must divide --hidden-size.", minimum=1)
+    vocab_size: int = option(256, "Vocabulary size.", minimum=1)
+    max_position_embeddings: int = option(256, "Length of the learned position table (train: default "
+                                               "--seq-length).", minimum=1)
+    ffn_hidden_size: Optional[int] = None  # None: 4 * hidden_size, as GPT-2
+    hidden_dropout: float = option(0.1, "Dropout on embeddings and residual branches.")
+    attention_dropout: float = option(0.1, "Dropout on attention probabilities.")
+    layernorm_epsilon: float = 1e-5
+    init_method_std: float = 0.02          # paper §4.2
+    gelu: str = "tanh"                     # GPT-2's approximation; 'none' for exact erf
+    sequence_parallel: bool = option(False, "LayerNorm and dropout on sequence shards.")
+    make_vocab_size_divisible_by: int = 128  # padding unit, times the TP size
+    dtype: str = option("float32", "Parameter and activation precision.", choices=("float32", "float64"))
+    device: str = option("cpu", "NumPy on the CPU or CuPy on the GPU.", choices=("cpu", "gpu"))
+    seed: int = option(1234, "Seed of weights, data and dropout.", minimum=0)
+
+    def __post_init__(self):
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        check_minimums(self)
+        if self.ffn_hidden_size < 1:
+            raise InputError(f"ffn_hidden_size is {self.ffn_hidden_size}; it must be a positive integer")
+        if self.hidden_size % self.num_attention_heads:
+            raise InputError(f"hidden size {self.hidden_size} is not divisible by "
+                             f"{self.num_attention_heads} attention heads; choose a hidden size that "
+                             "is a multiple of the number of heads")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise InputError(f"{name} is {getattr(self, name)}; it must be in [0, 1)")
+        if self.dtype not in ("float32", "float64"):
+            raise InputError(f"dtype {self.dtype!r} is not supported; use float32 or float64")
+        if self.device not in ("cpu", "gpu"):
+            raise InputError(f"device {self.device!r} is not supported; use cpu or gpu")
+
+    @property
+    def head_dim(self):
+        return self.hidden_size // self.num_attention_heads
+
+
+@dataclass
+class ParallelConfig:
+    """How the ranks split the work: rank = tp + TP * (dp + DP * pp), DP = world / (TP * PP)."""
+    tensor_model_parallel_size: int = option(1, "Tensor-parallel ranks (launch with mpirun -n TP).",
+                                             aliases=("--tp",), minimum=1)
+    pipeline_model_parallel_size: int = option(1, "Pipeline stages (ranks = TP x PP x DP).",
+                                               aliases=("--pp",), minimum=1)
+    num_layers_per_virtual_pipeline_stage: Optional[int] = option(
+        None, "Layers per virtual stage: interleaved schedule with num-layers / (PP x this) stages per rank.",
+        minimum=1)
+    pipeline_model_parallel_layout: Optional[str] = option(
+        None, "Stages as a string, e.g. 'Et*3|(tt|)*4,tL' (E embedding, t layer, L loss, | stage).")
+    pipeline_schedule: Optional[str] = option(None, "Default: 1f1b, or interleaved with virtual stages.",
+                                              choices=("1f1b", "afab", "interleaved"))
+    num_micro_batches: Optional[int] = option(
+        None, "Micro-batches per step on each DP rank (default: from --global-batch-size).", minimum=1)
+    deallocate_pipeline_outputs: bool = option(True, "Free a stage's output data once it is sent.",
+                                               negatable=True)
+    variable_seq_lengths: bool = option(False, "Exchange shapes before each activation.")
+    overlap_p2p_communication: bool = option(True, "Post the next receive before the current compute.",
+                                             negatable=True)
+    ddp_bucket_size: int = option(2 ** 20, "Parameters per data-parallel gradient all-reduce.", minimum=1)
+
+    def __post_init__(self):
+        check_minimums(self)
+
+
+# The training run's model defaults where they differ from GPTConfig's: no dropout for the small
+# main-job model, and a position table as long as the sequence.
+TRAIN_MODEL_DEFAULTS = {"hidden_dropout": 0.0, "attention_dropout": 0.0, "max_position_embeddings": None}
+
+
+@dataclass
+class TrainConfig:
+    """A training run: batch, optimisation, data, checkpoints and logging, plus the model and
+    the parallel layout. `TrainConfig.from_flat(**options)` takes every field by its flag name."""
+    model: GPTConfig = field(default_factory=lambda: GPTConfig(**{**TRAIN_MODEL_DEFAULTS,
+                                                                   "max_position_embeddings": 128}))
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    seq_length: int = option(128, "Tokens per sample.", minimum=1)
+    micro_batch_size: int = option(16, "Samples per forward/backward.", minimum=1)
+    global_batch_size: Optional[int] = option(
+        None, "Samples per optimizer step = micro-batch x accumulation x DP (default: micro-batch x DP).",
+        minimum=1)
+    train_iters: int = option(1000, "Optimizer steps.", minimum=1)
+    lr: float = option(2e-3, "Peak learning rate.")
+    min_lr: float = option(1e-4, "Final learning rate.", minimum=0)
+    lr_warmup_iters: int = option(100, "Linear warmup steps.", minimum=0)
+    lr_decay_style: str = option("cosine", "Decay after warmup.", choices=("cosine", "linear", "constant"))
+    weight_decay: float = option(0.01, "AdamW decay (not on biases and LayerNorm).", minimum=0)
+    clip_grad: float = option(1.0, "Global gradient-norm clip (0: off).", minimum=0)
+    log_interval: int = option(50, "Steps per log line.", minimum=1)
+    eval_interval: int = option(250, "Steps between validation losses.", minimum=1)
+    eval_iters: int = option(10, "Validation batches.", minimum=1)
+    log_file: Optional[str] = option(None, "Write metrics as JSON lines here.")
+    data_path: Optional[str] = option(None, "PREFIX written by `npmegatron preprocess` (default: the "
+                                            "embedded corpus).")
+    save: Optional[str] = option(None, "Checkpoint folder to write (locked while the run lasts).")
+    overwrite: bool = option(False, "Replace another run's checkpoints in --save (by default that is refused).")
+    exit_signal_handler: bool = option(False, "On SIGTERM, finish the iteration, save (with --save) and exit 0.")
+    load: Optional[str] = option(None, "Checkpoint folder to resume from.")
+    save_interval: Optional[int] = option(None, "Steps between checkpoints (default: at the end).",
+                                          minimum=1)
+    exit_interval: Optional[int] = option(None, "Save (with --save) and stop when the iteration is a "
+                                                "multiple of this.", minimum=1)
+    sample_tokens: int = option(200, "Tokens to generate at the end (0: none).", minimum=0)
+
+    @classmethod
+    def from_flat(cls, **options):
+        """The configuration from flag-named options; the model's and the layout's go into
+        `model` and `parallel`, and a missing --max-position-embeddings is --seq-length."""
+        nested = {}
+        for name, config_class, defaults in (("model", GPTConfig, TRAIN_MODEL_DEFAULTS),
+                                             ("parallel", ParallelConfig, {})):
+            names = {f.name for f in fields(config_class)}
+            nested[name] = {**defaults, **{k: options.pop(k) for k in list(options) if k in names}}
+        seq_length = options.get("seq_length", field_default(cls, "seq_length"))
+        if nested["model"].get("max_position_embeddings") is None and seq_length >= 1:
+            nested["model"]["max_position_embeddings"] = seq_length     # else seq_length is refused
+        return cls(model=GPTConfig(**nested["model"]), parallel=ParallelConfig(**nested["parallel"]),
+                   **options)
+
+    def __post_init__(self):
+        check_minimums(self)
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise InputError(f"--lr is {self.lr}; the learning rate must be positive, e.g. 1e-3")
+        if not self.min_lr <= self.lr:
+            raise InputError(f"--min-lr is {self.min_lr}; it must be between 0 and --lr ({self.lr})")
+        if self.seq_length > self.model.max_position_embeddings:
+            raise InputError(f"--seq-length {self.seq_length} is longer than the position table "
+                             f"(--max-position-embeddings {self.model.max_position_embeddings}); raise "
+                             "--max-position-embeddings or shorten --seq-length")
+        log_folder = os.path.dirname(os.path.abspath(self.log_file or "."))
+        if self.log_file and (not os.path.isdir(log_folder) or os.path.isdir(self.log_file)):
+            raise InputError(f"--log-file {self.log_file}: the folder {log_folder} must exist and "
+                             f"{self.log_file} must not be a folder; choose another file")
+
+    def plan(self, world_size):
+        """The run's shape on `world_size` ranks (1 without mpirun); see RunPlan."""
+        return RunPlan(self, world_size)
+
+
+class RunPlan:
+    """What a configuration means on a given number of ranks: TP, PP, DP, micro-batches per step
+    (M, the pipeline's and the gradient accumulation's), the global batch, the layout string."""
+
+    def __init__(self, config, world_size):
+        parallel = config.parallel
+        self.tp, self.pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+        if world_size == 1 and self.tp * self.pp > 1:
+            raise InputError(f"--tp {self.tp} x --pp {self.pp} needs {self.tp * self.pp} ranks; launch "
+                             f"with mpirun -n {self.tp * self.pp} (or a multiple for data parallelism)")
+        if world_size % (self.tp * self.pp):
+            raise InputError(f"world size {world_size} is not divisible by TP x PP = {self.tp * self.pp}; "
+                             "launch a multiple of TP x PP ranks")
+        self.dp = world_size // (self.tp * self.pp)
+        self.micro_batches = self._micro_batches(config)
+        self.global_batch = config.micro_batch_size * self.micro_batches * self.dp
+        self.layout = self._layout(config)
+
+    def _micro_batches(self, config):
+        per_step = config.micro_batch_size * self.dp
+        given = config.parallel.num_micro_batches
+        if given is not None:
+            if config.global_batch_size not in (None, per_step * given):
+                raise InputError(f"--num-micro-batches {given} x micro-batch {config.micro_batch_size} x "
+                                 f"DP {self.dp} does not give --global-batch-size "
+                                 f"{config.global_batch_size}; pass one of the two")
+            return given
+        global_batch = config.global_batch_size or per_step
+        if global_batch % per_step:
+            raise InputError(f"--global-batch-size {global_batch} is not divisible by micro-batch x DP = "
+                             f"{config.micro_batch_size} x {self.dp} = {per_step}; use a multiple of "
+                             f"{per_step}")
+        return global_batch // per_step
+
+    def _layout(self, config):
+        from .pipeline import default_layout
+        parallel, num_layers = config.parallel, config.model.num_layers
+        if parallel.pipeline_model_parallel_layout:
+            return parallel.pipeline_model_parallel_layout
+        per_virtual, virtual = parallel.num_layers_per_virtual_pipeline_stage, 1
+        if per_virtual is not None:
+            if num_layers % (self.pp * per_virtual):
+                raise InputError(f"--num-layers-per-virtual-pipeline-stage {per_virtual} does not split "
+                                 f"{num_layers} layers over {self.pp} pipeline ranks evenly; choose a "
+                                 "divisor of num-layers / PP")
+            virtual = num_layers // (self.pp * per_virtual)
+        return default_layout(num_layers, self.pp, virtual)
+
+
+def field_default(config_class, name):
+    spec = next(f for f in fields(config_class) if f.name == name)
+    return spec.default if spec.default is not MISSING else spec.default_factory()

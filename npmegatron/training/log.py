@@ -1,0 +1,89 @@
+"""What a training run shows: a header, a progress bar (on a terminal only: captured to a file,
+its refreshes would bury the interval lines), a line every --log-interval iterations with the
+same figures as JSON in --log-file, and a summary. Only rank 0 writes; other ranks pass echo=None."""
+import json
+import sys
+import time
+
+import numpy
+from tqdm import tqdm
+
+from ..autograd import InputError
+from ..model import model_flops
+
+
+class TrainingLog:
+    def __init__(self, trainer, echo):
+        config, self.echo = trainer.config, echo
+        self.total = config.train_iters
+        self.tokens_per_step = trainer.plan.global_batch * config.seq_length
+        self.flops_per_step = model_flops(trainer.cfg, trainer.model.num_parameters(),
+                                          trainer.plan.global_batch, config.seq_length)
+        self.file = open_log(config.log_file, append=bool(config.load)) if config.log_file and echo else None
+        self.bar = tqdm(total=self.total, initial=trainer.iteration, desc="training", unit="it",
+                        leave=False, disable=not (echo and sys.stderr.isatty()))
+        self.window, self.window_start = [], time.perf_counter()
+        self.say(header(trainer))
+        if config.load:
+            self.say(f"resumed from {config.load} at iteration {trainer.iteration}")
+        if config.train_iters < config.lr_warmup_iters:
+            self.say(f"warning: --train-iters {config.train_iters} is less than --lr-warmup-iters "
+                     f"{config.lr_warmup_iters}, so the whole run is warm-up and never reaches --lr {config.lr}")
+
+    def say(self, text):
+        if self.echo:
+            self.bar.write(text) if not self.bar.disable else self.echo(text)
+
+    def iteration(self, loss):
+        self.window.append(loss)
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{loss:.3f}")
+
+    def interval(self, done, lr, grad_norm, val_loss=None):
+        """The line (and JSON record) for the iterations since the last one."""
+        elapsed = time.perf_counter() - self.window_start
+        record = {"iteration": done, "loss": float(numpy.mean(self.window)), "lr": lr, "grad_norm": grad_norm,
+                  "tokens_per_s": len(self.window) * self.tokens_per_step / elapsed,
+                  "tflops": len(self.window) * self.flops_per_step / elapsed / 1e12}
+        if val_loss is not None:
+            record["val_loss"] = val_loss
+        self.say(format_record(record, self.total))
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        self.window, self.window_start = [], time.perf_counter()
+
+    def summary(self, losses):
+        if losses:
+            self.say(f"done: loss {losses[0]:.4f} -> {numpy.mean(losses[-10:]):.4f} (mean of the last "
+                     f"{min(10, len(losses))} iterations)")
+
+    def close(self):
+        self.bar.close()
+        if self.file:
+            self.file.close()
+
+
+def header(trainer):
+    cfg, grid, plan, model, data = trainer.cfg, trainer.grid, trainer.plan, trainer.model, trainer.data
+    pipeline = f", layout {plan.layout!r} ({trainer.schedule})" if grid.pp_size > 1 else ""
+    return (f"GPT: {model.num_parameters():,} parameters, {cfg.num_layers} layers, hidden "
+            f"{cfg.hidden_size}, {cfg.num_attention_heads} heads, {cfg.dtype} on {cfg.device}, {grid}"
+            f"{' sequence-parallel' if cfg.sequence_parallel else ''}{pipeline}; global batch "
+            f"{plan.global_batch} = {trainer.config.micro_batch_size} x {plan.micro_batches} accumulation x "
+            f"{grid.dp_size} DP; data {data.description}: {len(data.train):,} training / "
+            f"{len(data.valid):,} validation tokens")
+
+
+def open_log(path, append):
+    try:
+        return open(path, "a" if append else "w")
+    except OSError as e:
+        raise InputError(f"cannot write --log-file {path} ({e.strerror}); choose a writable file") from None
+
+
+def format_record(r, total):
+    line = (f"iter {r['iteration']:>5}/{total} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
+            f"grad norm {r['grad_norm']:.3f} | {r['tokens_per_s']:,.0f} tok/s | "
+            f"{r['tflops']:.4f} TFLOP/s")
+    return line + (f" | val loss {r['val_loss']:.4f}" if "val_loss" in r else "")

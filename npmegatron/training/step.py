@@ -1,0 +1,21 @@
+"""The training step: forward and backward of one global batch's micro-batches on this rank,
+then every gradient made whole. One function, used by the trainer, the benchmarks and the tests."""
+from ..pipeline import run_schedule
+
+
+def schedule_options(parallel):
+    """run_schedule's options from a ParallelConfig."""
+    return {"deallocate_outputs": parallel.deallocate_pipeline_outputs,
+            "overlap": parallel.overlap_p2p_communication}
+
+
+def train_step(model, exchange, batches, buckets, schedule="1f1b", **options):
+    """Run the pipeline schedule over `batches` (this DP rank's M micro-batches), the DP bucket
+    all-reduces starting with this rank's last backward, then the tied embedding's gradient summed
+    over the pipeline ends. Returns the sum of the micro-batch losses (0.0 off the last stage)."""
+    buckets.zero_grad()
+    loss_sum = run_schedule(model, exchange, batches, schedule, on_last_backward=buckets.start_sync,
+                            **options)
+    buckets.finish_sync()
+    model.finalize_grads()
+    return loss_sum

@@ -1,0 +1,216 @@
+"""The training run, shared by `scripts/train.py` (under mpirun) and `npmegatron train`.
+
+nanoGPT's shape, Megatron's names: a Trainer builds the grid, data and model (or resumes them
+from a checkpoint), then `fit()` runs the iterations: the training step over the micro-batches
+(step.py), clip, optimizer step, log, evaluate, save. The global batch is micro-batch x
+micro-batches x data-parallel size, and sample k of the run is the same whatever that split, so
+every layout follows the same trajectory.
+"""
+import dataclasses
+import math
+import os
+import uuid
+
+import numpy
+
+from .. import comm
+from ..autograd import InputError
+from ..build import build_grid, build_model
+from ..config import TrainConfig
+from ..data import TrainingData, WindowSampler
+from ..data_parallel import GradientBuckets
+from ..pipeline import StageExchange
+from . import checkpoint
+from .log import TrainingLog
+from .optimizer import AdamW, clip_grad_norm, learning_rate
+from .save_folder import SaveFolder
+from .step import schedule_options, train_step
+
+
+class TrainingDiverged(InputError):
+    """The loss or gradient norm stopped being finite; nothing of that step was applied or saved."""
+
+
+class Trainer:
+    """One training run on this rank: built from a TrainConfig, run by fit()."""
+
+    def __init__(self, config: TrainConfig):
+        self.config = config
+        self.plan = plan = config.plan(comm.launch_size())
+        self.grid = grid = build_grid(plan.tp, plan.pp)
+        self.data = TrainingData(config.data_path)
+        self.cfg = dataclasses.replace(config.model, vocab_size=self.data.vocab_size)
+        self.model = build_model(self.cfg, grid, plan.layout)
+        self.schedule = config.parallel.pipeline_schedule or (
+            "interleaved" if self.model.virtual_size > 1 else "1f1b")
+        self.exchange = StageExchange(grid, self.cfg.dtype, self.model.xp, plan.micro_batches,
+                                      config.parallel.variable_seq_lengths)
+        seed = self.cfg.seed
+        self.sampler = WindowSampler(self.data.train, config.seq_length, seed)
+        self.valid_sampler = WindowSampler(self.data.validation_or_train(config.seq_length),
+                                           config.seq_length, seed + 1)
+        self.params = self.model.parameters()
+        self.optimizer = AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay)
+        self.buckets = GradientBuckets(self.params, grid.dp_group, config.parallel.ddp_bucket_size)
+        self.norm_skip = self.model.norm_skip()    # what counts once in the global norm
+        self.iteration, self.last_saved = 0, None
+        self.run_id = uuid.uuid4().hex      # rank 0's is the one recorded; a resumed run keeps its own
+        if config.load:
+            self._resume()
+        self.save_folder = None
+        if config.save:
+            self.save_folder = SaveFolder(config.save, self.run_id, grid.world, config.overwrite,
+                                          resuming=resumes_in_place(config.load, config.save))
+
+    def _resume(self):
+        manifest = checkpoint.load(self.config.load, self.model, self.optimizer, self.grid, self.plan.layout)
+        self.iteration = self.last_saved = manifest["iteration"]
+        self.run_id = manifest.get("run_id", self.run_id)
+        saved_batch = manifest["data"]["global_batch_size"]
+        if saved_batch != self.plan.global_batch:
+            raise InputError(f"checkpoint {self.config.load} was trained with global batch {saved_batch}, "
+                             f"this run has {self.plan.global_batch}; pass --global-batch-size {saved_batch}")
+
+    def micro_batches(self, sampler, step):
+        """This rank's micro-batches of global batch `step`: samples are numbered globally, DP rank
+        r takes the r-th contiguous share, so the split never changes what is trained on."""
+        size, count = self.config.micro_batch_size, self.plan.micro_batches
+        first = step * self.plan.global_batch + self.grid.dp_rank * count * size
+        return [sampler.batch(first + j * size, size) for j in range(count)]
+
+    def mean_loss(self, loss_sum, count):
+        """The mean over micro-batches and DP replicas of losses summed on the last stage."""
+        total = comm.all_reduce(numpy.array([loss_sum]), self.grid.pp_group)
+        total = comm.all_reduce(total, self.grid.dp_group)
+        return float(total[0]) / (count * self.grid.dp_size)
+
+    def train_step(self):
+        """Forward and backward over the micro-batches, DP average, clip. Returns (loss, norm)."""
+        loss_sum = train_step(self.model, self.exchange, self.micro_batches(self.sampler, self.iteration),
+                              self.buckets, self.schedule, **schedule_options(self.config.parallel))
+        loss = self.mean_loss(loss_sum, self.plan.micro_batches)
+        norm = clip_grad_norm(self.params, self.config.clip_grad, self.grid.mp_group, self.norm_skip)
+        return loss, norm
+
+    def step(self):
+        """One optimizer step; (loss, gradient norm, learning rate). Nothing is applied when the
+        loss or the norm is not finite."""
+        config = self.config
+        lr = learning_rate(self.iteration, config.lr, config.min_lr, config.lr_warmup_iters,
+                           config.train_iters, config.lr_decay_style)
+        loss, norm = self.train_step()
+        for what, value in (("loss", loss), ("gradient norm", norm)):
+            if not math.isfinite(value):
+                raise self.diverged(what, value)
+        self.optimizer.step(lr)
+        self.iteration += 1
+        return loss, norm, lr
+
+    def evaluate(self):
+        from ..pipeline import run_schedule
+        self.model.eval()
+        total = 0.0
+        for k in range(self.config.eval_iters):
+            total += run_schedule(self.model, self.exchange, self.micro_batches(self.valid_sampler, k),
+                                  self.schedule, forward_only=True, **schedule_options(self.config.parallel))
+        self.model.train()
+        return self.mean_loss(total, self.config.eval_iters * self.plan.micro_batches)
+
+    def save(self):
+        config = self.config
+        extra = {"run_id": self.run_id, "pipeline_layout": self.plan.layout,
+                 "data": {"consumed_samples": self.iteration * self.plan.global_batch,
+                          "global_batch_size": self.plan.global_batch, "seed": self.cfg.seed,
+                          "data_path": config.data_path},
+                 "tokenizer": self.data.tokenizer.spec, "args": dataclasses.asdict(config)}
+        files = {"tokenizer.json": self.data.tokenizer_file} if self.data.tokenizer_file else {}
+        folder = checkpoint.save(config.save, self.iteration, self.model, self.optimizer, self.grid,
+                                 extra, files)
+        self.save_folder.saved(folder)
+        self.last_saved = self.iteration
+        return folder
+
+    def diverged(self, what, value):
+        kept = (f"the last checkpoint (iteration {self.last_saved} in {self.config.save or self.config.load}) "
+                "is untouched" if self.last_saved is not None else "no checkpoint was written")
+        return TrainingDiverged(f"the {what} became {value} at iteration {self.iteration + 1}, so "
+                                f"training stopped before applying it; {kept}; lower --lr or raise "
+                                "--lr-warmup-iters")
+
+    def fit(self, echo=print, exit_signal=None):
+        """Train to --train-iters (or --exit-interval, or a noted exit signal): log, evaluate,
+        save, and sample at the end. Returns this run's per-iteration losses (the same on every
+        rank); only rank 0 prints."""
+        config, losses = self.config, []
+        log = TrainingLog(self, echo if self.grid.rank == 0 else None)
+        try:
+            while self.iteration < config.train_iters:
+                loss, norm, lr = self.step()
+                losses.append(loss)
+                log.iteration(loss)
+                done, last = self.iteration, self.iteration == config.train_iters
+                if done % config.log_interval == 0 or last:
+                    evaluate = done % config.eval_interval == 0 or last
+                    log.interval(done, lr, norm, self.evaluate() if evaluate else None)
+                if self._save_or_stop(log, exit_signal):
+                    break
+        finally:
+            log.close()
+        log.summary(losses)
+        if config.sample_tokens and self.iteration == config.train_iters:
+            log.say(self.sample())
+        return losses
+
+    def _save_or_stop(self, log, exit_signal):
+        """Save when due; True when the run stops here (--exit-interval, or an exit signal)."""
+        config, done = self.config, self.iteration
+        stop = bool(config.exit_interval) and done % config.exit_interval == 0
+        signalled = exit_signal is not None and exit_signal.received(self.grid.world)
+        if config.save and (done == config.train_iters or stop or signalled or
+                            (config.save_interval and done % config.save_interval == 0)):
+            self.save()
+        if stop:
+            log.say(f"exiting at iteration {done} (--exit-interval {config.exit_interval})")
+        elif signalled:
+            saved = (f"checkpoint saved in {os.path.join(config.save, f'iter_{done:07d}')}"
+                     if config.save else "nothing saved (no --save)")
+            log.say(f"{exit_signal.name} received: stopped after iteration {done}; {saved}")
+        return stop or signalled
+
+    def sample(self):
+        """Text generated from the first 32 validation tokens (one pipeline stage only)."""
+        if self.model.whole is None:
+            return "no sample: generation runs on one pipeline stage (PP = 1)"
+        from ..generation import generate
+        prompt = [int(t) for t in self.valid_sampler.tokens[:32]]
+        ids = generate(self.model.whole, prompt, self.config.sample_tokens, temperature=0.8, top_k=40,
+                       seed=self.cfg.seed)
+        return "sample (the first 32 validation tokens, then generated):\n" + self.data.tokenizer.decode(ids)
+
+    def close(self):
+        """Let go of the --save folder's lock (also dropped when the process ends)."""
+        if self.save_folder is not None:
+            self.save_folder.release()
+
+
+def resumes_in_place(load, save):
+    """True when --load names the --save folder (or one of its iteration folders)."""
+    if not load or not save:
+        return False
+    load = os.path.realpath(load)
+    return os.path.realpath(save) in (load, os.path.dirname(load))
+
+
+def train(config: TrainConfig, echo=print):
+    """Train (or resume); returns the per-iteration losses of this run (the same on every rank).
+    With --exit-signal-handler, SIGTERM is noted from the very start, before the slow set-up."""
+    exit_signal = comm.ExitSignal() if config.exit_signal_handler else None
+    trainer = None
+    try:
+        trainer = Trainer(config)
+        return trainer.fit(echo, exit_signal)
+    finally:
+        if trainer is not None:
+            trainer.close()
+        if exit_signal is not None:
+            exit_signal.restore()

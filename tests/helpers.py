@@ -1,0 +1,85 @@
+"""Helpers shared by the test modules (imported as `from helpers import ...`; tests/ is on
+sys.path because tests/conftest.py lives there): where mpiexec is, the environment every rank
+runs in, running a tests/ranks/ module on N ranks, and launching scripts/train.py.
+
+No test module imports another test module: what several of them share lives here."""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+RANKS = os.path.join(TESTS, "ranks")
+
+
+def mpiexec_path():
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    found = beside if os.path.exists(beside) else shutil.which("mpiexec")
+    if not found:
+        pytest.fail("no mpiexec found: install the MPI extra (pip install -e '.[mpi,test]') or a system MPI")
+    return found
+
+
+def rank_environment(extra=None):
+    env = dict(os.environ)
+    # One BLAS thread per rank and throttled MPICH polling: up to 8 ranks share 2 cores here.
+    env.update({"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                "MPIR_CVAR_CH4_PROGRESS_THROTTLE": "true", "PYTHONUNBUFFERED": "1"})
+    env.update(extra or {})
+    return env
+
+
+class MPIResult:
+    def __init__(self, returncode, stdout, stderr, seconds):
+        self.returncode, self.stdout, self.stderr, self.seconds = returncode, stdout, stderr, seconds
+
+    def __str__(self):
+        return (f"exit code {self.returncode} after {self.seconds:.1f} s\n--- stdout (all ranks) ---\n"
+                f"{self.stdout}\n--- stderr (all ranks) ---\n{self.stderr}")
+
+
+def rank_program(module):
+    """The path of a rank program: `module` is relative to tests/ ("ranks/collectives.py") or
+    to tests/ranks/ ("collectives.py", "collectives")."""
+    candidates = [module, module + ".py"] if not module.endswith(".py") else [module]
+    for name in candidates:
+        for base in (TESTS, RANKS):
+            path = os.path.join(base, name)
+            if os.path.isfile(path):
+                return path
+    pytest.fail(f"no rank program {module!r} under {TESTS} or {RANKS}")
+
+
+def run_ranks(n, module, args=(), timeout=120, env=None, check=True):
+    """`mpiexec -n n python tests/<module> <args>` from the repository root -> MPIResult.
+
+    The job runs in its own session, so a hang (past `timeout` seconds) kills mpiexec and every
+    rank and fails the test; with check=True a non-zero exit fails the test. Either way the
+    failure shows every rank's stdout and stderr."""
+    cmd = [mpiexec_path(), "-n", str(n), sys.executable, rank_program(module), *map(str, args)]
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, env=rank_environment(env), start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"mpiexec -n {n} {module} {' '.join(map(str, args))} hung: killed after {timeout} s\n"
+                    + str(MPIResult(None, out, err, time.perf_counter() - start)))
+    result = MPIResult(proc.returncode, out, err, time.perf_counter() - start)
+    if check and result.returncode != 0:
+        pytest.fail(f"mpiexec -n {n} {module} {' '.join(map(str, args))} failed: {result}")
+    return result
+
+
+def launch(n, args, timeout=180):
+    """scripts/train.py with `args`, under `mpiexec -n n` (n = 0: one process, no mpiexec)."""
+    command = ([mpiexec_path(), "-n", str(n)] if n else []) + [sys.executable, "scripts/train.py"] + args
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env=rank_environment())
