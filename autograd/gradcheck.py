@@ -6,7 +6,7 @@ gradient's scale, so entries that are nearly zero do not blow the ratio up.
 """
 import numpy
 
-from .backend import get_array_module
+from .backend import get_array_module, to_numpy
 from .errors import InputError
 from .engine import backward
 from .tensor import Tensor, no_grad
@@ -61,7 +61,8 @@ def gradcheck(fn, inputs, eps=1e-5, tol=1e-6, max_entries=None, seed=0):
         if max_entries is not None and x.size > max_entries:
             entries = rng.choice(x.size, max_entries, replace=False)
         numeric = numerical_grad(fn, inputs, weights, i, eps, entries)
-        analytic = numpy.zeros(x.shape) if x.grad is None else numpy.asarray(x.grad).astype(float)
+        # to_numpy, not numpy.asarray: CuPy arrays refuse implicit conversion to host memory.
+        analytic = numpy.zeros(x.shape) if x.grad is None else to_numpy(x.grad).astype(float)
         if entries is not None:
             numeric, analytic = numeric.reshape(-1)[entries], analytic.reshape(-1)[entries]
         err = float(numpy.abs(analytic - numeric).max(initial=0.0)) / max(

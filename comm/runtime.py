@@ -1,6 +1,7 @@
-"""init(): MPI once, BLAS threads pinned, Ctrl-C that ends every rank, and the two ways a job ends
-on an error: when every rank hit it (a bad flag, a bad checkpoint) rank 0 prints it and all exit 1
-normally; when one rank hit it, that rank reports and aborts the job instead of leaving a hang.
+"""init(): MPI once, BLAS threads pinned, each rank bound to its GPU (where CuPy sees one), Ctrl-C
+that ends every rank, and the two ways a job ends on an error: when every rank hit it (a bad flag,
+a bad checkpoint) rank 0 prints it and all exit 1 normally; when one rank hit it, that rank reports
+and aborts the job instead of leaving a hang.
 
 Why pin: on a 2-core machine two ranks with default BLAS threading ran a matmul + all-reduce loop
 80x slower than with one thread each (BLAS threads and MPI busy-polling fight for the cores).
@@ -39,8 +40,8 @@ def _throttle_polling_when_oversubscribed():
 
 
 def init():
-    """Initialise MPI (once), pin BLAS threads to cores / local ranks, install the abort hook;
-    returns the world group."""
+    """Initialise MPI (once), pin BLAS threads to cores / local ranks, bind this rank's GPU,
+    install the abort hook; returns the world group."""
     if "world" in _state:
         return _state["world"]
     _throttle_polling_when_oversubscribed()
@@ -55,12 +56,46 @@ def init():
     threads = max(1, _cores() // _state["local_size"])
     _state["blas_limits"] = threadpool_limits(limits=threads, user_api="blas")
     _state["blas_threads"] = threads
+    _state["device"] = bind_device(_state["local_rank"])
+    # Gathered here, where every local rank is present: gathered lazily at a rank's first GPU
+    # call, it would hang whenever another local rank's next call is not on the GPU.
+    _state["local_bus_ids"] = local.allgather(_bus_id(_state["device"]))
     if world.Get_size() > 1:
         sys.excepthook = _end_on_uncaught
     # Only for agreeing on errors: a communicator of its own never matches a model collective.
     _state["errors"] = world.Dup()
     _state["world"] = Group("world", world, range(world.Get_size()))
     return _state["world"]
+
+
+def bind_device(local_rank, cupy_module=None):
+    """Make GPU local_rank % device_count this process's current device and return its index;
+    None without CuPy or a visible CUDA device. Counting visible devices respects
+    CUDA_VISIBLE_DEVICES and launchers that show each rank a single GPU (it is then device 0).
+    Without this every rank of a node would run on device 0."""
+    cupy = cupy_module
+    if cupy is None:
+        try:
+            import cupy
+        except ImportError:
+            return None
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+        if count < 1:
+            return None
+        index = local_rank % count
+        cupy.cuda.Device(index).use()
+    except cupy.cuda.runtime.CUDARuntimeError:     # no driver, or no device
+        return None
+    return index
+
+
+def _bus_id(device):
+    """The PCI bus id of this rank's GPU (None without one): it names the physical GPU."""
+    if device is None:
+        return None
+    import cupy
+    return cupy.cuda.Device(device).pci_bus_id
 
 
 def launched_by_mpi():
@@ -93,6 +128,18 @@ def local_size():
 def local_rank():
     init()
     return _state["local_rank"]
+
+
+def device_index():
+    """The CUDA device this rank is bound to (an index among its visible ones), or None."""
+    init()
+    return _state["device"]
+
+
+def local_bus_ids():
+    """The PCI bus id of each local rank's GPU (None for a rank without one), in local-rank order."""
+    init()
+    return _state["local_bus_ids"]
 
 
 def blas_threads():

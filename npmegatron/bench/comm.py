@@ -24,26 +24,37 @@ def _iterations(nbytes):
     return int(min(50, max(3, 2 ** 26 // max(nbytes, 1))))
 
 
-def _timed(world, fn, iters):
+def _device_sync(xp):
+    """A call that returns once the device finished its queued work: GPU calls return when their
+    work is queued, so without it the clock would time the queueing, not the transfer."""
+    if xp is numpy:
+        return lambda: None
+    return lambda: xp.cuda.Device().synchronize()
+
+
+def _timed(world, fn, iters, sync=lambda: None):
     """Seconds per call, the slowest rank's (a collective is as slow as its last member)."""
     fn()
+    sync()
     comm.barrier(world)
     start = time.perf_counter()
     for _ in range(iters):
         fn()
+    sync()
     elapsed = numpy.array([(time.perf_counter() - start) / iters])
     return float(comm.all_reduce(elapsed, world, "max")[0])
 
 
-def _ping_pong(world, x):
-    """Even rank r and odd rank r+1 exchange x there and back; one-way time is half."""
+def _ping_pong(world, x, xp=numpy):
+    """Even rank r and odd rank r+1 exchange x there and back; one-way time is half. Receives
+    name the array module: a NumPy receive posts an MPI receive, which never meets an NCCL send."""
     r, n = world.rank, world.size
     peer = r ^ 1
     if peer >= n:
         return lambda: None
     if r % 2 == 0:
-        return lambda: (comm.send(x, peer, world), comm.recv(peer, x.shape, x.dtype, world))
-    return lambda: (comm.recv(peer, x.shape, x.dtype, world), comm.send(x, peer, world))
+        return lambda: (comm.send(x, peer, world), comm.recv(peer, x.shape, x.dtype, world, xp=xp))
+    return lambda: (comm.recv(peer, x.shape, x.dtype, world, xp=xp), comm.send(x, peer, world))
 
 
 def alpha_beta_fit(sizes, times):
@@ -74,8 +85,8 @@ def bench_comm(min_bytes=1024, max_bytes=64 * 2 ** 20, device="cpu"):
             fn = {"all_reduce": lambda: comm.all_reduce(full, world),
                   "all_gather": lambda: comm.all_gather(shard, world),
                   "reduce_scatter": lambda: comm.reduce_scatter(full, world),
-                  "sendrecv": _ping_pong(world, full)}[op]
-            seconds = _timed(world, fn, _iterations(full.nbytes))
+                  "sendrecv": _ping_pong(world, full, xp)}[op]
+            seconds = _timed(world, fn, _iterations(full.nbytes), _device_sync(xp))
             if op == "sendrecv":
                 seconds /= 2
             times.append(seconds)

@@ -1,39 +1,41 @@
 """Point-to-point exchange between neighbouring pipeline stages, on top of comm (so GPU arrays
 go through NCCL where each rank has its own GPU).
 
-Every message is tagged with (what, stage, micro-batch), and every send is non-blocking and
-waited only later. A receive therefore matches its send whatever order either side posts them,
-and a rank blocks only on data it needs now. No schedule can deadlock on a posting order, and
-shape headers (variable sequence lengths) add no ordering constraint (the deadlock of
-NVIDIA/Megatron-LM#5100 came from a fixed posting order).
+Every send is non-blocking and waited only later, and a rank blocks only on data it needs now.
+Receives from each neighbour are posted in the order that neighbour sends (the executor sees to
+it, order.py), so messages match without tags, as NCCL matches them; under MPI each message is
+still tagged with (what, stage, micro-batch), and NPMEGATRON_P2P_ORDERED=1 drops the tags to prove
+the order. A shape header (variable sequence lengths) goes right before its data, both ways.
 """
 import numpy
 
 from .. import comm
 from ..autograd import InputError
+from ..autograd.backend import to_numpy
 
 ACTIVATION, GRADIENT, ACTIVATION_SHAPE, GRADIENT_SHAPE = range(4)
 _SHAPE_OF = {ACTIVATION: ACTIVATION_SHAPE, GRADIENT: GRADIENT_SHAPE}
 
 
 class _Incoming:
-    """A posted receive; with variable shapes its header arrives first, then the data is posted."""
+    """A posted receive. With variable shapes its header is posted first and the data right
+    behind it, so a pair's messages keep the sender's order (NCCL matches in order, without
+    tags); the header then checks the shape this rank expects from the micro-batch."""
 
     def __init__(self, exchange, kind, stage, micro_batch, peer, shape):
-        self.exchange, self.kind, self.stage, self.mb, self.peer = exchange, kind, stage, micro_batch, peer
-        self.header = self.data = None
+        tag = exchange.tag
+        self.shape, self.header = tuple(shape), None
         if exchange.variable_seq_lengths:
-            self.header = comm.irecv(peer, (3,), numpy.int64, tag=exchange.tag(_SHAPE_OF[kind], stage, micro_batch))
-        else:
-            self.post_data(shape)
-
-    def post_data(self, shape):
-        ex = self.exchange
-        self.data = comm.irecv(self.peer, shape, ex.dtype, tag=ex.tag(self.kind, self.stage, self.mb), xp=ex.xp)
+            self.header = comm.irecv(peer, (len(shape),), numpy.int64,
+                                     tag=tag(_SHAPE_OF[kind], stage, micro_batch), xp=exchange.xp)
+        self.data = comm.irecv(peer, shape, exchange.dtype, tag=tag(kind, stage, micro_batch), xp=exchange.xp)
 
     def wait(self):
-        if self.data is None:
-            self.post_data(tuple(int(n) for n in self.header.wait()))
+        if self.header is not None:
+            sent = tuple(int(n) for n in to_numpy(self.header.wait()))
+            if sent != self.shape:
+                raise InputError(f"a pipeline neighbour sent shape {sent} where this stage expects "
+                                 f"{self.shape}; every pipeline rank must get the same micro-batches")
         return self.data.wait()
 
 
@@ -63,7 +65,7 @@ class StageExchange:
         target = stage + 1 if kind == ACTIVATION else stage - 1
         ops = []
         if self.variable_seq_lengths:
-            ops.append(comm.P2POp("send", peer, array=numpy.array(array.shape, numpy.int64),
+            ops.append(comm.P2POp("send", peer, array=self.xp.asarray(array.shape, dtype=numpy.int64),
                                   tag=self.tag(_SHAPE_OF[kind], target, micro_batch)))
         ops.append(comm.P2POp("send", peer, array=array, tag=self.tag(kind, target, micro_batch)))
         incoming = None

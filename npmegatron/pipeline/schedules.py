@@ -18,9 +18,9 @@ from .. import autograd as ag
 from ..autograd import InputError
 from ..autograd.memory import saved_bytes_by_function
 from .exchange import ACTIVATION, GRADIENT, deallocate
+from .order import BACKWARD, FORWARD, ReceiveOrder
 
 SCHEDULES = ("1f1b", "afab", "interleaved")
-FORWARD, BACKWARD = "F", "B"
 
 
 def build_actions(schedule, pp_rank, pp, virtual, num_micro_batches):
@@ -70,8 +70,8 @@ class ScheduleRun:
     stage inputs and outputs kept for backward, and the loss sum. A receive is described as
     (kind, stage, micro-batch, shape) and posted at most once, keyed by its first three."""
 
-    def __init__(self, model, exchange, batches, overlap, deallocate_outputs, forward_only):
-        self.model, self.exchange, self.batches = model, exchange, batches
+    def __init__(self, model, exchange, batches, overlap, deallocate_outputs, forward_only, order):
+        self.model, self.exchange, self.batches, self.order = model, exchange, batches, order
         self.overlap, self.deallocate_outputs, self.forward_only = overlap, deallocate_outputs, forward_only
         self.posted = {}        # (kind, stage, micro-batch) -> a posted receive not yet waited on
         self.inputs = {}        # (chunk, micro-batch) -> received activation, None on the first stage
@@ -117,8 +117,16 @@ class ScheduleRun:
         """Post `request` unless it is posted already; the posted receive."""
         key = request[:3]
         if key not in self.posted:
+            self.post_earlier(request)
             self.posted[key] = self.exchange.receive(*request)
         return self.posted[key]
+
+    def post_earlier(self, request):
+        """Post what the sender of `request` sends before it, in the sender's order: a pair's
+        messages then match in order, as NCCL (no tags) and NPMEGATRON_P2P_ORDERED=1 match them."""
+        for kind, stage, micro_batch in self.order.up_to(request[:3]):
+            self.posted[kind, stage, micro_batch] = self.exchange.receive(
+                kind, stage, micro_batch, self.shape_of(micro_batch))
 
     def take(self, request):
         """Wait for `request` (posting it now if it is not yet) and forget it: its array."""
@@ -144,6 +152,8 @@ class ScheduleRun:
     def send(self, kind, chunk, micro_batch, array, then_receive):
         """Send `array` (an activation forward, an input gradient backward) to the neighbour,
         with `then_receive` from that same neighbour posted in the same exchange."""
+        if then_receive is not None:
+            self.post_earlier(then_receive)
         incoming = self.exchange.send(kind, self.stage_of(chunk), micro_batch, array,
                                       then_receive=then_receive)
         if then_receive is not None:
@@ -195,12 +205,16 @@ def run_schedule(model, exchange, batches, schedule="1f1b", on_last_backward=Non
     starts its gradient sync there). Returns the sum of the micro-batch losses on the rank
     holding the loss, else 0.0."""
     grid, virtual, num_micro_batches = model.grid, model.virtual_size, len(batches)
-    if forward_only:
-        actions = [(FORWARD, chunk, i) for chunk in range(virtual) for i in range(num_micro_batches)]
-    else:
-        actions = build_actions(schedule, grid.pp_rank, grid.pp_size, virtual, num_micro_batches)
+
+    def actions_of(pp_rank):
+        if forward_only:
+            return [(FORWARD, chunk, i) for chunk in range(virtual) for i in range(num_micro_batches)]
+        return build_actions(schedule, pp_rank, grid.pp_size, virtual, num_micro_batches)
+
+    actions = actions_of(grid.pp_rank)
     last_backward = max((k for k, action in enumerate(actions) if action[0] == BACKWARD), default=None)
-    run = ScheduleRun(model, exchange, batches, overlap, deallocate_outputs, forward_only)
+    order = ReceiveOrder(actions_of, grid.pp_rank, grid.pp_size, virtual)
+    run = ScheduleRun(model, exchange, batches, overlap, deallocate_outputs, forward_only, order)
     for k, (kind, chunk, micro_batch) in enumerate(actions):
         following = actions[k + 1] if k + 1 < len(actions) else None
         then_receive = run.post_next(actions[k], following)

@@ -87,3 +87,33 @@ def test_no_schedule_waits_forever():
             if m % pp == 0:
                 assert simulate("interleaved", pp, v, m), (pp, v, m)
             assert simulate("afab", pp, v, m), (pp, v, m)
+
+
+@pytest.mark.parametrize("schedule,virtual", [("afab", 1), ("1f1b", 1), ("interleaved", 2), ("afab", 2)])
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_each_neighbour_sends_exactly_what_a_rank_receives(schedule, virtual, pp):
+    """order.py's view of a neighbour's sends covers every receive a rank's actions wait for,
+    each once, so posting receives in that order never skips or repeats a message."""
+    from npmegatron.pipeline.exchange import ACTIVATION, GRADIENT
+    from npmegatron.pipeline.order import ReceiveOrder
+    m = 2 * pp
+
+    def actions_of(rank):
+        return build_actions(schedule, rank, pp, virtual, m)
+
+    last = pp * virtual - 1
+    for rank in range(pp):
+        needed = []
+        for kind, chunk, micro_batch in actions_of(rank):
+            stage = chunk * pp + rank
+            if kind == FORWARD and stage != 0:
+                needed.append((ACTIVATION, stage, micro_batch))
+            if kind == BACKWARD and stage != last:
+                needed.append((GRADIENT, stage, micro_batch))
+        order = ReceiveOrder(actions_of, rank, pp, virtual)
+        sent = [key for queue in order.pending.values() for key in queue]
+        assert sorted(sent) == sorted(needed)
+        for key in needed:          # taken in the order they are needed, every queue empties
+            if any(key in queue for queue in order.pending.values()):
+                order.up_to(key)
+        assert all(not queue for queue in order.pending.values())

@@ -51,7 +51,7 @@ def check(cases):
         exchange = StageExchange(grid, "float64", np, m, case.get("variable", False))
         buckets = GradientBuckets(model.parameters(), grid.dp_group, bucket_size=3000)
         mine = batches[grid.dp_rank * m:(grid.dp_rank + 1) * m]
-        loss_sum = train_step(model, exchange, mine, buckets, case["schedule"])
+        loss_sum = train_step(model, exchange, mine, buckets, case["schedule"], overlap=case.get("overlap", True))
         loss = comm.all_reduce(comm.all_reduce(np.array([loss_sum]), grid.pp_group), grid.dp_group)[0] / (m * dp)
         errors = [abs(loss - total / (m * dp)) / abs(total / (m * dp))]
         for name, param, spec in model.named_specs():
