@@ -26,6 +26,16 @@ def array_module_for(device):
         except ImportError:
             raise InputError("device 'gpu' needs CuPy, which is not installed; install it with "
                              "pip install 'npmegatron[gpu]', or use the CPU") from None
+        # CuPy imports without a driver; its first CUDA call would be a raw CUDARuntimeError.
+        try:
+            visible = cupy.cuda.runtime.getDeviceCount()
+        except Exception as error:
+            visible, reason = 0, f" ({type(error).__name__}: {error})"
+        else:
+            reason = ""
+        if visible < 1:
+            raise InputError(f"device 'gpu' needs a CUDA driver and a visible GPU, and CuPy found "
+                             f"none{reason}; check nvidia-smi and CUDA_VISIBLE_DEVICES, or use the CPU")
         return cupy
     raise InputError(f"unknown device {device!r}; use 'cpu' or 'gpu'")
 

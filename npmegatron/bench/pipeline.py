@@ -31,7 +31,7 @@ def memory_table(cfg, pp, micro_batches, micro_batch_size, seq_length):
         if cfg.num_layers % (pp * virtual) or micro_batches % pp and virtual > 1:
             continue
         grid, model, batches = _setup(cfg, pp, virtual, micro_batches, micro_batch_size, seq_length)
-        exchange = StageExchange(grid, cfg.dtype, numpy, micro_batches)
+        exchange = StageExchange(grid, cfg.dtype, model.xp, micro_batches)
         probe = MemoryProbe()
         run_schedule(model, exchange, batches, schedule, deallocate_outputs=deallocate, memory=probe)
         peaks = comm.all_gather(numpy.array([probe.peak], numpy.int64), grid.world)
@@ -43,7 +43,7 @@ def overlap_timing(cfg, pp, micro_batches, micro_batch_size, seq_length, iters=5
     """Median step seconds of 1F1B with and without receives posted ahead of compute."""
     result = {}
     grid, model, batches = _setup(cfg, pp, 1, micro_batches, micro_batch_size, seq_length)
-    exchange = StageExchange(grid, cfg.dtype, numpy, micro_batches)
+    exchange = StageExchange(grid, cfg.dtype, model.xp, micro_batches)
     buckets = GradientBuckets(model.parameters(), grid.dp_group)
     for overlap in (False, True, False, True):
         times = []
