@@ -1,6 +1,7 @@
 """Pipeline parallelism: the model split by depth into stages (layout.py), the stages one rank
-holds (stages.py), the point-to-point exchange between neighbours (exchange.py) and the
-schedules that order forward and backward passes over micro-batches (schedules.py)."""
+holds (stages.py), the point-to-point exchange between neighbours (exchange.py), the order in
+which each neighbour sends (order.py: receives are posted in it, as NCCL matches without tags)
+and the schedules that order forward and backward passes over micro-batches (schedules.py)."""
 from .exchange import StageExchange
 from .layout import StageSpec, default_layout, parse_layout, plan_stages
 from .schedules import SCHEDULES, MemoryProbe, build_actions, run_schedule
