@@ -292,8 +292,9 @@ def load(root, model, optimizer, grid, pipeline_layout=None):
     except InputError as e:
         error = str(e)
     raise_if_any(error, world)
-    names = [name for name, _ in model.named_parameters()]
-    for name, param in model.named_parameters():
+    named = list(model.named_parameters())
+    names = [name for name, _ in named]
+    for name, param in named:
         param.data[...] = param.xp.asarray(tensors[f"model.{name}"])
     if optimizer is not None:
         optimizer.load_state_dict({"hyperparameters": manifest["optimizer"],

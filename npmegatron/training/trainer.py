@@ -19,7 +19,7 @@ from ..build import build_grid, build_model
 from ..config import TrainConfig
 from ..data import TrainingData, WindowSampler
 from ..data_parallel import GradientBuckets
-from ..pipeline import StageExchange
+from ..pipeline import StageExchange, run_schedule
 from . import checkpoint
 from .log import TrainingLog
 from .optimizer import AdamW, clip_grad_norm, learning_rate
@@ -107,7 +107,6 @@ class Trainer:
         return loss, norm, lr
 
     def evaluate(self):
-        from ..pipeline import run_schedule
         self.model.eval()
         total = 0.0
         for k in range(self.config.eval_iters):
