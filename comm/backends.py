@@ -109,119 +109,150 @@ class MPIRequest:
 
 class NCCLBackend:
     """cupy.cuda.nccl: one communicator per group, its unique id broadcast over the group's MPI
-    communicator; point-to-point pairs go inside NCCL group calls so they cannot deadlock."""
+    communicator; point-to-point pairs go inside NCCL group calls so they cannot deadlock.
+
+    Each group's NCCL calls run on a stream of their own, ordered against compute by events and
+    never by a host synchronisation: a call starts once the compute stream's work so far is done
+    (the input is written), and the compute stream waits for its end only where the result is
+    used. So a data-parallel bucket all-reduce runs while backward goes on, and a tensor-parallel
+    all-reduce does not queue behind it."""
 
     name = "nccl"
 
-    def __init__(self, nccl=None):
-        """nccl: cupy.cuda.nccl by default; tests pass a stand-in (no CuPy needed)."""
+    def __init__(self, nccl=None, cuda=None):
+        """nccl, cuda: cupy.cuda.nccl and cupy.cuda by default; tests pass stand-ins."""
         if nccl is None:
             from cupy.cuda import nccl
-        self.nccl = nccl
+        if cuda is None:
+            import cupy.cuda as cuda
+        self.nccl, self.cuda = nccl, cuda
         self.types = {numpy.dtype(k): v for k, v in (
             ("float16", nccl.NCCL_FLOAT16), ("float32", nccl.NCCL_FLOAT32),
             ("float64", nccl.NCCL_FLOAT64), ("int32", nccl.NCCL_INT32), ("int64", nccl.NCCL_INT64))}
         self.ops = {"sum": nccl.NCCL_SUM, "max": nccl.NCCL_MAX, "min": nccl.NCCL_MIN}
-        self.batched = None     # requests posted inside an NCCL group call, until it ends
+        self.batched = None     # (stream, requests) posted inside an NCCL group call, until it ends
 
     def _comm(self, group):
-        """The group's communicator, created on first use. Rank 0's unique id travels as the very
-        object get_unique_id returned (pickled): a tuple of ints before CuPy 14, 128 bytes since,
-        and NcclCommunicator takes the same type back, so no conversion can go stale."""
+        """The group's communicator and stream, created on first use. Rank 0's unique id travels
+        as the very object get_unique_id returned (pickled): a tuple of ints before CuPy 14, 128
+        bytes since, and NcclCommunicator takes the same type back, so no conversion can go stale."""
         if group.nccl is None:
             uid = self.nccl.get_unique_id() if group.rank == 0 else None
             if group.size > 1:          # a one-rank group (Group.single) has no MPI communicator
                 uid = group.mpi.bcast(uid, root=0)
             group.nccl = self.nccl.NcclCommunicator(group.size, uid, group.rank)
+            group.nccl_stream = self.cuda.Stream(non_blocking=True)
         return group.nccl
 
-    @staticmethod
-    def _stream():
-        import cupy
-        return cupy.cuda.get_current_stream().ptr
+    def _event(self, stream):
+        event = self.cuda.Event(disable_timing=True)    # timing off: cheaper to record and query
+        event.record(stream)
+        return event
+
+    def _begin(self, group):
+        """The group's stream, made to wait for the compute stream's work so far (inside a batch,
+        once for the whole batch)."""
+        communicator = self._comm(group)
+        if self.batched is not None and self.batched[0] is not None:
+            return communicator, self.batched[0]
+        stream = group.nccl_stream
+        stream.wait_event(self._event(self.cuda.get_current_stream()))
+        if self.batched is not None:
+            self.batched[0] = stream
+        return communicator, stream
+
+    def _end(self, stream, request):
+        """Mark where the call ends on the group's stream (deferred to end_batch in a batch)."""
+        if self.batched is not None:
+            self.batched[1].append(request)
+        else:
+            request.event = self._event(stream)
+        return request
+
+    def _blocking(self, stream, result):
+        """A result used right away: the compute stream (not the host) waits for the call."""
+        self.cuda.get_current_stream().wait_event(self._end(stream, StreamRequest()).event)
+        return result
 
     def all_reduce(self, group, x, op):
         out = get_array_module(x).empty_like(x)
-        self._comm(group).allReduce(x.data.ptr, out.data.ptr, x.size, self.types[x.dtype],
-                                    self.ops[op], self._stream())
-        return out
+        communicator, stream = self._begin(group)
+        communicator.allReduce(x.data.ptr, out.data.ptr, x.size, self.types[x.dtype], self.ops[op], stream.ptr)
+        return self._blocking(stream, out)
 
     def all_gather(self, group, x):
         out = get_array_module(x).empty((group.size,) + x.shape, x.dtype)
-        self._comm(group).allGather(x.data.ptr, out.data.ptr, x.size, self.types[x.dtype], self._stream())
-        return out
+        communicator, stream = self._begin(group)
+        communicator.allGather(x.data.ptr, out.data.ptr, x.size, self.types[x.dtype], stream.ptr)
+        return self._blocking(stream, out)
 
     def reduce_scatter(self, group, x, op):
         out = get_array_module(x).empty(x.shape[1:], x.dtype)
-        self._comm(group).reduceScatter(x.data.ptr, out.data.ptr, out.size, self.types[x.dtype],
-                                        self.ops[op], self._stream())
-        return out
+        communicator, stream = self._begin(group)
+        communicator.reduceScatter(x.data.ptr, out.data.ptr, out.size, self.types[x.dtype],
+                                   self.ops[op], stream.ptr)
+        return self._blocking(stream, out)
 
     def iall_reduce(self, group, x, op):
-        """In place, queued on the current stream: already asynchronous to the host."""
-        self._comm(group).allReduce(x.data.ptr, x.data.ptr, x.size, self.types[x.dtype],
-                                    self.ops[op], self._stream())
-        return self._posted(StreamRequest(result=x))
+        """In place on the group's stream: compute goes on until wait() (DP buckets overlap
+        backward this way)."""
+        communicator, stream = self._begin(group)
+        communicator.allReduce(x.data.ptr, x.data.ptr, x.size, self.types[x.dtype], self.ops[op], stream.ptr)
+        return self._end(stream, StreamRequest(result=x, cuda=self.cuda))
 
     def broadcast(self, group, x, root):
         out = x.copy()
-        self._comm(group).bcast(out.data.ptr, out.size, self.types[out.dtype], root, self._stream())
-        return out
+        communicator, stream = self._begin(group)
+        communicator.bcast(out.data.ptr, out.size, self.types[out.dtype], root, stream.ptr)
+        return self._blocking(stream, out)
 
     def isend(self, group, x, peer, tag):
-        self._comm(group).send(x.data.ptr, x.size, self.types[x.dtype], peer, self._stream())
-        return self._posted(StreamRequest(keep=x))
+        communicator, stream = self._begin(group)
+        communicator.send(x.data.ptr, x.size, self.types[x.dtype], peer, stream.ptr)
+        return self._end(stream, StreamRequest(keep=x, cuda=self.cuda))
 
     def irecv(self, group, shape, dtype, xp, peer, tag):
         out = xp.empty(shape, dtype)
-        self._comm(group).recv(out.data.ptr, out.size, self.types[out.dtype], peer, self._stream())
-        return self._posted(StreamRequest(result=out))
+        communicator, stream = self._begin(group)
+        communicator.recv(out.data.ptr, out.size, self.types[out.dtype], peer, stream.ptr)
+        return self._end(stream, StreamRequest(result=out, cuda=self.cuda))
 
     def start_batch(self):
         self.nccl.groupStart()
-        self.batched = []
+        self.batched = [None, []]
 
     def end_batch(self):
         self.nccl.groupEnd()
         # Inside a group call NCCL enqueues nothing until groupEnd: an event recorded earlier
         # would complete before the transfers start.
-        event = self._event()
-        for request in self.batched:
-            request.event = event
+        stream, requests = self.batched
         self.batched = None
-
-    def _posted(self, request):
-        """Mark where the NCCL call ends on the stream (deferred to end_batch inside a batch)."""
-        if self.batched is not None:
-            self.batched.append(request)
-        else:
-            request.event = self._event()
-        return request
-
-    @staticmethod
-    def _event():
-        import cupy
-        event = cupy.cuda.Event(disable_timing=True)    # timing off: cheaper to record and query
-        event.record(cupy.cuda.get_current_stream())
-        return event
+        if stream is not None:
+            event = self._event(stream)
+            for request in requests:
+                request.event = event
 
 
 class StreamRequest:
-    """NCCL work queued on the current stream; `event`, recorded right after it, tells when it is
-    done without synchronising the whole stream (later work on it need not finish)."""
+    """NCCL work queued on a communication stream; `event`, recorded right after it, tells when
+    it is done without synchronising any stream."""
 
-    def __init__(self, result=None, keep=None, event=None):
-        self.result, self.keep, self.event = result, keep, event
+    def __init__(self, result=None, keep=None, event=None, cuda=None):
+        self.result, self.keep, self.event, self.cuda = result, keep, event, cuda
 
     def test(self):
-        """True once the transfer finished: a send's buffer can then be freed (pipeline sends)."""
+        """True once the transfer finished (a query, not a wait): a send's buffer can then be
+        freed (pipeline sends)."""
         if not self.event.done:
             return False
         self.keep = None
         return True
 
     def wait(self):
-        self.event.synchronize()
+        """The result, usable by later work on the compute stream: that stream waits for the
+        event; the host does not. A kept send buffer can go then: memory it frees is reused
+        only by work queued on the compute stream, which now runs after the transfer."""
+        self.cuda.get_current_stream().wait_event(self.event)
         self.keep = None
         return self.result
 

@@ -159,14 +159,16 @@ class GPT(Module):
                              f"{self.tp_group.size}, as sequence parallelism needs; use a multiple of it")
 
     def embed(self, ids, offset=0):
-        ids = self.xp.asarray(ids)
+        # Token ids are checked while still on the host, where it costs no GPU synchronisation.
+        ids = ids if hasattr(ids, "ndim") else numpy.asarray(ids)
         self._check(ids, offset)
+        ids = self.xp.asarray(ids)
         t = ids.shape[1]
-        positions = self.xp.arange(offset, offset + t)
+        start, stop = offset, offset + t
         if self.cfg.sequence_parallel:
             block = t // self.tp_group.size
-            positions = positions[self.tp_group.rank * block:(self.tp_group.rank + 1) * block]
-        x = self.wte(ids) + ag.embedding(positions, self.wpe)
+            start, stop = offset + self.tp_group.rank * block, offset + (self.tp_group.rank + 1) * block
+        x = self.wte(ids) + self.wpe[start:stop]      # positions are a slice: nothing to check
         return ag.dropout(x, self.cfg.hidden_dropout, self.rng[hidden_dropout_stream(self.cfg)], self.training)
 
     def forward(self, ids, targets=None, cache=None):
@@ -188,7 +190,7 @@ class GPT(Module):
         logits = self.wte.logits(self.ln_f(x))   # output layer tied to the token embedding
         loss = None
         if targets is not None:
-            loss = vocab_parallel_cross_entropy(logits, self.xp.asarray(targets), self.tp_group,
+            loss = vocab_parallel_cross_entropy(logits, targets, self.tp_group,
                                                 self.wte.vocab_start, self.cfg.vocab_size)
         return logits, loss
 

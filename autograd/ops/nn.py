@@ -3,7 +3,7 @@
 Fused means one Function with a hand-written backward, as Megatron's fused kernels
 (FusedScaleMaskSoftmax, fused LayerNorm), instead of a chain of primitives each saving arrays.
 """
-from ..backend import get_array_module, scatter_add
+from ..backend import get_array_module, scatter_add, to_numpy
 from ..errors import InputError
 from ..function import Function
 from ..tensor import Tensor
@@ -100,15 +100,22 @@ class Dropout(Function):
 
 
 def check_ids(ids, size, what, fix, ignore_index=None):
-    """Integer ids within [0, size) (ignore_index excepted), or one InputError sentence."""
+    """Integer ids within [0, size) (ignore_index excepted), or one InputError sentence.
+
+    Callers check ids while they are still host arrays (free); on a GPU array the smallest and
+    largest id come back in one transfer: one host synchronisation, never a boolean-mask index
+    (whose output size would need another)."""
     if ids.dtype.kind not in "iu":
         raise InputError(f"{what} must be integers, got dtype {ids.dtype}; convert with .astype(int)")
     if ids.size == 0:
         return
-    valid = ids if ignore_index is None else ids[ids != ignore_index]
-    if valid.size == 0:
-        return
-    lo, hi = int(valid.min()), int(valid.max())
+    xp = get_array_module(ids)
+    if ignore_index is not None:
+        ignored = ids == ignore_index
+        lo, hi = xp.where(ignored, 0, ids).min(), xp.where(ignored, 0, ids).max()
+    else:
+        lo, hi = ids.min(), ids.max()
+    lo, hi = (int(v) for v in to_numpy(xp.stack([lo, hi])))
     if lo < 0 or hi >= size:
         bad = hi if hi >= size else lo
         raise InputError(f"{what} {bad} is outside the vocabulary [0, {size}); {fix}")
@@ -156,11 +163,12 @@ class CrossEntropy(Function):
         xp.exp(z, out=z)
         sum_exp = z.sum(axis=-1)
         z /= sum_exp[:, None]
-        count = max(int(valid.sum()), 1)
+        # The token count stays an array: reading it on the host would synchronise a GPU.
+        count = xp.maximum(valid.sum(), 1).astype(logits.dtype)
         losses = (xp.log(sum_exp) - target_z) * valid
         ctx.save_for_backward(z, t, valid)
         ctx.count, ctx.shape = count, logits.shape
-        return losses.sum(keepdims=False) / logits.dtype.type(count)
+        return losses.sum(keepdims=False) / count
 
     @staticmethod
     def backward(ctx, g):

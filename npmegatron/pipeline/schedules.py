@@ -14,6 +14,8 @@ current action sends to: then send and receive go as one exchange (ring exchange
 """
 import contextlib
 
+import numpy
+
 from .. import autograd as ag
 from ..autograd import InputError
 from ..autograd.memory import saved_bytes_by_function
@@ -76,7 +78,9 @@ class ScheduleRun:
         self.posted = {}        # (kind, stage, micro-batch) -> a posted receive not yet waited on
         self.inputs = {}        # (chunk, micro-batch) -> received activation, None on the first stage
         self.outputs = {}       # (chunk, micro-batch) -> output sent on, or loss, to run backward from
-        self.loss_sum = 0.0
+        # Summed on the device in float64 (as Python floats were): reading each micro-batch's
+        # loss on the host would synchronise a GPU M times a step.
+        self.loss_sum = model.xp.zeros((), numpy.float64)
         self.loss_scale = None  # 1 / M, made once in the loss's dtype
 
     def stage_of(self, chunk):
@@ -172,7 +176,7 @@ class ScheduleRun:
         with ag.no_grad() if self.forward_only else contextlib.nullcontext():
             out, loss = module(x, targets if spec.post_process else None)
         if spec.post_process:
-            self.loss_sum += loss.item()
+            self.loss_sum += loss.data
         if not self.forward_only:
             self.inputs[chunk, micro_batch] = None if spec.pre_process else x
             self.outputs[chunk, micro_batch] = loss if spec.post_process else out
@@ -203,7 +207,7 @@ def run_schedule(model, exchange, batches, schedule="1f1b", on_last_backward=Non
     list of M (inputs, targets) for this data-parallel rank; every pipeline rank passes the same.
     `on_last_backward` is called right before this rank's last backward (data parallelism
     starts its gradient sync there). Returns the sum of the micro-batch losses on the rank
-    holding the loss, else 0.0."""
+    holding the loss, else zero: a float64 array of shape () on the model's device."""
     grid, virtual, num_micro_batches = model.grid, model.virtual_size, len(batches)
 
     def actions_of(pp_rank):

@@ -3,6 +3,8 @@ rank holds a vocabulary shard of the logits; ranks exchange only the per-token m
 exponentials and target logit (3 all-reduces of batch x seq numbers, whatever the vocabulary),
 never the logits. Backward is softmax minus one-hot on the local shard, with no communication.
 Padded vocabulary columns are excluded from the softmax, so every TP size is the same model."""
+import numpy
+
 from npmegatron import comm
 from npmegatron.autograd import Function, InputError, Tensor
 from npmegatron.autograd.backend import get_array_module
@@ -16,8 +18,9 @@ class _VocabParallelCrossEntropy(Function):
         local_vocab = logits.shape[-1]
         flat = logits.reshape(-1, local_vocab)
         real = max(0, min(local_vocab, vocab_size - vocab_start))   # columns before the padding
+        # Checked before the copy to the device: host targets cost no GPU synchronisation.
+        check_ids(targets, vocab_size, "target id", "targets must be token ids of the model's vocabulary")
         t = xp.asarray(targets).reshape(-1)
-        check_ids(t, vocab_size, "target id", "targets must be token ids of the model's vocabulary")
         local_max = flat[:, :real].max(axis=-1) if real else xp.full(flat.shape[0], -xp.inf, flat.dtype)
         global_max = comm.all_reduce(local_max, group, "max")
         z = flat - global_max[:, None]
@@ -62,5 +65,6 @@ def vocab_parallel_cross_entropy(logits, targets, group, vocab_start=0, vocab_si
     if vocab_size is None:
         vocab_size = vocab_start + logits.shape[-1] * group.size
     targets = targets.data if isinstance(targets, Tensor) else targets
+    targets = targets if hasattr(targets, "dtype") else numpy.asarray(targets)
     return _VocabParallelCrossEntropy.apply(logits, targets, group=group, vocab_start=vocab_start,
                                             vocab_size=vocab_size, reduction=reduction)

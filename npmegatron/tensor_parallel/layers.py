@@ -75,25 +75,26 @@ class RowParallelLinear(Module):
 
 class _ShardLookup(Function):
     """Rows of this rank's vocabulary shard; tokens outside [start, start + rows) read zeros and
-    send no gradient (another rank owns them)."""
+    send no gradient (another rank owns them). Masks multiply rather than index: a boolean index
+    would need the count of its true elements on the host (a GPU synchronisation)."""
 
     @staticmethod
     def forward(ctx, ids, weight, start):
         xp = get_array_module(weight)
         local = ids - start
-        outside = (local < 0) | (local >= weight.shape[0])
-        local = xp.where(outside, 0, local)
+        inside = (local >= 0) & (local < weight.shape[0])
+        local = xp.where(inside, local, 0)
         out = weight[local]
-        out[outside] = 0
-        ctx.local, ctx.outside, ctx.shape, ctx.dtype = local, outside, weight.shape, weight.dtype
+        out *= inside[..., None]
+        ctx.local, ctx.inside, ctx.shape, ctx.dtype = local, inside, weight.shape, weight.dtype
         return out
 
     @staticmethod
     def backward(ctx, g):
         xp = get_array_module(g)
-        keep = ~ctx.outside.reshape(-1)
         gw = xp.zeros(ctx.shape, ctx.dtype)
-        scatter_add(gw, ctx.local.reshape(-1)[keep], g.reshape(-1, ctx.shape[1])[keep])
+        rows = g.reshape(-1, ctx.shape[1]) * ctx.inside.reshape(-1, 1)   # outside rows add zeros to row 0
+        scatter_add(gw, ctx.local.reshape(-1), rows)
         return None, gw
 
 

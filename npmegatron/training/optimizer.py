@@ -5,6 +5,7 @@ import math
 import numpy
 
 from ..autograd import get_array_module
+from ..autograd.backend import to_numpy
 
 
 class SGD:
@@ -80,22 +81,35 @@ def learning_rate(step, lr, min_lr, warmup_iters, decay_iters, style="cosine"):
     return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def clip_grad_norm(params, max_norm, group=None, skip=()):
-    """Scale all gradients so their global L2 norm is at most max_norm; returns the norm before.
-
-    With a model-parallel group the squares are summed over its ranks; `skip` holds the ids of
-    replicated parameters this rank must not count (they are counted once, on TP rank 0)."""
-    total = 0.0
-    for p in params:
-        if p.grad is not None and id(p) not in skip:
-            total += float((p.grad * p.grad).sum())
+def grad_norm_squared(params, group=None, skip=()):
+    """The squared global L2 norm of the gradients as a float64 array of shape (1,), left on the
+    device: summed per parameter in its own dtype, then in float64 over parameters and over the
+    model-parallel `group`. `skip` holds the ids of replicated parameters this rank must not
+    count (they are counted once, on TP rank 0)."""
+    grads = [p.grad for p in params if p.grad is not None and id(p) not in skip]
+    xp = params[0].xp if params else numpy
+    if not grads:
+        total = xp.zeros(1, numpy.float64)
+    else:
+        total = xp.stack([(g * g).sum() for g in grads]).astype(numpy.float64).sum().reshape(1)
     if group is not None and group.size > 1:
         from .. import comm
-        total = float(comm.all_reduce(numpy.array([total]), group)[0])
-    norm = math.sqrt(total)
+        total = comm.all_reduce(total, group)
+    return total
+
+
+def clip_gradients(params, norm, max_norm):
+    """Scale all gradients by max_norm / norm when the norm (a host float) exceeds max_norm."""
     if max_norm and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
         for p in params:
             if p.grad is not None:
                 p.grad *= p.dtype.type(scale)
+
+
+def clip_grad_norm(params, max_norm, group=None, skip=()):
+    """Scale all gradients so their global L2 norm is at most max_norm; returns the norm before
+    (reading it is one host synchronisation on a GPU)."""
+    norm = math.sqrt(float(to_numpy(grad_norm_squared(params, group, skip))[0]))
+    clip_gradients(params, norm, max_norm)
     return norm

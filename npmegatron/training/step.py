@@ -12,7 +12,8 @@ def schedule_options(parallel):
 def train_step(model, exchange, batches, buckets, schedule="1f1b", **options):
     """Run the pipeline schedule over `batches` (this DP rank's M micro-batches), the DP bucket
     all-reduces starting with this rank's last backward, then the tied embedding's gradient summed
-    over the pipeline ends. Returns the sum of the micro-batch losses (0.0 off the last stage)."""
+    over the pipeline ends. Returns the sum of the micro-batch losses, a float64 array of shape ()
+    on the model's device (zero off the last stage)."""
     buckets.zero_grad()
     loss_sum = run_schedule(model, exchange, batches, schedule, on_last_backward=buckets.start_sync,
                             **options)

@@ -11,10 +11,9 @@ import math
 import os
 import uuid
 
-import numpy
-
 from .. import comm
 from ..autograd import InputError
+from ..autograd.backend import to_numpy
 from ..build import build_grid, build_model
 from ..config import TrainConfig
 from ..data import TrainingData, WindowSampler
@@ -22,7 +21,7 @@ from ..data_parallel import GradientBuckets
 from ..pipeline import StageExchange, run_schedule
 from . import checkpoint
 from .log import TrainingLog
-from .optimizer import AdamW, clip_grad_norm, learning_rate
+from .optimizer import AdamW, clip_gradients, grad_norm_squared, learning_rate
 from .save_folder import SaveFolder
 from .step import schedule_options, train_step
 
@@ -78,19 +77,27 @@ class Trainer:
         first = step * self.plan.global_batch + self.grid.dp_rank * count * size
         return [sampler.batch(first + j * size, size) for j in range(count)]
 
+    def loss_total(self, loss_sum):
+        """Losses summed on the last stage, then over the pipeline and the DP replicas: a float64
+        array of shape (1,), left on the device."""
+        total = comm.all_reduce(self.model.xp.asarray(loss_sum).reshape(1), self.grid.pp_group)
+        return comm.all_reduce(total, self.grid.dp_group)
+
     def mean_loss(self, loss_sum, count):
         """The mean over micro-batches and DP replicas of losses summed on the last stage."""
-        total = comm.all_reduce(numpy.array([loss_sum]), self.grid.pp_group)
-        total = comm.all_reduce(total, self.grid.dp_group)
-        return float(total[0]) / (count * self.grid.dp_size)
+        return float(to_numpy(self.loss_total(loss_sum))[0]) / (count * self.grid.dp_size)
 
     def train_step(self):
-        """Forward and backward over the micro-batches, DP average, clip. Returns (loss, norm)."""
+        """Forward and backward over the micro-batches, DP average, clip. Returns (loss, norm).
+        The loss and the squared gradient norm reach the host together: one synchronisation."""
         loss_sum = train_step(self.model, self.exchange, self.micro_batches(self.sampler, self.iteration),
                               self.buckets, self.schedule, **schedule_options(self.config.parallel))
-        loss = self.mean_loss(loss_sum, self.plan.micro_batches)
-        norm = clip_grad_norm(self.params, self.config.clip_grad, self.grid.mp_group, self.norm_skip)
-        return loss, norm
+        both = self.model.xp.concatenate([self.loss_total(loss_sum),
+                                          grad_norm_squared(self.params, self.grid.mp_group, self.norm_skip)])
+        loss_total, norm_squared = (float(v) for v in to_numpy(both))
+        norm = math.sqrt(norm_squared)
+        clip_gradients(self.params, norm, self.config.clip_grad)
+        return loss_total / (self.plan.micro_batches * self.grid.dp_size), norm
 
     def step(self):
         """One optimizer step; (loss, gradient norm, learning rate). Nothing is applied when the

@@ -25,10 +25,13 @@ def fake_nccl(uid, log=None):
             self.args = (ndev, commId, rank)
 
         def send(self, *args):
-            log.append("send")
+            log.append(f"send on {args[-1]}")
 
         def recv(self, *args):
-            log.append("recv")
+            log.append(f"recv on {args[-1]}")
+
+        def allReduce(self, *args):
+            log.append(f"allReduce on {args[-1]}")
 
     constants = {name: i for i, name in enumerate(
         ["NCCL_FLOAT16", "NCCL_FLOAT32", "NCCL_FLOAT64", "NCCL_INT32", "NCCL_INT64",
@@ -61,7 +64,7 @@ def two_rank_group(rank, mpi):
 
 @pytest.mark.parametrize("uid", [CUPY14_ID, CUPY13_ID], ids=["cupy14-bytes", "cupy13-tuple"])
 def test_one_rank_group_gets_a_communicator_without_mpi(uid):
-    backend = backends.NCCLBackend(nccl=fake_nccl(uid))
+    backend = backends.NCCLBackend(nccl=fake_nccl(uid), cuda=fake_cuda([]))
     group = Group.single("tp")
     communicator = backend._comm(group)
     assert communicator.args == (1, uid, 0)
@@ -71,18 +74,44 @@ def test_one_rank_group_gets_a_communicator_without_mpi(uid):
 @pytest.mark.parametrize("uid", [CUPY14_ID, CUPY13_ID], ids=["cupy14-bytes", "cupy13-tuple"])
 def test_rank_zero_id_reaches_the_others_unchanged(uid):
     mpi = PickleBcast(uid)
-    communicator = backends.NCCLBackend(nccl=fake_nccl(uid))._comm(two_rank_group(1, mpi))
+    communicator = backends.NCCLBackend(nccl=fake_nccl(uid), cuda=fake_cuda([]))._comm(two_rank_group(1, mpi))
     assert communicator.args == (2, uid, 1)
     assert mpi.calls == [(None, 0)]
 
 
 class FakeEvent:
-    def __init__(self, log=None):
-        self.done, self.synchronized, self.log = False, 0, log
+    def __init__(self, name="e", log=None):
+        self.name, self.done, self.synchronized, self.log = name, False, 0, log
+
+    def record(self, stream):
+        self.log.append(f"{self.name} on {stream.ptr}")
 
     def synchronize(self):
         self.synchronized += 1
         self.done = True
+
+
+def fake_cuda(log):
+    """cupy.cuda's streams and events, recording: 'eN on S' (event N recorded on stream S),
+    'S waits eN'. The compute (current) stream is 0; each new stream gets the next number."""
+    streams, events = [], []
+
+    class Stream:
+        def __init__(self, non_blocking=False):
+            streams.append(self)
+            self.ptr = len(streams) - 1
+
+        def wait_event(self, event):
+            log.append(f"{self.ptr} waits {event.name}")
+
+    compute = Stream()
+
+    def event(disable_timing=False):
+        events.append(FakeEvent(f"e{len(events)}", log))
+        return events[-1]
+
+    return types.SimpleNamespace(Stream=Stream, Event=event, get_current_stream=lambda: compute,
+                                 events=events)
 
 
 def test_stream_request_reports_completion_from_its_event():
@@ -93,12 +122,6 @@ def test_stream_request_reports_completion_from_its_event():
     assert request.test() is True and request.keep is None     # the send buffer can be freed
 
 
-def test_stream_request_wait_synchronizes_its_event_only():
-    event, out = FakeEvent(), numpy.zeros(2)
-    assert backends.StreamRequest(result=out, event=event).wait() is out
-    assert event.synchronized == 1
-
-
 class DeviceArray:
     """What the NCCL backend reads of a CuPy array: a pointer, a size and a dtype."""
 
@@ -106,30 +129,50 @@ class DeviceArray:
         self.size, self.dtype, self.data = n, numpy.dtype(numpy.float32), types.SimpleNamespace(ptr=0)
 
 
-def recording_backend(monkeypatch, log):
-    backend = backends.NCCLBackend(nccl=fake_nccl(CUPY14_ID, log))
-
-    def event():
-        log.append("event")
-        return FakeEvent()
-
-    monkeypatch.setattr(backend, "_event", event)
-    monkeypatch.setattr(backend, "_stream", lambda: 0)
-    return backend
+def recording_backend(log):
+    return backends.NCCLBackend(nccl=fake_nccl(CUPY14_ID, log), cuda=fake_cuda(log))
 
 
-def test_each_send_outside_a_batch_records_its_event_after_the_call(monkeypatch):
+def test_wait_orders_the_compute_stream_after_the_transfer_without_a_host_sync():
+    """Defect 8: every wait() synchronised the whole stream from the host."""
     log = []
-    backend = recording_backend(monkeypatch, log)
+    backend = recording_backend(log)
     request = backend.isend(Group.single("pp"), DeviceArray(4), 0, 0)
-    assert log == ["send", "event"] and request.event is not None
+    event = request.event
+    log.clear()
+    request.wait()
+    assert log == [f"0 waits {event.name}"] and event.synchronized == 0
+    assert request.keep is None
+
+
+def test_each_send_outside_a_batch_runs_on_the_group_stream_after_compute(monkeypatch):
+    log = []
+    backend = recording_backend(log)
+    request = backend.isend(Group.single("pp"), DeviceArray(4), 0, 0)
+    # The group's stream (1) waits for the compute stream's work so far, sends, records its end.
+    assert log == ["e0 on 0", "1 waits e0", "send on 1", "e1 on 1"]
+    assert request.event.name == "e1"
+
+
+def test_groups_get_streams_of_their_own_so_tp_does_not_queue_behind_dp(monkeypatch):
+    log = []
+    backend = recording_backend(log)
+    device_xp = types.SimpleNamespace(empty_like=lambda x: DeviceArray(x.size))
+    monkeypatch.setattr(backends, "get_array_module", lambda x: device_xp)
+    dp, tp = Group.single("dp"), Group.single("tp")
+    bucket = backend.iall_reduce(dp, DeviceArray(8), "sum")
+    log.clear()
+    backend.all_reduce(tp, DeviceArray(4), "sum")
+    # TP's all-reduce goes on stream 2 (DP's is 1); compute waits for TP's end only.
+    assert log == ["e2 on 0", "2 waits e2", "allReduce on 2", "e3 on 2", "0 waits e3"]
+    assert not any(entry.startswith("0 waits") and bucket.event.name in entry for entry in log)
 
 
 def test_batched_requests_record_one_event_after_group_end(monkeypatch):
     """Inside an NCCL group call nothing is enqueued until groupEnd: an earlier event would
     complete before the transfers start."""
     log = []
-    backend = recording_backend(monkeypatch, log)
+    backend = recording_backend(log)
     group = Group.single("pp")
     backend.start_batch()
     sent = backend.isend(group, DeviceArray(4), 0, 0)
@@ -137,7 +180,7 @@ def test_batched_requests_record_one_event_after_group_end(monkeypatch):
     received = backend.irecv(group, (4,), numpy.float32, device_xp, 0, 0)
     assert sent.event is None and received.event is None
     backend.end_batch()
-    assert log == ["groupStart", "send", "recv", "groupEnd", "event"]
+    assert log == ["groupStart", "e0 on 0", "1 waits e0", "send on 1", "recv on 1", "groupEnd", "e1 on 1"]
     assert sent.event is received.event is not None
 
 
