@@ -12,8 +12,8 @@ from .ops import (
     add, sub, mul, div, neg, pow, matmul, linear,
     reshape, transpose, split, concatenate, getitem,
     sum, mean, max,
-    exp, log, tanh, gelu,
-    softmax, layer_norm, dropout, embedding, cross_entropy,
+    exp, log, tanh, gelu, bias_gelu,
+    softmax, layer_norm, dropout, dropout_add, embedding, cross_entropy,
 )
 from .gradcheck import gradcheck, numerical_grad
 
@@ -21,7 +21,7 @@ __all__ = [
     "InputError", "get_array_module", "Tensor", "no_grad", "is_grad_enabled", "Function", "grad_accumulator", "backward",
     "add", "sub", "mul", "div", "neg", "pow", "matmul", "linear",
     "reshape", "transpose", "split", "concatenate", "getitem",
-    "sum", "mean", "max", "exp", "log", "tanh", "gelu",
-    "softmax", "layer_norm", "dropout", "embedding", "cross_entropy",
+    "sum", "mean", "max", "exp", "log", "tanh", "gelu", "bias_gelu",
+    "softmax", "layer_norm", "dropout", "dropout_add", "embedding", "cross_entropy",
     "gradcheck", "numerical_grad",
 ]

@@ -13,6 +13,9 @@ import numpy
 from npmegatron.autograd.backend import get_array_module, to_numpy
 
 
+_PAIR_ID_TAG = 0x7A11    # the MPI tag carrying a pair communicator's NCCL id (NCCLBackend._pair)
+
+
 def _mpi():
     from mpi4py import MPI
     return MPI
@@ -109,7 +112,7 @@ class MPIRequest:
 
 class NCCLBackend:
     """cupy.cuda.nccl: one communicator per group, its unique id broadcast over the group's MPI
-    communicator; point-to-point pairs go inside NCCL group calls so they cannot deadlock.
+    communicator; point-to-point on one-way pair communicators (see _pair).
 
     Each group's NCCL calls run on a stream of their own, ordered against compute by events and
     never by a host synchronisation: a call starts once the compute stream's work so far is done
@@ -130,7 +133,6 @@ class NCCLBackend:
             ("float16", nccl.NCCL_FLOAT16), ("float32", nccl.NCCL_FLOAT32),
             ("float64", nccl.NCCL_FLOAT64), ("int32", nccl.NCCL_INT32), ("int64", nccl.NCCL_INT64))}
         self.ops = {"sum": nccl.NCCL_SUM, "max": nccl.NCCL_MAX, "min": nccl.NCCL_MIN}
-        self.batched = None     # (stream, requests) posted inside an NCCL group call, until it ends
 
     def _comm(self, group):
         """The group's communicator and stream, created on first use. Rank 0's unique id travels
@@ -149,29 +151,25 @@ class NCCLBackend:
         event.record(stream)
         return event
 
-    def _begin(self, group):
-        """The group's stream, made to wait for the compute stream's work so far (inside a batch,
-        once for the whole batch)."""
-        communicator = self._comm(group)
-        if self.batched is not None and self.batched[0] is not None:
-            return communicator, self.batched[0]
-        stream = group.nccl_stream
+    def _after_compute(self, stream):
+        """`stream` made to wait for the compute stream's work so far (the data to send is
+        written; memory to receive into is no longer used by earlier work)."""
         stream.wait_event(self._event(self.cuda.get_current_stream()))
-        if self.batched is not None:
-            self.batched[0] = stream
-        return communicator, stream
+        return stream
+
+    def _begin(self, group):
+        """The group's communicator and its stream, after the compute stream's work so far."""
+        communicator = self._comm(group)
+        return communicator, self._after_compute(group.nccl_stream)
 
     def _end(self, stream, request):
-        """Mark where the call ends on the group's stream (deferred to end_batch in a batch)."""
-        if self.batched is not None:
-            self.batched[1].append(request)
-        else:
-            request.event = self._event(stream)
+        """Mark where the call ends on `stream`: the request's event."""
+        request.event = self._event(stream)
         return request
 
     def _blocking(self, stream, result):
         """A result used right away: the compute stream (not the host) waits for the call."""
-        self.cuda.get_current_stream().wait_event(self._end(stream, StreamRequest()).event)
+        self.cuda.get_current_stream().wait_event(self._event(stream))
         return result
 
     def all_reduce(self, group, x, op):
@@ -206,31 +204,59 @@ class NCCLBackend:
         communicator.bcast(out.data.ptr, out.size, self.types[out.dtype], root, stream.ptr)
         return self._blocking(stream, out)
 
+    # Point to point. NCCL matches a pair's messages in issue order, and a call on a stream holds
+    # back every later call on it until it completes. On one stream for both directions (or in
+    # one group call), a receive waiting for a neighbour's later send holds back this rank's own
+    # sends, and two neighbours doing so deadlock: an interleaved schedule at PP = 2 does. So
+    # each direction between two ranks has a communicator of its own, used only by the sender
+    # to send and by the receiver to receive, each on a stream of its own: the sender's stream
+    # holds only its sends, the receiver's only the matching receives in the same order (the
+    # pipeline posts receives in its neighbour's send order), and nothing can come between.
+
+    def _pair(self, group, sender, receiver):
+        """(communicator, this rank's stream) for messages from group rank `sender` to
+        `receiver`, ring neighbours (what pipelines use). A group's pair communicators are all
+        created at its first message, in one order on every rank: NCCL's set-up blocks until
+        both members join, and a common order cannot deadlock."""
+        if group.nccl_pairs is None:
+            group.nccl_pairs = {}
+            n = group.size
+            ring = sorted({(i, (i + d) % n) for i in range(n) for d in (1, -1)} - {(i, i) for i in range(n)})
+            for a, b in ring:
+                if group.rank == a:
+                    uid = self.nccl.get_unique_id()
+                    group.mpi.send(uid, dest=b, tag=_PAIR_ID_TAG)
+                    group.nccl_pairs[a, b] = (self.nccl.NcclCommunicator(2, uid, 0), self._new_stream())
+                elif group.rank == b:
+                    uid = group.mpi.recv(source=a, tag=_PAIR_ID_TAG)
+                    group.nccl_pairs[a, b] = (self.nccl.NcclCommunicator(2, uid, 1), self._new_stream())
+        if (sender, receiver) not in group.nccl_pairs:
+            raise ValueError(f"NCCL point-to-point connects ring neighbours of a group (pipeline "
+                             f"stages); ranks {sender} and {receiver} of {group!r} are not neighbours")
+        return group.nccl_pairs[sender, receiver]
+
+    def _new_stream(self):
+        return self.cuda.Stream(non_blocking=True)
+
     def isend(self, group, x, peer, tag):
-        communicator, stream = self._begin(group)
-        communicator.send(x.data.ptr, x.size, self.types[x.dtype], peer, stream.ptr)
+        communicator, stream = self._pair(group, group.rank, peer)
+        self._after_compute(stream)
+        communicator.send(x.data.ptr, x.size, self.types[x.dtype], 1, stream.ptr)
         return self._end(stream, StreamRequest(keep=x, cuda=self.cuda))
 
     def irecv(self, group, shape, dtype, xp, peer, tag):
         out = xp.empty(shape, dtype)
-        communicator, stream = self._begin(group)
-        communicator.recv(out.data.ptr, out.size, self.types[out.dtype], peer, stream.ptr)
+        communicator, stream = self._pair(group, peer, group.rank)
+        self._after_compute(stream)
+        communicator.recv(out.data.ptr, out.size, self.types[out.dtype], 0, stream.ptr)
         return self._end(stream, StreamRequest(result=out, cuda=self.cuda))
 
     def start_batch(self):
-        self.nccl.groupStart()
-        self.batched = [None, []]
+        """Nothing to group: each direction has its communicator and streams (see _pair), so a
+        batch's sends and receives cannot hold each other back."""
 
     def end_batch(self):
-        self.nccl.groupEnd()
-        # Inside a group call NCCL enqueues nothing until groupEnd: an event recorded earlier
-        # would complete before the transfers start.
-        stream, requests = self.batched
-        self.batched = None
-        if stream is not None:
-            event = self._event(stream)
-            for request in requests:
-                request.event = event
+        pass
 
 
 class StreamRequest:

@@ -13,13 +13,14 @@ class Group:
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
         self.nccl = None                    # created on the first GPU collective in this group
+        self.nccl_pairs = None              # one-way NCCL pairs for point-to-point (NCCLBackend._pair)
 
     @classmethod
     def single(cls, name, rank=0):
         """A group of one rank that needs no MPI: every collective on it returns at once."""
         group = cls.__new__(cls)
         group.name, group.mpi, group.ranks = name, None, (rank,)
-        group.rank, group.size, group.nccl = 0, 1, None
+        group.rank, group.size, group.nccl, group.nccl_pairs = 0, 1, None, None
         return group
 
     def __repr__(self):

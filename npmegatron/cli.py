@@ -9,7 +9,8 @@ from .cli_support import Group, config_options, relaunch_under_mpiexec, user_err
 from .config import TRAIN_MODEL_DEFAULTS, GPTConfig, ParallelConfig, TrainConfig
 
 POSITIVE = click.IntRange(min=1)
-BENCH_MODEL_FIELDS = {"num_layers", "hidden_size", "num_attention_heads", "vocab_size", "dtype", "device"}
+BENCH_MODEL_FIELDS = {"num_layers", "hidden_size", "num_attention_heads", "vocab_size", "dtype", "device",
+                      "tf32"}
 BENCH_BATCH_FIELDS = {"seq_length", "micro_batch_size"}
 
 

@@ -51,6 +51,7 @@ class GPTConfig:
     make_vocab_size_divisible_by: int = 128  # padding unit, times the TP size
     dtype: str = option("float32", "Parameter and activation precision.", choices=("float32", "float64"))
     device: str = option("cpu", "NumPy on the CPU or CuPy on the GPU.", choices=("cpu", "gpu"))
+    tf32: bool = option(False, "TF32 tensor cores for float32 matmuls (GPU, float32 only).")
     seed: int = option(1234, "Seed of weights, data and dropout.", minimum=0)
 
     def __post_init__(self):
@@ -70,6 +71,10 @@ class GPTConfig:
             raise InputError(f"dtype {self.dtype!r} is not supported; use float32 or float64")
         if self.device not in ("cpu", "gpu"):
             raise InputError(f"device {self.device!r} is not supported; use cpu or gpu")
+        if self.tf32 and (self.device, self.dtype) != ("gpu", "float32"):
+            raise InputError(f"tf32 is for float32 matmuls on the GPU, but this run has device "
+                             f"{self.device} and dtype {self.dtype}; drop --tf32 or use --device gpu "
+                             "--dtype float32")
 
     @property
     def head_dim(self):

@@ -120,7 +120,8 @@ def load_for_generation(path, device="cpu"):
     fields = {f.name for f in dataclasses.fields(GPTConfig)}
     saved = {k: v for k, v in manifest["model"].items() if k in fields}
     cfg = GPTConfig(**{**saved, "sequence_parallel": False, "hidden_dropout": 0.0,
-                       "attention_dropout": 0.0, "device": device})
+                       "attention_dropout": 0.0, "device": device,
+                       "tf32": bool(saved.get("tf32")) and device == "gpu"})
     model = GPT(cfg, grid)
     checkpoint.load(folder, model, None, grid)
     tokenizer = tokenizer_from_spec(manifest["tokenizer"], os.path.join(folder, "tokenizer.json"))

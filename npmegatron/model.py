@@ -10,13 +10,14 @@ import numpy
 from . import autograd as ag
 from . import comm
 from .autograd import InputError
-from .autograd.backend import array_module_for
+from .autograd.backend import array_module_for, enable_tf32
 from .autograd.ops.nn import check_ids
 from .config import GPTConfig
 from .module import Module, ParamSpec, parameter
 from .tensor_parallel import (DEFAULT, MODEL_PARALLEL, ColumnParallelLinear, RNGTracker,
                               RowParallelLinear, VocabParallelEmbedding, pad_vocab_size,
                               vocab_parallel_cross_entropy)
+from .tensor_parallel.random import site_number
 
 
 class LayerNorm(Module):
@@ -39,9 +40,11 @@ class ParallelAttention(Module):
     output projection row-parallel; one all-reduce forward (g) and one backward (f). The QKV
     columns are laid out head by head as (q, k, v), so a contiguous column shard is whole heads."""
 
-    def __init__(self, cfg, xp, dtype, group, rng):
+    def __init__(self, cfg, xp, dtype, group, rng, layer):
         h, sp = cfg.hidden_size, cfg.sequence_parallel
-        self.cfg, self.rng = cfg, rng
+        self.cfg = cfg
+        # Inside the TP region each rank has different heads: a stream of its own (Appendix B.2).
+        self.probs_dropout = rng.site(MODEL_PARALLEL, site_number(layer, 0))
         self.local_heads = cfg.num_attention_heads // group.size
         self.qkv = ColumnParallelLinear(xp, dtype, h, 3 * h, cfg.init_method_std, group, sp)
         self.proj = RowParallelLinear(xp, dtype, h, h, cfg.init_method_std / math.sqrt(2 * cfg.num_layers),
@@ -56,8 +59,7 @@ class ParallelAttention(Module):
         if cache is not None:      # generation: attend to every earlier position, computed once
             k, v = cache.extend(k.data, v.data)
         probs = ag.softmax(q @ k.transpose(0, 1, 3, 2), scale=1.0 / math.sqrt(d), causal=True)
-        # Inside the TP region each rank has different heads: a stream of its own (Appendix B.2).
-        probs = ag.dropout(probs, self.cfg.attention_dropout, self.rng[MODEL_PARALLEL], self.training)
+        probs = ag.dropout(probs, self.cfg.attention_dropout, self.probs_dropout, self.training)
         y = (probs @ v).transpose(0, 2, 1, 3).reshape(b, t, heads * d)
         return self.proj(y)
 
@@ -81,26 +83,28 @@ class ParallelMLP(Module):
 class Block(Module):
     """x + drop(attn(ln_1(x))), then x + drop(mlp(ln_2(x))): GPT-2's pre-LayerNorm block."""
 
-    def __init__(self, cfg, xp, dtype, group, rng):
+    def __init__(self, cfg, xp, dtype, group, rng, layer):
         sp = cfg.sequence_parallel
-        self.cfg, self.rng = cfg, rng
+        self.cfg = cfg
+        self.attn_dropout = rng.site(hidden_dropout_stream(cfg), site_number(layer, 1))
+        self.mlp_dropout = rng.site(hidden_dropout_stream(cfg), site_number(layer, 2))
         self.ln_1 = LayerNorm(xp, dtype, cfg.hidden_size, cfg.layernorm_epsilon, sp)
-        self.attn = ParallelAttention(cfg, xp, dtype, group, rng)
+        self.attn = ParallelAttention(cfg, xp, dtype, group, rng, layer)
         self.ln_2 = LayerNorm(xp, dtype, cfg.hidden_size, cfg.layernorm_epsilon, sp)
         self.mlp = ParallelMLP(cfg, xp, dtype, group)
 
     def forward(self, x, cache=None):
         p = self.cfg.hidden_dropout
-        stream = self.rng[hidden_dropout_stream(self.cfg)]
-        x = x + ag.dropout(self.attn(self.ln_1(x), cache), p, stream, self.training)
-        return x + ag.dropout(self.mlp(self.ln_2(x)), p, stream, self.training)
+        x = ag.dropout_add(self.attn(self.ln_1(x), cache), x, p, self.attn_dropout, self.training)
+        return ag.dropout_add(self.mlp(self.ln_2(x)), x, p, self.mlp_dropout, self.training)
 
 
 def dropout_rng(cfg, grid, xp):
     """The dropout streams of one pipeline rank (shared by its virtual stages). Seeded apart from
-    the weights (seed + 1), so changing dropout never changes the initial weights, and apart per
-    pipeline rank (Megatron: +100 per stage)."""
-    return RNGTracker(cfg.seed + 1 + 100 * grid.pp_rank, grid.tp_rank, xp)
+    the weights (seed + 1), so changing dropout never changes the initial weights. Megatron also
+    seeds each pipeline stage apart (+100); here draws are keyed by the layer's global number
+    instead, so a layer's masks are the same under every pipeline split."""
+    return RNGTracker(cfg.seed + 1, grid.tp_rank, xp)
 
 
 def hidden_dropout_stream(cfg):
@@ -125,6 +129,8 @@ class GPT(Module):
                              f"tensor-parallel size {group.size}; choose a TP size that divides the "
                              "number of heads")
         self.xp = xp = array_module_for(cfg.device)
+        if cfg.tf32:
+            enable_tf32()
         dtype = numpy.dtype(cfg.dtype)
         sp = cfg.sequence_parallel
         self.rng = rng or dropout_rng(cfg, self.grid, xp)
@@ -139,7 +145,8 @@ class GPT(Module):
             self.wpe = parameter(xp, (cfg.max_position_embeddings, cfg.hidden_size), dtype)
             self.specs["wpe"] = ParamSpec(cfg.init_method_std, tuple(self.wpe.shape), sp_partial=sp)
         layers = range(cfg.num_layers) if layers is None else layers
-        self.blocks = {i: Block(cfg, xp, dtype, group, self.rng) for i in layers}
+        self.blocks = {i: Block(cfg, xp, dtype, group, self.rng, i) for i in layers}
+        self.embedding_dropout = self.rng.site(hidden_dropout_stream(cfg), site_number())
         if post_process:
             self.ln_f = LayerNorm(xp, dtype, cfg.hidden_size, cfg.layernorm_epsilon, sp)
         self.initialize(cfg.seed)
@@ -169,7 +176,7 @@ class GPT(Module):
             block = t // self.tp_group.size
             start, stop = offset + self.tp_group.rank * block, offset + (self.tp_group.rank + 1) * block
         x = self.wte(ids) + self.wpe[start:stop]      # positions are a slice: nothing to check
-        return ag.dropout(x, self.cfg.hidden_dropout, self.rng[hidden_dropout_stream(self.cfg)], self.training)
+        return ag.dropout(x, self.cfg.hidden_dropout, self.embedding_dropout, self.training)
 
     def forward(self, ids, targets=None, cache=None):
         """ids (batch, seq) -> (this rank's vocabulary shard of the logits, mean loss or None).

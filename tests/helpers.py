@@ -83,3 +83,29 @@ def launch(n, args, timeout=180):
     command = ([mpiexec_path(), "-n", str(n)] if n else []) + [sys.executable, "scripts/train.py"] + args
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                           env=rank_environment())
+
+
+SCHEDULES = [{"schedule": "afab"}, {"schedule": "1f1b"}, {"schedule": "interleaved", "virtual": 2, "layers": 8}]
+
+
+def pipeline_cases(ranks, **extra):
+    """The pipeline equality layouts for 2, 4 or 8 ranks (tests/ranks/pipeline_parallel.py
+    cases: every schedule, uneven layouts, variable lengths, SP, DP), each with `extra` added
+    (e.g. overlap=False, device="gpu"). Shared by the CPU, ordered-P2P and GPU tests."""
+    if ranks == 2:
+        cases = [dict(tp=1, pp=2, m=4, **s) for s in SCHEDULES]
+        cases += [dict(tp=1, pp=2, m=4, schedule="1f1b", layout="Et|tttL"),          # uneven
+                  dict(tp=1, pp=2, m=4, schedule="interleaved", layout="E|t|ttt|tL", layers=5),
+                  dict(tp=1, pp=2, m=4, schedule="1f1b", variable=True),
+                  dict(tp=1, pp=2, m=4, schedule="interleaved", virtual=2, variable=True)]
+    elif ranks == 4:
+        cases = [dict(m=4, **grid, **s) for grid in (dict(tp=1, pp=4), dict(tp=2, pp=2), dict(tp=1, pp=2))
+                 for s in SCHEDULES]                                        # the last grid is DP=2
+        cases += [dict(tp=1, pp=4, m=4, schedule="1f1b", layout="Ettt|t|t|tL", layers=6),
+                  dict(tp=2, pp=2, m=4, schedule="1f1b", variable=True, sp=True),
+                  dict(tp=1, pp=2, m=4, schedule="afab", variable=True, layout="Ettt|tL")]
+    else:
+        cases = [dict(m=4, **grid, **s) for grid in (dict(tp=2, pp=4), dict(tp=2, pp=2)) for s in SCHEDULES]
+        cases += [dict(tp=2, pp=4, m=4, schedule="interleaved", layout="Et|t|t|t|t|t|t|tL", layers=8,
+                       variable=True, sp=True)]
+    return [dict(case, **extra) for case in cases]

@@ -1,4 +1,17 @@
-"""The same code on CuPy arrays: runs where a GPU is present, skips cleanly elsewhere."""
+"""The GPU path against the CPU, in float64: the script to run first on a machine with GPUs
+(`pytest tests/test_gpu.py tests/comm/test_comm_gpu.py`). Where CuPy or a GPU is missing it
+skips; tests/test_strict_gpu.py runs this very file on the CPU with the strict CuPy stand-in
+(tests/fakes/strict_cupy) first on the path, where it also counts host synchronisations.
+
+- the serial GPT's loss and gradients on CuPy equal NumPy's;
+- every pipeline equality layout (PP 2 and 4, TP, DP, three schedules, overlap on and off,
+  uneven layouts, variable lengths, SP) with the pipeline on CuPy equals the serial model;
+- the training path at TP = 2 (and TP 2 x PP 2 x DP 2, slow) with sequence parallelism and
+  dropout: losses, gradient norms and parameters equal the NumPy run's, a checkpoint resumes
+  bitwise, generation gives the same text, each rank on its own GPU, and (stand-in) at most
+  HOST_SYNCS_PER_STEP host synchronisations per training step."""
+import json
+
 import numpy as np
 import pytest
 
@@ -9,12 +22,16 @@ try:
 except Exception:
     pytest.skip("no CUDA device", allow_module_level=True)
 
+from helpers import pipeline_cases  # noqa: E402
 from npmegatron.model import GPT, GPTConfig  # noqa: E402
+
+STRICT = hasattr(cupy, "_strict")
+HOST_SYNCS_PER_STEP = 1     # the loss and the gradient norm, read together (Trainer.train_step)
 
 
 def test_gpt_on_gpu_equals_cpu_in_float64():
     kw = dict(num_layers=2, hidden_size=16, num_attention_heads=2, vocab_size=32,
-              max_position_embeddings=8, dtype="float64", hidden_dropout=0.0, attention_dropout=0.0)
+              max_position_embeddings=8, dtype="float64", hidden_dropout=0.1, attention_dropout=0.1)
     cpu, gpu = GPT(GPTConfig(**kw)), GPT(GPTConfig(**kw, device="gpu"))
     ids = np.random.default_rng(0).integers(0, 32, (2, 9))
     _, loss_cpu = cpu(ids[:, :-1], ids[:, 1:])
@@ -24,3 +41,40 @@ def test_gpt_on_gpu_equals_cpu_in_float64():
     assert loss_gpu.item() == pytest.approx(loss_cpu.item(), rel=1e-12)
     for (name, a), (_, b) in zip(cpu.named_parameters(), gpu.named_parameters()):
         np.testing.assert_allclose(cupy.asnumpy(b.grad), a.grad, rtol=1e-9, atol=1e-12, err_msg=name)
+
+
+def check_pipeline(mpirun, n, cases):
+    result = mpirun(n, "ranks/pipeline_parallel.py", args=["check", json.dumps(cases)], timeout=600)
+    worst = float(result.stdout.split("worst relative error")[1].split()[0])
+    print(f"{n} ranks, {len(cases)} GPU pipeline cases: worst relative error {worst:.2e}")
+    assert worst < 1e-10, result
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_pipeline_layouts_on_gpu_equal_the_serial_model(mpirun, overlap):
+    for n in (2, 4):
+        check_pipeline(mpirun, n, pipeline_cases(n, device="gpu", overlap=overlap))
+
+
+@pytest.mark.slow
+def test_eight_rank_pipeline_layouts_on_gpu(mpirun):
+    check_pipeline(mpirun, 8, pipeline_cases(8, device="gpu"))
+
+
+def train_on_gpu(mpirun, tmp_path, n, tp, pp):
+    result = mpirun(n, "ranks/gpu_training.py", args=[tp, pp, tmp_path / "ck"], timeout=600)
+    record = json.loads(result.stdout.strip().splitlines()[-1])
+    print(f"TP {tp} x PP {pp} x DP {n // (tp * pp)}: host syncs per step {record['syncs_per_step']}")
+    if STRICT:
+        assert record["syncs_per_step"] and max(record["syncs_per_step"]) <= HOST_SYNCS_PER_STEP, record
+    return record
+
+
+def test_training_path_tp2_with_sp_checkpoint_and_generation(mpirun, tmp_path):
+    record = train_on_gpu(mpirun, tmp_path, 2, 2, 1)
+    assert record["sample"].startswith("sample")
+
+
+@pytest.mark.slow
+def test_training_path_tp2_pp2_dp2(mpirun, tmp_path):
+    train_on_gpu(mpirun, tmp_path, 8, 2, 2)

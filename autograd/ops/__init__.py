@@ -2,8 +2,8 @@
 from .arithmetic import add, sub, mul, div, neg, pow, matmul, linear
 from .shape import reshape, transpose, split, concatenate, getitem
 from .reduce import sum, mean, max
-from .elementwise import exp, log, tanh, gelu
-from .nn import softmax, layer_norm, dropout, embedding, cross_entropy
+from .elementwise import exp, log, tanh, gelu, bias_gelu
+from .nn import softmax, layer_norm, dropout, dropout_add, embedding, cross_entropy
 from ..tensor import Tensor
 
 

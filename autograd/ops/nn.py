@@ -6,6 +6,7 @@ Fused means one Function with a hand-written backward, as Megatron's fused kerne
 from ..backend import get_array_module, scatter_add, to_numpy
 from ..errors import InputError
 from ..function import Function
+from ..fusion import fused
 from ..tensor import Tensor
 
 
@@ -14,6 +15,62 @@ def _causal_bias(xp, t_q, t_k, dtype):
     q = xp.arange(t_k - t_q, t_k)[:, None]
     k = xp.arange(t_k)[None, :]
     return xp.where(k > q, -xp.inf, 0.0).astype(dtype)
+
+
+# The elementwise chains of softmax, LayerNorm and dropout + residual (autograd/fusion.py): one
+# definition for NumPy and cupy.fuse. Their reductions (max, sum, mean) stay outside them.
+
+@fused
+def exp_shifted_(xp, z, zmax):
+    """z = exp(z - max) in place: softmax's numerator, never above 1."""
+    z -= zmax
+    xp.exp(z, out=z)
+
+
+@fused
+def softmax_backward(xp, g, y, dot, scale):
+    """scale * y * (g - <g, y>): the softmax Jacobian applied to g (dot: <g, y> per row)."""
+    gx = g - dot
+    gx *= y
+    gx *= scale
+    return gx
+
+
+@fused
+def normalize_affine_(xp, xhat, rstd, weight, bias):
+    """LayerNorm's x - mean becomes xhat = (x - mean) * rstd in place (kept for backward); the
+    output xhat * weight + bias is returned."""
+    xhat *= rstd
+    out = xhat * weight
+    out += bias
+    return out
+
+
+@fused
+def layer_norm_backward_(xp, gh, xhat, mean_gh, mean_ghx, rstd):
+    """gh = g * weight becomes dx = rstd (gh - mean(gh) - xhat mean(gh xhat)) in place."""
+    gh -= mean_gh
+    gh -= xhat * mean_ghx
+    gh *= rstd
+
+
+@fused
+def dropout_add_forward(xp, y, uniform, residual, p, scale):
+    """(residual + dropout(y), keep mask): an element of y is kept where its uniform draw is at
+    least p, and scaled by 1 / (1 - p), as Dropout does with the same draws."""
+    keep = uniform >= p
+    out = y * keep
+    out *= scale
+    out += residual
+    return out, keep
+
+
+@fused
+def dropout_backward(xp, g, keep, scale):
+    """The gradient through inverted dropout: g where kept, times 1 / (1 - p)."""
+    gx = g * keep
+    gx *= scale
+    return gx
 
 
 class Softmax(Function):
@@ -25,8 +82,7 @@ class Softmax(Function):
         z = x * x.dtype.type(scale)
         if causal:
             z += _causal_bias(xp, x.shape[-2], x.shape[-1], x.dtype)
-        z -= z.max(axis=-1, keepdims=True)
-        xp.exp(z, out=z)
+        exp_shifted_(z, z.max(axis=-1, keepdims=True))
         z /= z.sum(axis=-1, keepdims=True)
         ctx.scale = scale
         ctx.save_for_backward(z)
@@ -35,13 +91,8 @@ class Softmax(Function):
     @staticmethod
     def backward(ctx, g):
         (y,) = ctx.saved
-        gx = g * y
-        dot = gx.sum(axis=-1, keepdims=True)
-        dot *= y.dtype.type(-1)
-        gx += dot * y  # y * (g - <g, y>)
-        if ctx.scale != 1.0:
-            gx *= y.dtype.type(ctx.scale)
-        return gx
+        dot = (g * y).sum(axis=-1, keepdims=True)
+        return softmax_backward(g, y, dot, ctx.scale)
 
 
 class LayerNorm(Function):
@@ -54,10 +105,8 @@ class LayerNorm(Function):
         xhat = x - mu
         var = (xhat * xhat).mean(axis=-1, keepdims=True)
         rstd = 1.0 / xp.sqrt(var + eps)
-        xhat *= rstd
+        out = normalize_affine_(xhat, rstd, weight, bias)
         ctx.save_for_backward(xhat, rstd, weight)
-        out = xhat * weight
-        out += bias
         return out
 
     @staticmethod
@@ -70,10 +119,9 @@ class LayerNorm(Function):
         gx = None
         if need_x:
             # dx = rstd * (gh - mean(gh) - xhat * mean(gh * xhat)), gh = g * weight
-            gh = g * weight
-            gx = gh - gh.mean(axis=-1, keepdims=True)
-            gx -= xhat * (gh * xhat).mean(axis=-1, keepdims=True)
-            gx *= rstd
+            gx = g * weight
+            layer_norm_backward_(gx, xhat, gx.mean(axis=-1, keepdims=True),
+                                 (gx * xhat).mean(axis=-1, keepdims=True), rstd)
         return gx, gw, gb
 
 
@@ -97,6 +145,25 @@ class Dropout(Function):
         gx = g * ctx.saved[0]
         gx *= ctx.scale
         return gx
+
+
+class DropoutAdd(Function):
+    """residual + dropout(y) in one pass (the end of each transformer sub-block). It draws the
+    same uniforms from the generator as Dropout, so the masks, and the model, are unchanged."""
+
+    @staticmethod
+    def forward(ctx, y, residual, p, generator):
+        xp = get_array_module(y)
+        uniform = xp.asarray(generator.random(y.shape, dtype=y.dtype))
+        ctx.scale = 1.0 / (1.0 - p)
+        out, keep = dropout_add_forward(y, uniform, residual, p, ctx.scale)
+        ctx.save_for_backward(keep)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        gy = dropout_backward(g, ctx.saved[0], ctx.scale) if ctx.needs_input_grad[0] else None
+        return gy, g
 
 
 def check_ids(ids, size, what, fix, ignore_index=None):
@@ -199,6 +266,18 @@ def dropout(x, p, generator, training=True):
     if p == 0.0 or not training:
         return x
     return Dropout.apply(x, p=p, generator=generator)
+
+
+def dropout_add(y, residual, p, generator, training=True):
+    """residual + dropout(y, p), fused; plain residual + y when p == 0 or not training."""
+    if not 0.0 <= p < 1.0:
+        raise InputError(f"dropout probability {p} is outside [0, 1); use e.g. 0.1")
+    if y.shape != residual.shape:
+        raise InputError(f"dropout_add needs y and residual of one shape, got {tuple(y.shape)} and "
+                         f"{tuple(residual.shape)}")
+    if p == 0.0 or not training:
+        return residual + y
+    return DropoutAdd.apply(y, residual, p=p, generator=generator)
 
 
 def embedding(ids, weight):

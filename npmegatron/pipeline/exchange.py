@@ -23,12 +23,13 @@ class _Incoming:
     tags); the header then checks the shape this rank expects from the micro-batch."""
 
     def __init__(self, exchange, kind, stage, micro_batch, peer, shape):
-        tag = exchange.tag
+        tag, group, peer = exchange.tag, exchange.grid.pp_group, exchange.group_rank(peer)
         self.shape, self.header = tuple(shape), None
         if exchange.variable_seq_lengths:
-            self.header = comm.irecv(peer, (len(shape),), numpy.int64,
+            self.header = comm.irecv(peer, (len(shape),), numpy.int64, group,
                                      tag=tag(_SHAPE_OF[kind], stage, micro_batch), xp=exchange.xp)
-        self.data = comm.irecv(peer, shape, exchange.dtype, tag=tag(kind, stage, micro_batch), xp=exchange.xp)
+        self.data = comm.irecv(peer, shape, exchange.dtype, group, tag=tag(kind, stage, micro_batch),
+                               xp=exchange.xp)
 
     def wait(self):
         if self.header is not None:
@@ -48,6 +49,11 @@ class StageExchange:
         self.variable_seq_lengths = variable_seq_lengths
         self.sends = []     # sends not yet seen to finish; finish() waits on the rest
 
+    def group_rank(self, rank):
+        """A neighbour's rank in the pipeline group (messages go over the pipeline group: on
+        GPUs its NCCL pair communicators, see comm.backends.NCCLBackend._pair)."""
+        return self.grid.pp_group.ranks.index(rank)
+
     def tag(self, kind, stage, micro_batch):
         return kind + 4 * (micro_batch + self.num_micro_batches * stage)
 
@@ -61,7 +67,7 @@ class StageExchange:
         """Send `array` (the activation of `stage` forward, or its input gradient backward).
         `then_receive` = (kind, stage, micro_batch, shape) of a receive from the same neighbour,
         posted with the send as one exchange (the ring exchange of the steady state)."""
-        peer = self.grid.pp_next_rank if kind == ACTIVATION else self.grid.pp_prev_rank
+        peer = self.group_rank(self.grid.pp_next_rank if kind == ACTIVATION else self.grid.pp_prev_rank)
         target = stage + 1 if kind == ACTIVATION else stage - 1
         ops = []
         if self.variable_seq_lengths:
@@ -73,7 +79,7 @@ class StageExchange:
             r_kind, r_stage, r_mb, r_shape = then_receive
             ops.append(comm.P2POp("recv", peer, shape=r_shape, dtype=self.dtype, xp=self.xp,
                                   tag=self.tag(r_kind, r_stage, r_mb)))
-        requests = comm.batch_isend_irecv(ops)
+        requests = comm.batch_isend_irecv(ops, self.grid.pp_group)
         if ops[-1].kind == "recv":
             incoming = requests.pop()
         elif then_receive is not None:       # shapes first: the receive posts its own header

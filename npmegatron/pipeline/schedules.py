@@ -168,6 +168,8 @@ class ScheduleRun:
         added to the sum; both are kept for backward unless the run is forward only."""
         spec, module = self.model.stage_specs[chunk], self.model.chunks[chunk]
         ids, targets = self.batches[micro_batch]
+        # Dropout masks are keyed by the micro-batch's number over all DP replicas.
+        self.model.rng.micro_batch = self.model.grid.dp_rank * len(self.batches) + micro_batch
         if spec.pre_process:
             x = ids
         else:

@@ -1,12 +1,16 @@
-"""The RNG tracker of paper Appendix B.2: dropout outside tensor-parallel regions (embeddings,
-residual branches) draws from a stream seeded the same on every TP rank, so replicated
-activations get identical masks; dropout inside TP regions (attention probabilities of this
-rank's heads) draws from a stream seeded per TP rank (Megatron: seed + 2718 + tp_rank).
+"""Dropout randomness: the streams of paper Appendix B.2, stateless.
 
-Each stream is counter-based: the k-th number it draws is a hash of (seed, k) computed with
-integer array arithmetic. NumPy and CuPy therefore draw bitwise the same numbers, and a stream's
-whole state is its counter, an integer a checkpoint can hold (a CuPy generator's state cannot be
-saved)."""
+Dropout outside tensor-parallel regions (embeddings, residual branches) draws from a stream
+seeded the same on every TP rank, so replicated activations get identical masks; dropout inside
+TP regions (attention probabilities of this rank's heads, and sequence shards under sequence
+parallelism) draws from a stream seeded per TP rank (Megatron: seed + 2718 + tp_rank).
+
+Every mask is a pure function of (stream seed, iteration, micro-batch, dropout site, element
+index): number j of a draw is splitmix64 of (draw key + j * golden), and the draw key hashes the
+stream's key with the iteration, the micro-batch and the site in turn. Integer array arithmetic
+wraps the same way on NumPy and CuPy, so both draw bitwise the same masks; nothing depends on the
+order of calls, so a resumed run or a recomputed layer replays its masks exactly, and what a
+checkpoint needs is the iteration, which it already holds."""
 import numpy
 
 from ..autograd import InputError
@@ -17,6 +21,7 @@ MODEL_PARALLEL_SEED_OFFSET = 2718
 
 _GOLDEN = 0x9E3779B97F4A7C15        # splitmix64's increment and finaliser (Steele et al., 2014)
 _MIX_1, _MIX_2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+_MASK = 2 ** 64 - 1
 
 
 def mix64(z, xp):
@@ -29,47 +34,74 @@ def mix64(z, xp):
     return z
 
 
-class CounterStream:
-    """Uniform numbers in [0, 1): number k of the stream is mix64(key + k * golden), with the key
-    a hash of the seed. `random(shape)` returns the next prod(shape) numbers."""
+def mix64_int(z):
+    """mix64 on one Python integer (keys are made on the host, never on the device)."""
+    z = ((z ^ (z >> 30)) * _MIX_1) & _MASK
+    z = ((z ^ (z >> 27)) * _MIX_2) & _MASK
+    return z ^ (z >> 31)
 
-    def __init__(self, seed, xp):
-        self.xp, self.counter = xp, 0
-        self.key = int(mix64(numpy.array([seed], numpy.uint64) * numpy.uint64(_GOLDEN), numpy)[0])
+
+def draw_key(key, *words):
+    """The key of one draw: each word (iteration, micro-batch, site; non-negative) hashed in."""
+    for word in words:
+        key = mix64_int((key + (word + 1) * _GOLDEN) & _MASK)
+    return key
+
+
+def uniform(key, shape, dtype, xp):
+    """Numbers j = 0 .. prod(shape)-1 of the draw `key`: uniform in [0, 1), the top 24 (float32)
+    or 53 (float64) bits of mix64(key + j * golden) scaled exactly, so the same on any device."""
+    dtype = numpy.dtype(dtype)
+    bits = xp.arange(int(numpy.prod(shape, dtype=numpy.int64)), dtype=xp.uint64)
+    bits *= xp.uint64(_GOLDEN)
+    bits += xp.uint64(key)
+    mix64(bits, xp)
+    mantissa = 24 if dtype == numpy.float32 else 53
+    bits >>= xp.uint64(64 - mantissa)
+    numbers = bits.astype(dtype).reshape(shape)
+    numbers *= dtype.type(2.0 ** -mantissa)
+    return numbers
+
+
+def site_number(layer=None, kind=0):
+    """A dropout site's number: 0 for the embedding, then three per transformer layer (attention
+    probabilities, attention output, MLP output) by the layer's global number, so every pipeline
+    split and virtual stage gives a layer the same masks."""
+    return 0 if layer is None else 1 + 3 * layer + kind
+
+
+class DropoutSite:
+    """What ag.dropout draws from at one site: `random(shape, dtype)` at the tracker's current
+    (iteration, micro-batch)."""
+
+    def __init__(self, tracker, stream, site):
+        self.tracker, self.stream, self.site = tracker, stream, site
 
     def random(self, shape, dtype=numpy.float64):
-        xp, dtype = self.xp, numpy.dtype(dtype)
-        size = int(numpy.prod(shape, dtype=numpy.int64))
-        bits = xp.arange(self.counter, self.counter + size, dtype=xp.uint64)
-        self.counter += size
-        bits *= xp.uint64(_GOLDEN)
-        bits += xp.uint64(self.key)
-        mix64(bits, xp)
-        # The top 24 (float32) or 53 (float64) bits, scaled exactly: the same float on any device.
-        mantissa = 24 if dtype == numpy.float32 else 53
-        bits >>= xp.uint64(64 - mantissa)
-        uniform = bits.astype(dtype).reshape(shape)
-        uniform *= dtype.type(2.0 ** -mantissa)
-        return uniform
+        t = self.tracker
+        key = draw_key(t.keys[self.stream], t.iteration, t.micro_batch, self.site)
+        return uniform(key, shape, dtype, t.xp)
 
 
 class RNGTracker:
-    def __init__(self, seed, tp_rank, xp):
-        self.streams = {
-            DEFAULT: CounterStream(seed, xp),
-            MODEL_PARALLEL: CounterStream(seed + MODEL_PARALLEL_SEED_OFFSET + tp_rank, xp),
-        }
+    """The two streams' keys and the position every draw is made at. The training loop sets
+    `iteration`; the pipeline schedule sets `micro_batch` (numbered over the data-parallel
+    replicas, so a micro-batch gets the same masks at any DP size)."""
 
-    def __getitem__(self, name):
-        return self.streams[name]
+    def __init__(self, seed, tp_rank, xp):
+        self.xp, self.iteration, self.micro_batch = xp, 0, 0
+        mp_seed = seed + MODEL_PARALLEL_SEED_OFFSET + tp_rank
+        self.keys = {DEFAULT: draw_key(0, seed), MODEL_PARALLEL: draw_key(0, mp_seed)}
+
+    def site(self, stream, site):
+        return DropoutSite(self, stream, site)
 
     def get_states(self):
-        """{stream: counter}, to save in a checkpoint."""
-        return {name: stream.counter for name, stream in self.streams.items()}
+        """The position, to save in a checkpoint (JSON integers)."""
+        return {"iteration": self.iteration, "micro_batch": self.micro_batch}
 
     def set_states(self, states):
-        for name, counter in states.items():
-            if not isinstance(counter, int):
-                raise InputError("the checkpoint holds dropout generator states of an older npmegatron "
-                                 "(not stream counters); resume it with the version that saved it")
-            self.streams[name].counter = counter
+        if set(states) != {"iteration", "micro_batch"}:
+            raise InputError("the checkpoint holds dropout generator states of an older npmegatron "
+                             "(not the stateless position); resume it with the version that saved it")
+        self.iteration, self.micro_batch = int(states["iteration"]), int(states["micro_batch"])

@@ -6,6 +6,7 @@ import numpy
 
 from ..autograd import get_array_module
 from ..autograd.backend import to_numpy
+from ..autograd.fusion import fused
 
 
 class SGD:
@@ -19,6 +20,28 @@ class SGD:
         for p in self.params:
             if p.grad is not None:
                 p.data -= p.dtype.type(lr) * p.grad
+
+
+@fused
+def adamw_update_(xp, p, g, m, v, decay, beta1, one_minus_beta1, beta2, one_minus_beta2,
+                  rsqrt_bias2, eps, step_size):
+    """One AdamW step on one parameter, in place on p, m and v (one kernel on the GPU):
+    p = decay p - step_size m / (sqrt(v) / sqrt(bias2) + eps) after the moment updates. Every
+    scalar is computed on the host (see fusion.py); `t` is the one temporary, reused."""
+    t = g * one_minus_beta1
+    m *= beta1
+    m += t
+    xp.multiply(g, g, out=t)
+    t *= one_minus_beta2
+    v *= beta2
+    v += t
+    xp.sqrt(v, out=t)
+    t *= rsqrt_bias2
+    t += eps
+    xp.divide(m, t, out=t)
+    t *= step_size
+    p *= decay
+    p -= t
 
 
 class AdamW:
@@ -53,20 +76,11 @@ class AdamW:
         bias1 = 1 - beta1 ** self.step_count
         bias2 = 1 - beta2 ** self.step_count
         for p, m, v in zip(self.params, self.exp_avg, self.exp_avg_sq):
-            g = p.grad
-            if g is None:
+            if p.grad is None:
                 continue
-            cast = p.dtype.type
-            if self.weight_decay and p.ndim >= 2:
-                p.data *= cast(1 - lr * self.weight_decay)
-            m *= cast(beta1)
-            m += cast(1 - beta1) * g
-            v *= cast(beta2)
-            v += cast(1 - beta2) * (g * g)
-            denom = p.xp.sqrt(v)
-            denom *= cast(1 / math.sqrt(bias2))
-            denom += cast(self.eps)
-            p.data -= cast(lr / bias1) * (m / denom)
+            decay = 1 - lr * self.weight_decay if self.weight_decay and p.ndim >= 2 else 1.0
+            adamw_update_(p.data, p.grad, m, v, decay, beta1, 1 - beta1, beta2, 1 - beta2,
+                          1 / math.sqrt(bias2), self.eps, lr / bias1)
 
 
 def learning_rate(step, lr, min_lr, warmup_iters, decay_iters, style="cosine"):

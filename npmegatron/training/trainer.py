@@ -90,6 +90,7 @@ class Trainer:
     def train_step(self):
         """Forward and backward over the micro-batches, DP average, clip. Returns (loss, norm).
         The loss and the squared gradient norm reach the host together: one synchronisation."""
+        self.model.rng.iteration = self.iteration           # dropout masks are keyed by it
         loss_sum = train_step(self.model, self.exchange, self.micro_batches(self.sampler, self.iteration),
                               self.buckets, self.schedule, **schedule_options(self.config.parallel))
         both = self.model.xp.concatenate([self.loss_total(loss_sum),

@@ -133,11 +133,52 @@ def recording_backend(log):
     return backends.NCCLBackend(nccl=fake_nccl(CUPY14_ID, log), cuda=fake_cuda(log))
 
 
+class PairMPI:
+    """A two-rank group's MPI communicator seen from rank 0: pair ids go out by send and come
+    in by recv (rank 1's id for the 1 -> 0 direction)."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def send(self, obj, dest, tag):
+        self.log.append(f"mpi send id to {dest}")
+
+    def recv(self, source, tag):
+        self.log.append(f"mpi recv id from {source}")
+        return CUPY14_ID
+
+
+def pipeline_pair(log):
+    return two_rank_group(0, PairMPI(log))
+
+
+def test_each_direction_has_its_own_communicator_and_stream():
+    """Defect 4 under NCCL: a receive waiting on the stream that also carries this rank's sends
+    held them back (PP = 2, interleaved: both neighbours waited for each other)."""
+    log = []
+    backend = recording_backend(log)
+    group = pipeline_pair(log)
+    sent = backend.isend(group, DeviceArray(4), 1, 0)
+    # Pairs made in one order on both ranks: 0 -> 1 (this rank sends the id), then 1 -> 0.
+    assert log[:2] == ["mpi send id to 1", "mpi recv id from 1"]
+    (to_next, send_stream), (from_next, recv_stream) = group.nccl_pairs[0, 1], group.nccl_pairs[1, 0]
+    assert to_next.args == (2, CUPY14_ID, 0) and from_next.args == (2, CUPY14_ID, 1)
+    assert send_stream.ptr != recv_stream.ptr
+    assert log[2:] == ["e0 on 0", f"{send_stream.ptr} waits e0", f"send on {send_stream.ptr}",
+                       f"e1 on {send_stream.ptr}"]
+    device_xp = types.SimpleNamespace(empty=lambda shape, dtype: DeviceArray(int(numpy.prod(shape))))
+    log.clear()
+    received = backend.irecv(group, (4,), numpy.float32, device_xp, 1, 0)
+    assert log == ["e2 on 0", f"{recv_stream.ptr} waits e2", f"recv on {recv_stream.ptr}",
+                   f"e3 on {recv_stream.ptr}"]
+    assert sent.event.name == "e1" and received.event.name == "e3"
+
+
 def test_wait_orders_the_compute_stream_after_the_transfer_without_a_host_sync():
     """Defect 8: every wait() synchronised the whole stream from the host."""
     log = []
     backend = recording_backend(log)
-    request = backend.isend(Group.single("pp"), DeviceArray(4), 0, 0)
+    request = backend.isend(pipeline_pair(log), DeviceArray(4), 1, 0)
     event = request.event
     log.clear()
     request.wait()
@@ -145,13 +186,12 @@ def test_wait_orders_the_compute_stream_after_the_transfer_without_a_host_sync()
     assert request.keep is None
 
 
-def test_each_send_outside_a_batch_runs_on_the_group_stream_after_compute(monkeypatch):
+def test_point_to_point_needs_no_group_call():
     log = []
     backend = recording_backend(log)
-    request = backend.isend(Group.single("pp"), DeviceArray(4), 0, 0)
-    # The group's stream (1) waits for the compute stream's work so far, sends, records its end.
-    assert log == ["e0 on 0", "1 waits e0", "send on 1", "e1 on 1"]
-    assert request.event.name == "e1"
+    backend.start_batch()
+    backend.end_batch()
+    assert log == []
 
 
 def test_groups_get_streams_of_their_own_so_tp_does_not_queue_behind_dp(monkeypatch):
@@ -166,22 +206,6 @@ def test_groups_get_streams_of_their_own_so_tp_does_not_queue_behind_dp(monkeypa
     # TP's all-reduce goes on stream 2 (DP's is 1); compute waits for TP's end only.
     assert log == ["e2 on 0", "2 waits e2", "allReduce on 2", "e3 on 2", "0 waits e3"]
     assert not any(entry.startswith("0 waits") and bucket.event.name in entry for entry in log)
-
-
-def test_batched_requests_record_one_event_after_group_end(monkeypatch):
-    """Inside an NCCL group call nothing is enqueued until groupEnd: an earlier event would
-    complete before the transfers start."""
-    log = []
-    backend = recording_backend(log)
-    group = Group.single("pp")
-    backend.start_batch()
-    sent = backend.isend(group, DeviceArray(4), 0, 0)
-    device_xp = types.SimpleNamespace(empty=lambda shape, dtype: DeviceArray(int(numpy.prod(shape))))
-    received = backend.irecv(group, (4,), numpy.float32, device_xp, 0, 0)
-    assert sent.event is None and received.event is None
-    backend.end_batch()
-    assert log == ["groupStart", "e0 on 0", "1 waits e0", "send on 1", "recv on 1", "groupEnd", "e1 on 1"]
-    assert sent.event is received.event is not None
 
 
 def test_nccl_import_without_libnccl_is_not_usable():

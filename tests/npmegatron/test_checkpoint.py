@@ -49,7 +49,7 @@ def test_manifest_holds_config_layout_optimizer_rng_and_data_position(tmp_path):
     assert m["layout"] == {"tp": 1, "pp": 1, "dp": 1}
     assert m["optimizer"]["step"] == 4
     assert m["data"]["consumed_samples"] == 32 and m["data"]["global_batch_size"] == 8
-    assert set(m["ranks"][0]["rng"]) == {"default", "model-parallel"}
+    assert set(m["ranks"][0]["rng"]) == {"iteration", "micro_batch"}     # stateless dropout: a position
     shard = m["shards"]["mp_rank_00_000.safetensors"]
     assert len(shard["sha256"]) == 64 and shard["bytes"] > 0
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from helpers import launch
+from helpers import launch, pipeline_cases
 
 RANKS = "ranks/pipeline_parallel.py"
 
@@ -18,26 +18,12 @@ def check(mpirun, n, cases):
     return worst
 
 
-SCHEDULES = [{"schedule": "afab"}, {"schedule": "1f1b"}, {"schedule": "interleaved", "virtual": 2, "layers": 8}]
-
-
 def test_two_stages_every_schedule_layout_and_variable_lengths(mpirun):
-    cases = [dict(tp=1, pp=2, m=4, **s) for s in SCHEDULES]
-    cases += [dict(tp=1, pp=2, m=4, schedule="1f1b", layout="Et|tttL"),          # uneven
-              dict(tp=1, pp=2, m=4, schedule="interleaved", layout="E|t|ttt|tL", layers=5),
-              dict(tp=1, pp=2, m=4, schedule="1f1b", variable=True),
-              dict(tp=1, pp=2, m=4, schedule="interleaved", virtual=2, variable=True)]
-    assert check(mpirun, 2, cases) < 1e-10
+    assert check(mpirun, 2, pipeline_cases(2)) < 1e-10
 
 
 def test_four_ranks_pp4_pp2xtp2_pp2xdp2(mpirun):
-    cases = []
-    for grid in (dict(tp=1, pp=4), dict(tp=2, pp=2), dict(tp=1, pp=2)):     # the last is DP=2
-        cases += [dict(m=4, **grid, **s) for s in SCHEDULES]
-    cases += [dict(tp=1, pp=4, m=4, schedule="1f1b", layout="Ettt|t|t|tL", layers=6),
-              dict(tp=2, pp=2, m=4, schedule="1f1b", variable=True, sp=True),
-              dict(tp=1, pp=2, m=4, schedule="afab", variable=True, layout="Ettt|tL")]
-    assert check(mpirun, 4, cases) < 1e-10
+    assert check(mpirun, 4, pipeline_cases(4)) < 1e-10
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
@@ -47,16 +33,8 @@ def test_tag_free_p2p_matches_in_posting_order(mpirun, overlap):
     each rank posts its receives in the order its neighbour sends (before this, AFAB at PP = 4
     received micro-batch 1's activation for micro-batch 0's, 0.69 relative error)."""
     ordered = {"NPMEGATRON_P2P_ORDERED": "1"}
-    two = [dict(tp=1, pp=2, m=4, overlap=overlap, **s) for s in SCHEDULES]
-    two += [dict(tp=1, pp=2, m=4, overlap=overlap, schedule="1f1b", layout="Et|tttL"),
-            dict(tp=1, pp=2, m=4, overlap=overlap, schedule="interleaved", layout="E|t|ttt|tL", layers=5),
-            dict(tp=1, pp=2, m=4, overlap=overlap, schedule="interleaved", virtual=2, variable=True)]
-    four = [dict(m=4, overlap=overlap, **grid, **s) for grid in (dict(tp=1, pp=4), dict(tp=2, pp=2),
-                                                                 dict(tp=1, pp=2)) for s in SCHEDULES]
-    four += [dict(tp=1, pp=4, m=4, overlap=overlap, schedule="1f1b", layout="Ettt|t|t|tL", layers=6),
-             dict(tp=2, pp=2, m=4, overlap=overlap, schedule="1f1b", variable=True, sp=True),
-             dict(tp=1, pp=2, m=4, overlap=overlap, schedule="afab", variable=True, layout="Ettt|tL")]
-    for n, cases in ((2, two), (4, four)):
+    two = [c for c in pipeline_cases(2, overlap=overlap) if not (c["schedule"] == "1f1b" and c.get("variable"))]
+    for n, cases in ((2, two), (4, pipeline_cases(4, overlap=overlap))):
         result = mpirun(n, RANKS, args=["check", json.dumps(cases)], timeout=300, env=ordered)
         worst = float(result.stdout.split("worst relative error")[1].split()[0])
         assert worst < 1e-10, result
@@ -64,12 +42,7 @@ def test_tag_free_p2p_matches_in_posting_order(mpirun, overlap):
 
 @pytest.mark.slow
 def test_eight_ranks_pp4xtp2_and_pp2xtp2xdp2(mpirun):
-    cases = []
-    for grid in (dict(tp=2, pp=4), dict(tp=2, pp=2)):                         # the last is DP=2
-        cases += [dict(m=4, **grid, **s) for s in SCHEDULES]
-    cases += [dict(tp=2, pp=4, m=4, schedule="interleaved", layout="Et|t|t|t|t|t|t|tL", layers=8,
-                   variable=True, sp=True)]
-    assert check(mpirun, 8, cases) < 1e-10
+    assert check(mpirun, 8, pipeline_cases(8)) < 1e-10
 
 
 def test_schedule_memory_and_deallocated_outputs(mpirun):

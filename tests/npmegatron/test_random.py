@@ -1,10 +1,15 @@
-"""The counter-based dropout streams: the documented hash (so NumPy and CuPy, both wrapping uint64
-arithmetic, draw the same bits), counter semantics, and a state that is one integer."""
+"""Stateless dropout randomness: the documented hash (so NumPy and CuPy, both wrapping uint64
+arithmetic, draw the same bits), masks that are a pure function of (stream, iteration,
+micro-batch, site, element), the streams of paper App. B.2, and a position a checkpoint holds."""
 import numpy as np
+import pytest
 
-from npmegatron.tensor_parallel.random import CounterStream, RNGTracker
+from npmegatron.model import GPT, GPTConfig
+from npmegatron.autograd import InputError
+from npmegatron.tensor_parallel.random import RNGTracker, site_number
 
 MASK = 2 ** 64 - 1
+GOLDEN = 0x9E3779B97F4A7C15
 
 
 def splitmix64(z):
@@ -13,46 +18,82 @@ def splitmix64(z):
     return z ^ (z >> 31)
 
 
-def reference(seed, k, mantissa):
-    """Number k of stream `seed`, in plain Python integers."""
-    key = splitmix64((seed * 0x9E3779B97F4A7C15) & MASK)
-    return (splitmix64((key + k * 0x9E3779B97F4A7C15) & MASK) >> (64 - mantissa)) * 2.0 ** -mantissa
+def reference(seed, words, j, mantissa):
+    """Number j of the draw at `words` (iteration, micro-batch, site), in plain Python integers."""
+    key = splitmix64(((seed + 1) * GOLDEN) & MASK)
+    for word in words:
+        key = splitmix64((key + (word + 1) * GOLDEN) & MASK)
+    return (splitmix64((key + j * GOLDEN) & MASK) >> (64 - mantissa)) * 2.0 ** -mantissa
 
 
-def test_streams_draw_the_documented_hash_in_both_precisions():
+def test_draws_are_the_documented_hash_in_both_precisions():
+    tracker = RNGTracker(1234, tp_rank=0, xp=np)
+    tracker.iteration, tracker.micro_batch = 10 ** 9, 7
     for dtype, mantissa in ((np.float64, 53), (np.float32, 24)):
-        stream = CounterStream(1234, np)
-        stream.counter = 10 ** 12               # far along a long run, still exact
-        got = stream.random((2, 3), dtype=dtype)
+        got = tracker.site("default", 5).random((2, 3), dtype=dtype)
         assert got.dtype == dtype and got.shape == (2, 3)
-        want = [reference(1234, 10 ** 12 + k, mantissa) for k in range(6)]
-        assert got.ravel().tolist() == want
+        assert got.ravel().tolist() == [reference(1234, (10 ** 9, 7, 5), j, mantissa) for j in range(6)]
 
 
-def test_a_stream_is_its_counter():
-    a, b = CounterStream(7, np), CounterStream(7, np)
-    first, second = a.random(10), a.random(20)
-    assert np.array_equal(np.concatenate([first, second]), b.random(30))
-    assert a.counter == 30
-    numbers = CounterStream(7, np).random(100_000)
+def test_a_mask_is_a_pure_function_of_its_position():
+    tracker = RNGTracker(7, tp_rank=0, xp=np)
+    site = tracker.site("default", 3)
+    first = site.random(50)
+    tracker.site("default", 4).random(1000)          # other draws in between change nothing
+    assert np.array_equal(site.random(50), first)
+    assert np.array_equal(site.random(20), first[:20])
+    numbers = site.random(100_000)
     assert 0.0 <= numbers.min() and numbers.max() < 1.0 and abs(numbers.mean() - 0.5) < 0.005
-    assert not np.array_equal(CounterStream(8, np).random(10), first)
+    for change in ({"iteration": 1}, {"micro_batch": 1}):
+        other = RNGTracker(7, tp_rank=0, xp=np)
+        for name, value in change.items():
+            setattr(other, name, value)
+        assert not np.array_equal(other.site("default", 3).random(50), first), change
+    assert not np.array_equal(tracker.site("default", 4).random(50), first)
+    assert not np.array_equal(RNGTracker(8, 0, np).site("default", 3).random(50), first)
 
 
-def test_tracker_state_is_json_integers_that_replay():
+def test_replicated_streams_agree_over_tp_ranks_and_tp_streams_differ():
+    zero, one = RNGTracker(1, 0, np), RNGTracker(1, 1, np)
+    assert np.array_equal(zero.site("default", 1).random(8), one.site("default", 1).random(8))
+    assert not np.array_equal(zero.site("model-parallel", 1).random(8), one.site("model-parallel", 1).random(8))
+
+
+def test_sites_are_numbered_by_global_layer():
+    numbers = [site_number()] + [site_number(layer, kind) for layer in range(4) for kind in range(3)]
+    assert numbers == list(range(13))
+
+
+def test_position_is_json_integers_that_replay():
     tracker = RNGTracker(1, tp_rank=1, xp=np)
-    tracker["default"].random(5)
+    tracker.iteration, tracker.micro_batch = 12, 3
     states = tracker.get_states()
-    assert states == {"default": 5, "model-parallel": 0}
-    later = tracker["default"].random(4)
-    tracker.set_states(states)
-    assert np.array_equal(tracker["default"].random(4), later)
-    assert not np.array_equal(RNGTracker(1, 0, np)["model-parallel"].random(4),
-                              RNGTracker(1, 1, np)["model-parallel"].random(4))   # per TP rank
+    assert states == {"iteration": 12, "micro_batch": 3}
+    first = tracker.site("model-parallel", 2).random(4)
+    fresh = RNGTracker(1, tp_rank=1, xp=np)
+    fresh.set_states(states)
+    assert np.array_equal(fresh.site("model-parallel", 2).random(4), first)
 
 
-def test_generator_states_of_an_older_checkpoint_are_one_sentence():
-    import pytest
-    from npmegatron.autograd import InputError
+@pytest.mark.parametrize("states", [{"default": {"bit_generator": "PCG64", "state": {}}},
+                                    {"default": 5, "model-parallel": 0}], ids=["generator", "counters"])
+def test_states_of_an_older_checkpoint_are_one_sentence(states):
     with pytest.raises(InputError, match="dropout generator states of an older npmegatron"):
-        RNGTracker(1, 0, np).set_states({"default": {"bit_generator": "PCG64", "state": {}}})
+        RNGTracker(1, 0, np).set_states(states)
+
+
+def test_a_pipeline_split_draws_the_serial_models_masks():
+    """Layers are keyed by their global number: two stages (own trackers, as on two pipeline
+    ranks) give the serial model's loss with dropout on, bitwise."""
+    cfg = GPTConfig(num_layers=2, hidden_size=16, num_attention_heads=2, vocab_size=32,
+                    max_position_embeddings=8, dtype="float64", hidden_dropout=0.3, attention_dropout=0.3)
+    ids = np.random.default_rng(0).integers(0, 32, (2, 9))
+    serial = GPT(cfg)
+    _, want = serial(ids[:, :-1], ids[:, 1:])
+    first = GPT(cfg, layers=[0], post_process=False)
+    last = GPT(cfg, layers=[1], pre_process=False)
+    hidden, _ = first(ids[:, :-1])
+    _, got = last(hidden, ids[:, 1:])
+    assert got.item() == want.item()
+    serial.rng.micro_batch = 1
+    assert serial(ids[:, :-1], ids[:, 1:])[1].item() != want.item()

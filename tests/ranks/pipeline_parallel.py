@@ -5,12 +5,15 @@ against the serial model, and the schedules' memory.
         test_two_stages_every_schedule_layout_and_variable_lengths (N = 2),
         test_four_ranks_pp4_pp2xtp2_pp2xdp2 (N = 4), test_eight_ranks_pp4xtp2_and_pp2xtp2xdp2 (N = 8).
         A case is {"tp", "pp", "m", "schedule"} with optional "layers", "virtual", "layout",
-        "variable" and "sp"; every one must give the serial model's loss and every gradient to
-        1e-10 relative. Rank 0 prints "worst relative error <float>".
+        "variable", "sp", "overlap" and "device" ("gpu": the pipeline on CuPy arrays, a real GPU's
+        or the strict stand-in's, the serial reference on NumPy); every one must give the serial
+        model's loss and every gradient to 1e-10 relative. Rank 0 prints "worst relative error
+        <float>".
     mpiexec -n 4 python tests/ranks/pipeline_parallel.py memory
         test_schedule_memory_and_deallocated_outputs; rank 0 prints "TABLE <repr of the table>".
 """
 import argparse
+import dataclasses
 import json
 
 import numpy as np
@@ -19,6 +22,7 @@ import numpy as np
 def check(cases):
     import npmegatron.autograd as ag
     from npmegatron import comm
+    from npmegatron.autograd.backend import to_numpy
     from npmegatron.data_parallel import GradientBuckets
     from npmegatron.model import GPT, GPTConfig
     from npmegatron.build import build_model
@@ -47,17 +51,19 @@ def check(cases):
         reference = dict(serial.named_parameters())
 
         layout = case.get("layout") or default_layout(layers, case["pp"], case.get("virtual", 1))
-        model = build_model(cfg, grid, layout)
-        exchange = StageExchange(grid, "float64", np, m, case.get("variable", False))
+        model = build_model(dataclasses.replace(cfg, device=case.get("device", "cpu")), grid, layout)
+        exchange = StageExchange(grid, "float64", model.xp, m, case.get("variable", False))
         buckets = GradientBuckets(model.parameters(), grid.dp_group, bucket_size=3000)
         mine = batches[grid.dp_rank * m:(grid.dp_rank + 1) * m]
         loss_sum = train_step(model, exchange, mine, buckets, case["schedule"], overlap=case.get("overlap", True))
-        loss = comm.all_reduce(comm.all_reduce(np.array([loss_sum]), grid.pp_group), grid.dp_group)[0] / (m * dp)
+        loss_sum = model.xp.asarray(loss_sum).reshape(1)
+        loss = to_numpy(comm.all_reduce(comm.all_reduce(loss_sum, grid.pp_group), grid.dp_group))[0] / (m * dp)
         errors = [abs(loss - total / (m * dp)) / abs(total / (m * dp))]
         for name, param, spec in model.named_specs():
             grad = param.grad
             if spec.tp_axis is not None:
                 grad = comm.all_gather(grad, grid.tp_group, axis=spec.tp_axis)
+            grad = to_numpy(grad)
             cut = tuple(slice(0, n) for n in spec.shape)
             want = reference[name].grad[cut]
             errors.append(float(np.abs(grad[cut] - want).max() / np.abs(want).max()))

@@ -1,0 +1,433 @@
+"""The fused elementwise chains (autograd/fusion.py): each equals a plain NumPy reference in
+float64, the ops built on them pass finite differences, and every chain body runs under a strict
+stand-in for `cupy.fuse`, so a body that CuPy could not compile fails here, on the CPU.
+
+The stand-in is local and minimal: proxies that allow only elementwise arithmetic, comparisons,
+in-place updates, `astype` and the ufuncs the chains may use, and that raise on `bool()`,
+indexing, `.shape`, reductions, NumPy conversion, captured arrays and scalar-with-scalar math."""
+import math
+import sys
+import types
+
+import numpy as np
+import pytest
+from scipy.special import erf
+
+import npmegatron.autograd as ag
+from npmegatron.autograd import InputError, Tensor, fusion, gradcheck
+from npmegatron.training import optimizer
+
+RNG = np.random.default_rng(0)
+SHAPE = (2, 3, 5)
+
+
+def normal(*shape, dtype=np.float64):
+    return RNG.standard_normal(shape).astype(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# A strict stand-in for cupy.fuse and the CuPy ufuncs a fused body may call.
+
+class FuseError(Exception):
+    """What cupy.fuse would refuse (at trace time, or by failing to compile)."""
+
+
+class Proxy:
+    """A traced value: an array (or a scalar argument) that allows only what cupy.fuse's proxies
+    (`cupy/_core/_fusion_interface.py`) allow. The value is computed with NumPy alongside, so a
+    strict run can be compared with a direct one."""
+
+    __array_ufunc__ = None      # numpy ufuncs and operators refuse it, as they refuse CuPy proxies
+
+    def __init__(self, value, scalar=False):
+        self._value, self._scalar = value, scalar
+
+    @property
+    def dtype(self):
+        return np.result_type(self._value)
+
+    @property
+    def ndim(self):
+        return np.ndim(self._value)
+
+    def astype(self, dtype):
+        return Proxy(np.asarray(self._value).astype(dtype), self._scalar)
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)      # protocol lookups (copy, NumPy's array interface)
+        raise FuseError(f"`.{name}` of a proxy: shapes, reductions and array methods are not "
+                        "available inside cupy.fuse")
+
+    def _refuse(self, *args):
+        raise FuseError("Python control flow, indexing or conversion of a traced value")
+
+    __bool__ = __int__ = __float__ = __index__ = __len__ = __iter__ = _refuse
+    __getitem__ = __setitem__ = __array__ = __contains__ = _refuse
+
+
+def _operand(x):
+    if isinstance(x, Proxy):
+        return x
+    if type(x) in (bool, int, float):
+        return Proxy(x, scalar=True)
+    raise FuseError(f"{type(x).__name__} in a fused body: only traced values and Python scalars "
+                    "(a captured array is 'Concrete ndarray is not supported in fusion')")
+
+
+def strict_ufunc(function, nin):
+    """A ufunc of the stand-in `cupy`: proxies or Python scalars in, `out=` an array proxy."""
+    def call(*args, out=None):
+        if len(args) != nin:
+            raise FuseError(f"{function.__name__} takes {nin} inputs here")
+        ins = [_operand(a) for a in args]
+        if all(p._scalar for p in ins):
+            raise FuseError(f"{function.__name__} of scalars only: compute it on the host (under "
+                            "the old fusion it would be a strong float64)")
+        values = [p._value for p in ins]
+        if out is None:
+            return Proxy(function(*values))
+        if not isinstance(out, Proxy) or out._scalar:
+            raise FuseError("out= must be an array proxy")
+        function(*values, out=out._value)
+        return out
+    call.__name__ = function.__name__
+    return call
+
+
+def _where(condition, x, y):
+    return np.where(condition, x, y)
+
+
+UFUNCS = {"add": (np.add, 2), "subtract": (np.subtract, 2), "multiply": (np.multiply, 2),
+          "true_divide": (np.true_divide, 2), "divide": (np.divide, 2), "power": (np.power, 2),
+          "negative": (np.negative, 1), "less": (np.less, 2), "less_equal": (np.less_equal, 2),
+          "greater": (np.greater, 2), "greater_equal": (np.greater_equal, 2),
+          "equal": (np.equal, 2), "not_equal": (np.not_equal, 2), "exp": (np.exp, 1),
+          "log": (np.log, 1), "tanh": (np.tanh, 1), "sqrt": (np.sqrt, 1), "abs": (np.abs, 1),
+          "maximum": (np.maximum, 2), "minimum": (np.minimum, 2), "where": (_where, 3)}
+
+
+def _binary(name, reflected=False, inplace=False):
+    ufunc = strict_ufunc(*UFUNCS[name])
+
+    def method(self, other):
+        if inplace:
+            if self._scalar:
+                raise FuseError("in-place update of a scalar")
+            return ufunc(self, other, out=self)
+        return ufunc(other, self) if reflected else ufunc(self, other)
+    return method
+
+
+for _op, _name in (("add", "add"), ("sub", "subtract"), ("mul", "multiply"),
+                   ("truediv", "true_divide"), ("pow", "power")):
+    setattr(Proxy, f"__{_op}__", _binary(_name))
+    setattr(Proxy, f"__r{_op}__", _binary(_name, reflected=True))
+    setattr(Proxy, f"__i{_op}__", _binary(_name, inplace=True))
+for _op, _name in (("lt", "less"), ("le", "less_equal"), ("gt", "greater"),
+                   ("ge", "greater_equal"), ("eq", "equal"), ("ne", "not_equal")):
+    setattr(Proxy, f"__{_op}__", _binary(_name))
+Proxy.__neg__ = lambda self: strict_ufunc(np.negative, 1)(self)
+Proxy.__hash__ = object.__hash__
+
+
+def strict_cupy():
+    """(cupy, cupyx) stand-in modules: `fuse` traces a body with proxies, ufuncs act on them."""
+    cupy = types.ModuleType("cupy")
+    for name, (function, nin) in UFUNCS.items():
+        setattr(cupy, name, strict_ufunc(function, nin))
+    cupy.traces = []
+
+    def fuse(kernel_name=None):
+        def decorate(func):
+            def kernel(*args):
+                cupy.traces.append(kernel_name)
+                return _trace(func, args)
+            return kernel
+        return decorate
+    cupy.fuse = fuse
+    special = types.ModuleType("cupyx.scipy.special")
+    special.erf = strict_ufunc(erf, 1)
+    return cupy, special
+
+
+class DeviceArray:
+    """Stands for a cupy.ndarray: its type's module starts with "cupy", as backends check."""
+    __module__ = "cupy._core.core"
+
+    def __init__(self, array):
+        self.array = array
+
+
+def _trace(func, args):
+    """Run `func` as cupy.fuse would: arrays and scalars in as proxies; an array, a tuple of
+    arrays or None out, never an input itself."""
+    inputs = []
+    for a in args:
+        if isinstance(a, DeviceArray):
+            inputs.append(Proxy(a.array))
+        elif type(a) in (bool, int, float):
+            inputs.append(Proxy(a, scalar=True))
+        else:
+            raise FuseError(f"argument of type {type(a).__name__}: cupy.fuse takes CuPy arrays and "
+                            "Python or NumPy scalars")
+    result = func(*inputs)
+    if result is None:
+        return None
+    outs = result if isinstance(result, tuple) else (result,)
+    for out in outs:
+        if not isinstance(out, Proxy) or out._scalar:
+            raise FuseError("a fused body returns arrays, a tuple of arrays, or None")
+        if any(out is i for i in inputs):
+            raise FuseError("a fused body must not return one of its arguments")
+    wrapped = tuple(DeviceArray(np.asarray(out._value)) for out in outs)
+    return wrapped if isinstance(result, tuple) else wrapped[0]
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    """The stand-in installed as `cupy` and `cupyx.scipy.special`, and every chain's kernel cache
+    cleared, so chains go through Fused.kernel() as on a GPU."""
+    cupy, special = strict_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    for name in ("cupyx", "cupyx.scipy"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "cupyx.scipy.special", special)
+    for chain in fusion.CHAINS.values():
+        monkeypatch.setattr(chain, "_kernel", None)
+    return cupy
+
+
+# ---------------------------------------------------------------------------------------------
+# Every chain: arguments for a run, and a plain NumPy float64 reference.
+
+def _gelu_tanh_ref(x):
+    t = np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3))
+    return 0.5 * x * (1 + t), t
+
+
+def _gelu_tanh_grad_ref(g, x):
+    t = _gelu_tanh_ref(x)[1]
+    s = math.sqrt(2 / math.pi)
+    return g * (0.5 * (1 + t) + 0.5 * x * (1 - t ** 2) * s * (1 + 3 * 0.044715 * x ** 2))
+
+
+def _gelu_erf_ref(x):
+    cdf = 0.5 * (1 + erf(x / math.sqrt(2)))
+    return x * cdf, cdf
+
+
+def _gelu_erf_grad_ref(g, x):
+    return g * (_gelu_erf_ref(x)[1] + x * np.exp(-x * x / 2) / math.sqrt(2 * math.pi))
+
+
+def _softmax_ref(z):
+    e = np.exp(z - z.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def _cases(dtype=np.float64):
+    """name -> (args, reference): reference(args) gives the expected results, and for chains that
+    update arguments in place, the expected arguments after the call (index -> array)."""
+    x, g, b = normal(*SHAPE, dtype=dtype), normal(*SHAPE, dtype=dtype), normal(5, dtype=dtype)
+    t = _gelu_tanh_ref(x)[1].astype(dtype)
+    cdf = _gelu_erf_ref(x)[1].astype(dtype)
+    tb, cdfb = _gelu_tanh_ref(x + b)[1].astype(dtype), _gelu_erf_ref(x + b)[1].astype(dtype)
+    y = _softmax_ref(x).astype(dtype)
+    dot = (g * y).sum(axis=-1, keepdims=True)
+    xc = x - x.mean(axis=-1, keepdims=True)
+    rstd = 1 / np.sqrt((xc * xc).mean(axis=-1, keepdims=True) + 1e-5)
+    xhat = xc * rstd
+    gh = g * b
+    mean_gh, mean_ghx = gh.mean(axis=-1, keepdims=True), (gh * xhat).mean(axis=-1, keepdims=True)
+    u, r = RNG.random(SHAPE).astype(dtype), normal(*SHAPE, dtype=dtype)
+    keep = u >= 0.3
+    p, m = normal(*SHAPE, dtype=dtype), 0.1 * normal(*SHAPE, dtype=dtype)
+    v = np.abs(normal(*SHAPE, dtype=dtype))
+    lr, wd, b1, b2, eps, step = 1e-2, 0.1, 0.9, 0.999, 1e-8, 3
+    bias1, bias2 = 1 - b1 ** step, 1 - b2 ** step
+    m_new, v_new = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+    p_new = p * (1 - lr * wd) - lr * (m_new / bias1) / (np.sqrt(v_new / bias2) + eps)
+    return {
+        "gelu_tanh": ((x,), lambda: _gelu_tanh_ref(x)),
+        "gelu_tanh_backward": ((g, x, t), lambda: _gelu_tanh_grad_ref(g, x)),
+        "bias_gelu_tanh": ((x, b), lambda: _gelu_tanh_ref(x + b)),
+        "bias_gelu_tanh_backward": ((g, x, b, tb), lambda: _gelu_tanh_grad_ref(g, x + b)),
+        "gelu_erf": ((x,), lambda: _gelu_erf_ref(x)),
+        "gelu_erf_backward": ((g, x, cdf), lambda: _gelu_erf_grad_ref(g, x)),
+        "bias_gelu_erf": ((x, b), lambda: _gelu_erf_ref(x + b)),
+        "bias_gelu_erf_backward": ((g, x, b, cdfb), lambda: _gelu_erf_grad_ref(g, x + b)),
+        "exp_shifted_": ((x.copy(), x.max(axis=-1, keepdims=True)),
+                         lambda: {0: np.exp(x - x.max(axis=-1, keepdims=True))}),
+        "softmax_backward": ((g, y, dot, 0.5), lambda: 0.5 * y * (g - dot)),
+        "normalize_affine_": ((xc.copy(), rstd, b, g[0, 0]), lambda: (xhat * b + g[0, 0], {0: xhat})),
+        "layer_norm_backward_": ((gh.copy(), xhat, mean_gh, mean_ghx, rstd),
+                                 lambda: {0: rstd * (gh - mean_gh - xhat * mean_ghx)}),
+        "dropout_add_forward": ((x, u, r, 0.3, 1 / 0.7), lambda: (r + np.where(keep, x / 0.7, 0), keep)),
+        "dropout_backward": ((g, keep, 1 / 0.7), lambda: np.where(keep, g / 0.7, 0)),
+        "adamw_update_": ((p.copy(), g, m.copy(), v.copy(), 1 - lr * wd, b1, 1 - b1, b2, 1 - b2,
+                           1 / math.sqrt(bias2), eps, lr / bias1),
+                          lambda: {0: p_new, 2: m_new, 3: v_new}),
+    }
+
+
+def _split(expected):
+    """(returned results, {argument index: expected value after the call})."""
+    if isinstance(expected, dict):
+        return None, expected
+    if isinstance(expected, tuple) and isinstance(expected[-1], dict):
+        return expected[0], expected[-1]
+    return expected, {}
+
+
+def _check(result, args, expected, rtol):
+    returned, updated = _split(expected)
+    if returned is None:
+        assert result is None, "a chain that updates its arguments returns None"
+    else:
+        for got, want in zip(result if isinstance(result, tuple) else (result,),
+                             returned if isinstance(returned, tuple) else (returned,)):
+            np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol)
+    for index, want in updated.items():
+        np.testing.assert_allclose(args[index], want, rtol=rtol, atol=rtol)
+
+
+def test_every_chain_has_a_case():
+    assert set(fusion.CHAINS) == set(_cases()), "add a case (and a reference) for each new chain"
+
+
+@pytest.mark.parametrize("name", sorted(_cases()))
+def test_chain_matches_numpy_reference_in_float64(name):
+    args, reference = _cases()[name]
+    _check(fusion.CHAINS[name](*args), args, reference(), rtol=1e-12)
+
+
+@pytest.mark.parametrize("name", sorted(_cases()))
+def test_chain_keeps_float32(name):
+    args, _ = _cases(np.float32)[name]
+    result = fusion.CHAINS[name](*args)
+    arrays = [a for a in (result if isinstance(result, tuple) else (result,)) if a is not None]
+    arrays += [a for a in args if isinstance(a, np.ndarray)]
+    assert all(a.dtype in (np.float32, np.bool_) for a in arrays)
+
+
+@pytest.mark.parametrize("name", sorted(_cases()))
+def test_chain_compiles_under_strict_fuse_and_gives_the_cpu_results(name, fake_cupy):
+    """The GPU path of Fused (cupy.fuse of the body bound to the `cupy` module) under the strict
+    stand-in, against the very same body run by NumPy: equal bit for bit."""
+    args, _ = _cases()[name]
+    cpu_args = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
+    cpu = fusion.CHAINS[name](*cpu_args)
+    gpu_args = [DeviceArray(a.copy()) if isinstance(a, np.ndarray) else np.float64(a) for a in args]
+    gpu = fusion.CHAINS[name](*gpu_args)
+    gpu = gpu if isinstance(gpu, tuple) or gpu is None else (gpu,)
+    cpu = cpu if isinstance(cpu, tuple) or cpu is None else (cpu,)
+    assert (gpu is None) == (cpu is None)
+    for got, want in zip(gpu or (), cpu or ()):
+        np.testing.assert_array_equal(got.array, want)
+    for got, want in zip(gpu_args, cpu_args):
+        if isinstance(got, DeviceArray):
+            np.testing.assert_array_equal(got.array, want)
+    fusion.CHAINS[name](*gpu_args)
+    assert fake_cupy.traces == [name, name]    # kernel_name is the chain's name; fuse made once
+
+
+def test_fuse_is_called_once_per_chain_with_its_name(fake_cupy):
+    chain = fusion.CHAINS["dropout_backward"]
+    keep = DeviceArray(np.ones(3, bool))
+    for _ in range(3):
+        chain(DeviceArray(np.ones(3)), keep, 2.0)
+    assert chain.kernel() is chain.kernel()
+
+
+@pytest.mark.parametrize("body, why", [
+    (lambda xp, x: np.exp(x), "numpy ufunc"),
+    (lambda xp, x: x if x > 0 else -x, "control flow"),
+    (lambda xp, x: x * x.shape[0], "shape"),
+    (lambda xp, x: x - x.sum(), "reduction"),
+    (lambda xp, x: x[0], "indexing"),
+    (lambda xp, x: x * np.ones(3), "captured array"),
+    (lambda xp, x, s: x * (1 - s), "scalar arithmetic"),
+    (lambda xp, x: x, "returns its argument"),
+    (lambda xp, x: xp.cumsum(x), "not an elementwise ufunc"),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_strict_fuse_refuses_what_cupy_fuse_cannot_compile(body, why, fake_cupy):
+    chain = fusion.Fused(body)
+    chain.name = "bad"
+    args = (DeviceArray(np.ones(3)),) + ((0.5,) if body.__code__.co_argcount == 3 else ())
+    with pytest.raises((FuseError, AttributeError, TypeError)):
+        chain(*args)
+
+
+def test_numpy_scalars_stay_weak_on_the_cpu():
+    x = np.ones(4, np.float32)
+    out = fusion.CHAINS["dropout_backward"](x, x > 0, np.float64(1 / 0.7))
+    assert out.dtype == np.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# The ops built on the chains.
+
+def leaf(*shape):
+    return Tensor(RNG.standard_normal(shape), requires_grad=True)
+
+
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+def test_bias_gelu_equals_gelu_of_the_sum_and_gradchecks(approximate):
+    y, b = leaf(2, 3, 4), leaf(4)
+    np.testing.assert_allclose(ag.bias_gelu(y, b, approximate).data,
+                               ag.gelu(y + b, approximate).data, rtol=1e-14, atol=1e-15)
+    assert gradcheck(lambda a, c: ag.bias_gelu(a, c, approximate), [y, b]) < 1e-6
+
+
+def test_bias_gelu_refuses_a_bias_of_the_wrong_size():
+    with pytest.raises(InputError, match="bias of shape"):
+        ag.bias_gelu(leaf(2, 4), leaf(3))
+
+
+class FixedDraws:
+    """A dropout site that gives the same uniforms at every call (finite differences re-run the
+    forward many times)."""
+
+    def random(self, shape, dtype=np.float64):
+        return np.random.default_rng(7).random(shape).astype(dtype)
+
+
+def test_dropout_add_equals_residual_plus_dropout_and_gradchecks():
+    y, r = leaf(3, 4, 5), leaf(3, 4, 5)
+    fused = ag.dropout_add(y, r, 0.4, FixedDraws())
+    np.testing.assert_array_equal(fused.data, (r + ag.dropout(y, 0.4, FixedDraws())).data)
+    assert gradcheck(lambda a, c: ag.dropout_add(a, c, 0.4, FixedDraws()), [y, r]) < 1e-6
+    np.testing.assert_array_equal(ag.dropout_add(y, r, 0.4, FixedDraws(), training=False).data,
+                                  (r + y).data)
+
+
+def test_dropout_add_refuses_bad_input():
+    with pytest.raises(InputError, match="outside"):
+        ag.dropout_add(leaf(2), leaf(2), 1.0, FixedDraws())
+    with pytest.raises(InputError, match="one shape"):
+        ag.dropout_add(leaf(2, 3), leaf(3), 0.1, FixedDraws())
+
+
+@pytest.mark.parametrize("op", [
+    lambda x: ag.gelu(x), lambda x: ag.gelu(x, "none"), lambda x: ag.softmax(x, 0.7, causal=True),
+    lambda x: ag.layer_norm(x, Tensor(np.linspace(0.5, 2, 5), requires_grad=True),
+                            Tensor(np.linspace(-1, 1, 5), requires_grad=True)),
+], ids=["gelu_tanh", "gelu_erf", "softmax", "layer_norm"])
+def test_ops_on_chains_pass_finite_differences(op):
+    assert gradcheck(op, [leaf(2, 5, 5)]) < 1e-6
+
+
+def test_adamw_matches_the_textbook_update():
+    p = Tensor(normal(4, 3), requires_grad=True)
+    start = p.data.copy()
+    opt = optimizer.AdamW([p], lr=0.01, weight_decay=0.1)
+    m = v = 0
+    for step in (1, 2):
+        g = p.grad = normal(4, 3)
+        opt.step()
+        m, v = 0.9 * m + 0.1 * g, 0.999 * v + 0.001 * g * g
+        start = start * (1 - 0.001) - 0.01 * (m / (1 - 0.9 ** step)) / (
+            np.sqrt(v / (1 - 0.999 ** step)) + 1e-8)
+    np.testing.assert_allclose(p.data, start, rtol=1e-13)

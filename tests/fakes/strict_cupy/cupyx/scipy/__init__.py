@@ -1,0 +1,2 @@
+"""cupyx.scipy stand-in: only `special`."""
+from . import special  # noqa: F401

@@ -1,0 +1,92 @@
+"""The whole training path on CuPy arrays against the same run on NumPy, in float64: run on a GPU
+machine (tests/test_gpu.py) or on the CPU with the strict CuPy stand-in of tests/fakes/strict_cupy
+first on PYTHONPATH (tests/test_strict_gpu.py).
+
+    mpiexec -n N python tests/ranks/gpu_training.py TP PP FOLDER
+
+Per rank: losses and gradient norms of 4 steps equal the NumPy run's to 1e-10 (sequence
+parallelism and dropout on), and so do the parameters after them; a run resumed from the
+checkpoint of step 2 repeats steps 3 and 4 bitwise; at PP = 1 the generated text is the NumPy
+run's; each rank computes on the GPU of its local rank. Under the stand-in, every host
+synchronisation of a step is counted. Rank 0 prints one JSON line: {"syncs_per_step": [...], ...}."""
+import json
+import os
+import sys
+
+import numpy as np
+
+from npmegatron import comm
+from npmegatron.autograd.backend import to_numpy
+from npmegatron.training import TrainConfig, Trainer
+
+
+def config(device, tp, pp, **extra):
+    return TrainConfig.from_flat(
+        device=device, dtype="float64", num_layers=4, hidden_size=32, num_attention_heads=4,
+        seq_length=16, micro_batch_size=2, global_batch_size=8, tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp, sequence_parallel=tp > 1, hidden_dropout=0.1,
+        attention_dropout=0.1, train_iters=4, lr=1e-3, lr_warmup_iters=1, log_interval=100,
+        eval_interval=100, eval_iters=1, sample_tokens=8, ddp_bucket_size=2000, **extra)
+
+
+def strict_counters():
+    """The strict stand-in's counters, or None on a real GPU."""
+    import cupy
+    return getattr(cupy, "_strict", None)
+
+
+def run_steps(trainer, n):
+    """(losses, norms, host synchronisations of each step) of n steps."""
+    counters, losses, norms, syncs = strict_counters(), [], [], []
+    for _ in range(n):
+        before = counters.counters()["sync"] if counters and trainer.model.xp.__name__ == "cupy" else 0
+        loss, norm, _ = trainer.step()
+        if counters and trainer.model.xp.__name__ == "cupy":
+            syncs.append(counters.counters()["sync"] - before)
+        losses.append(loss)
+        norms.append(norm)
+    return losses, norms, syncs
+
+
+def close(a, b, what):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    scale = max(float(np.abs(b).max()), 1e-300)
+    assert float(np.abs(a - b).max()) <= 1e-10 * scale, (what, a, b)
+
+
+def parameters(trainer):
+    return {name: to_numpy(p.data) for name, p in trainer.model.named_parameters()}
+
+
+def main():
+    tp, pp, folder = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    world = comm.init()
+    cpu = Trainer(config("cpu", tp, pp))
+    cpu_losses, cpu_norms, _ = run_steps(cpu, 4)
+
+    gpu = Trainer(config("gpu", tp, pp, save=folder))
+    import cupy
+    assert gpu.model.xp is cupy
+    assert cupy.cuda.Device().id == comm.device_index(), "this rank computes on another rank's GPU"
+    losses, norms, syncs = run_steps(gpu, 2)
+    gpu.save()                                      # iter_0000002
+    later = run_steps(gpu, 2)
+    losses, norms, syncs = losses + later[0], norms + later[1], syncs + later[2]
+    close(losses, cpu_losses, "losses")
+    close(norms, cpu_norms, "gradient norms")
+    mine, reference = parameters(gpu), parameters(cpu)
+    for name in reference:
+        close(mine[name], reference[name], name)
+    text = (gpu.sample(), cpu.sample()) if pp == 1 else (None, None)
+    assert text[0] == text[1], text
+    gpu.close()
+
+    resumed = Trainer(config("gpu", tp, pp, load=os.path.join(folder, "iter_0000002")))
+    again, _, _ = run_steps(resumed, 2)
+    assert again == losses[2:], (again, losses[2:])
+    if world.rank == 0:
+        print(json.dumps({"syncs_per_step": syncs, "losses": losses, "sample": text[0]}))
+
+
+if __name__ == "__main__":
+    main()
