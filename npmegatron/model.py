@@ -72,12 +72,13 @@ class ParallelMLP(Module):
         sp = cfg.sequence_parallel
         self.cfg = cfg
         self.fc = ColumnParallelLinear(xp, dtype, cfg.hidden_size, cfg.ffn_hidden_size,
-                                       cfg.init_method_std, group, sp)
+                                       cfg.init_method_std, group, sp, skip_bias_add=True)
         self.proj = RowParallelLinear(xp, dtype, cfg.ffn_hidden_size, cfg.hidden_size,
                                       cfg.init_method_std / math.sqrt(2 * cfg.num_layers), group, sp)
 
     def forward(self, x):
-        return self.proj(ag.gelu(self.fc(x), self.cfg.gelu))
+        h, bias = self.fc(x)
+        return self.proj(ag.bias_gelu(h, bias, self.cfg.gelu))     # one fused chain each way
 
 
 class Block(Module):

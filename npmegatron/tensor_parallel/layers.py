@@ -31,10 +31,11 @@ class ColumnParallelLinear(Module):
     parallelism through an all-gather of the sequence; the output stays split unless gathered."""
 
     def __init__(self, xp, dtype, in_features, out_features, std, group, sequence_parallel=False,
-                 gather_output=False):
+                 gather_output=False, skip_bias_add=False):
         local = divide(out_features, group.size, "output size")
         cols = slice(group.rank * local, (group.rank + 1) * local)
         self.group, self.sequence_parallel, self.gather_output = group, sequence_parallel, gather_output
+        self.skip_bias_add = skip_bias_add      # (x W, b) returned apart, for a fused bias + GeLU
         self.weight = parameter(xp, (in_features, local), dtype)
         self.bias = parameter(xp, (local,), dtype)
         self.specs = {"weight": ParamSpec(std, (in_features, out_features), (slice(None), cols), tp_axis=1),
@@ -45,6 +46,8 @@ class ColumnParallelLinear(Module):
             x = gather_from_sp_region(x, self.group)
         else:
             x = copy_to_tp_region(x, self.group)
+        if self.skip_bias_add:
+            return ag.linear(x, self.weight), self.bias
         y = ag.linear(x, self.weight, self.bias)
         return gather_from_tp_region(y, self.group) if self.gather_output else y
 

@@ -106,6 +106,7 @@ def test_every_nccl_call_matches_cupys_signature(monkeypatch):
     recorder = Recorder()
     group = Group.single("dp")
     group.nccl, group.nccl_stream = recorder, HostStream()
+    group.nccl_pairs = {(0, 1): (recorder, HostStream()), (1, 0): (recorder, HostStream())}
     module = type("xp", (), {"empty_like": staticmethod(lambda x: DeviceLike(x.shape)),
                              "empty": staticmethod(lambda shape, dtype: DeviceLike(shape))})
     monkeypatch.setattr(backends, "get_array_module", lambda x: module)
@@ -114,8 +115,8 @@ def test_every_nccl_call_matches_cupys_signature(monkeypatch):
     backend.all_gather(group, x)
     backend.reduce_scatter(group, x, "sum")
     backend.broadcast(group, x, 0)
-    backend.isend(group, x, 0, 0)
-    backend.irecv(group, (6,), numpy.float32, module, 0, 0)
+    backend.isend(group, x, 1, 0)           # to a pipeline neighbour, on its pair communicator
+    backend.irecv(group, (6,), numpy.float32, module, 1, 0)
     methods = {"allReduce": nccl.NcclCommunicator.allReduce, "allGather": nccl.NcclCommunicator.allGather,
                "reduceScatter": nccl.NcclCommunicator.reduceScatter, "bcast": nccl.NcclCommunicator.bcast,
                "send": nccl.NcclCommunicator.send, "recv": nccl.NcclCommunicator.recv}

@@ -84,8 +84,11 @@ def main():
     resumed = Trainer(config("gpu", tp, pp, load=os.path.join(folder, "iter_0000002")))
     again, _, _ = run_steps(resumed, 2)
     assert again == losses[2:], (again, losses[2:])
+    from npmegatron.comm.backends import backend_for
+    assert backend_for(gpu.params[0].data).name == "nccl", "GPU arrays went through MPI"
+    fused = sorted(cupy._fusion.kernel_names) if strict_counters() else None
     if world.rank == 0:
-        print(json.dumps({"syncs_per_step": syncs, "losses": losses, "sample": text[0]}))
+        print(json.dumps({"syncs_per_step": syncs, "losses": losses, "sample": text[0], "fused": fused}))
 
 
 if __name__ == "__main__":
