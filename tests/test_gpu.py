@@ -50,15 +50,16 @@ def check_pipeline(mpirun, n, cases):
     assert worst < 1e-10, result
 
 
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
-def test_pipeline_layouts_on_gpu_equal_the_serial_model(mpirun, overlap):
-    for n in (2, 4):
-        check_pipeline(mpirun, n, pipeline_cases(n, device="gpu", overlap=overlap))
+def test_two_rank_pipeline_layouts_on_gpu_equal_the_serial_model(mpirun):
+    check_pipeline(mpirun, 2, pipeline_cases(2, device="gpu"))
 
 
 @pytest.mark.slow
-def test_eight_rank_pipeline_layouts_on_gpu(mpirun):
-    check_pipeline(mpirun, 8, pipeline_cases(8, device="gpu"))
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_four_and_eight_rank_pipeline_layouts_on_gpu(mpirun, overlap):
+    check_pipeline(mpirun, 4, pipeline_cases(4, device="gpu", overlap=overlap))
+    check_pipeline(mpirun, 8, pipeline_cases(8, device="gpu", overlap=overlap))
+    check_pipeline(mpirun, 2, pipeline_cases(2, device="gpu", overlap=overlap))
 
 
 def train_on_gpu(mpirun, tmp_path, n, tp, pp):
