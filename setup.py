@@ -32,6 +32,7 @@ setup(
         "tqdm>=4.60",
         "threadpoolctl>=3.0",
         "safetensors>=0.4",     # checkpoints (never pickle)
+        "matplotlib>=3.5",      # bench scaling's plots (Agg backend)
     ],
     extras_require={
         "mpi": ["mpich"],               # MPI itself from PyPI; leave out on clusters with a system MPI
@@ -43,4 +44,6 @@ setup(
         "gpu": ["cupy-cuda12x>=13,<15", "nvidia-nccl-cu12"],
     },
     entry_points={"console_scripts": ["npmegatron=npmegatron.cli:main"]},
+    # the machine profiles of `npmegatron plan --profile NAME`, shipped in the wheel
+    package_data={"npmegatron.bench.plan": ["profiles/*.json"]},
 )

@@ -1,5 +1,6 @@
-"""The `npmegatron` command line (click): train, preprocess, generate, bench step|comm|pipeline.
+"""The `npmegatron` command line (click): train, preprocess, generate, bench step|comm|pipeline|scaling.
 Megatron-LM's flag names; the training and model flags are generated from config.py's fields."""
+import json
 import sys
 
 import click
@@ -160,6 +161,60 @@ def bench_pipeline_command(ranks, **options):
         click.echo(f"1F1B step: {timing[False]:.4f} s without overlap, {timing[True]:.4f} s with "
                    f"receives posted ahead ({(timing[False] / timing[True] - 1) * 100:+.1f} %)")
 
+
+@bench.command("scaling")
+@bench_model_options({"num_layers": 4, "hidden_size": 512, "num_attention_heads": 8, "seq_length": 256,
+                      "micro_batch_size": 8, "vocab_size": 256})
+@click.option("--mode", type=click.Choice(["strong", "weak"]), default="strong", show_default=True,
+              help="strong: one model and batch on every layout; weak: model (TP, PP) or batch (DP) "
+                   "grows with the ranks.")
+@click.option("--layouts", default=None,
+              help="TPxPPxDP layouts, comma-separated (default: 1x1x1,2x1x1,1x2x1,1x1x2,2x1x2).")
+@click.option("--ranks", default=None, help="Rank counts, comma-separated (e.g. 1,2,4), with --parallel.")
+@click.option("--parallel", type=click.Choice(["tp", "pp", "dp"]), default=None,
+              help="The axis --ranks goes to.")
+@click.option("--global-batch-size", type=POSITIVE, default=None,
+              help="Strong: samples per step (default: micro-batch x largest DP x 2). Weak: per DP "
+                   "replica (default: micro-batch x 2).")
+@click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True, help="Untimed steps first.")
+@click.option("--iters", type=POSITIVE, default=3, show_default=True, help="Timed steps per layout.")
+@click.option("--output", default=None, help="Folder: results.jsonl, scaling.png, breakdown.png.")
+@click.option("--json", "as_json", is_flag=True, help="Print the records (JSON lines), not the table.")
+@user_errors
+def bench_scaling_command(mode, layouts, ranks, parallel, global_batch_size, warmup, iters, output, as_json,
+                          **options):
+    """Strong or weak scaling over TP x PP x DP layouts, each launched as its own mpiexec job, with
+    each step split into phases (compute, TP, DP and pipeline communication, optimizer)."""
+    from . import comm
+    if comm.launched_by_mpi():
+        if comm.launch_rank() != 0:
+            sys.exit(1)
+        raise click.ClickException("bench scaling launches its own mpiexec job per layout; run it "
+                                   "without mpirun")
+    from .bench.scaling import ChildFailed, bench_scaling, format_table, parse_layouts, write_output
+    cfg = bench_model_config(options)
+    parsed = parse_layouts(layouts, ranks, parallel)
+    try:
+        records = bench_scaling(cfg, parsed, mode, options["micro_batch_size"], options["seq_length"],
+                                global_batch_size, warmup, iters)
+    except ChildFailed as error:
+        raise click.ClickException(str(error)) from None
+    if output:
+        write_output(records, mode, output)
+    if as_json:
+        for record in records:
+            click.echo(json.dumps(record))
+    else:
+        click.echo(format_table(records, mode))
+        if output:
+            click.echo(f"wrote {output}/results.jsonl, scaling.png, breakdown.png")
+
+
+
+# `npmegatron plan` and `npmegatron plan calibrate` (bench/plan/command.py).
+from .bench.plan.command import plan_command  # noqa: E402
+
+main.add_command(plan_command)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -84,16 +84,22 @@ class GradientBuckets:
             b.request = comm.all_reduce_async(b.buffer, self.group)
             self.next_launch += 1
 
-    def finish_sync(self):
+    def finish_sync(self, timers=None):
         """After the last backward: launch what is left (parameters that got no gradient
-        contribute zeros) and wait; every parameter's grad is then the DP average."""
+        contribute zeros) and wait; every parameter's grad is then the DP average. `timers`
+        (training/timers.py) counts this wait, the all-reduce backward did not hide, as dp-comm."""
         if not self.active:
             return
+        timer = timers("dp-comm") if timers is not None else None
+        if timer is not None:
+            timer.start()
         self._launch_ready(force=True)
         for b in self.buckets:
             result = b.request.wait()
             if result is not b.buffer:            # GPU arrays staged through the host come back new
                 b.buffer[...] = result
+        if timer is not None:
+            timer.stop()
         for b in self.buckets:
             for p in b.params:
                 p.grad = b.views[id(p)]

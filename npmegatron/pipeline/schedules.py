@@ -23,6 +23,13 @@ from .exchange import ACTIVATION, GRADIENT, deallocate
 from .order import BACKWARD, FORWARD, ReceiveOrder
 
 SCHEDULES = ("1f1b", "afab", "interleaved")
+# Phase names of training/timers.py (imported there lazily: training imports this package).
+FORWARD_COMPUTE, BACKWARD_COMPUTE, PIPELINE_WAIT = "forward-compute", "backward-compute", "pipeline-wait"
+
+
+def no_timers():
+    from ..training.timers import NO_TIMERS
+    return NO_TIMERS
 
 
 def build_actions(schedule, pp_rank, pp, virtual, num_micro_batches):
@@ -72,8 +79,10 @@ class ScheduleRun:
     stage inputs and outputs kept for backward, and the loss sum. A receive is described as
     (kind, stage, micro-batch, shape) and posted at most once, keyed by its first three."""
 
-    def __init__(self, model, exchange, batches, overlap, deallocate_outputs, forward_only, order):
+    def __init__(self, model, exchange, batches, overlap, deallocate_outputs, forward_only, order,
+                 timers=None):
         self.model, self.exchange, self.batches, self.order = model, exchange, batches, order
+        self.timers = timers or no_timers()
         self.overlap, self.deallocate_outputs, self.forward_only = overlap, deallocate_outputs, forward_only
         self.posted = {}        # (kind, stage, micro-batch) -> a posted receive not yet waited on
         self.inputs = {}        # (chunk, micro-batch) -> received activation, None on the first stage
@@ -134,7 +143,8 @@ class ScheduleRun:
 
     def take(self, request):
         """Wait for `request` (posting it now if it is not yet) and forget it: its array."""
-        array = self.post(request).wait()
+        with self.timers(PIPELINE_WAIT):
+            array = self.post(request).wait()
         self.posted.pop(request[:3])
         return array
 
@@ -156,10 +166,11 @@ class ScheduleRun:
     def send(self, kind, chunk, micro_batch, array, then_receive):
         """Send `array` (an activation forward, an input gradient backward) to the neighbour,
         with `then_receive` from that same neighbour posted in the same exchange."""
-        if then_receive is not None:
-            self.post_earlier(then_receive)
-        incoming = self.exchange.send(kind, self.stage_of(chunk), micro_batch, array,
-                                      then_receive=then_receive)
+        with self.timers(PIPELINE_WAIT):
+            if then_receive is not None:
+                self.post_earlier(then_receive)
+            incoming = self.exchange.send(kind, self.stage_of(chunk), micro_batch, array,
+                                          then_receive=then_receive)
         if then_receive is not None:
             self.posted[then_receive[:3]] = incoming
 
@@ -175,10 +186,11 @@ class ScheduleRun:
         else:
             received = self.take(self.receive_for((FORWARD, chunk, micro_batch)))
             x = ag.Tensor(received, requires_grad=not self.forward_only)
-        with ag.no_grad() if self.forward_only else contextlib.nullcontext():
-            out, loss = module(x, targets if spec.post_process else None)
-        if spec.post_process:
-            self.loss_sum += loss.data
+        with self.timers(FORWARD_COMPUTE, exclude_comm=True):
+            with ag.no_grad() if self.forward_only else contextlib.nullcontext():
+                out, loss = module(x, targets if spec.post_process else None)
+            if spec.post_process:
+                self.loss_sum += loss.data
         if not self.forward_only:
             self.inputs[chunk, micro_batch] = None if spec.pre_process else x
             self.outputs[chunk, micro_batch] = loss if spec.post_process else out
@@ -195,22 +207,28 @@ class ScheduleRun:
         if spec.post_process:
             if self.loss_scale is None:
                 self.loss_scale = self.model.xp.asarray(1.0 / len(self.batches), dtype=result.dtype)
-            ag.backward(result, self.loss_scale)
+            with self.timers(BACKWARD_COMPUTE, exclude_comm=True):
+                ag.backward(result, self.loss_scale)
         else:
-            ag.backward([result], [self.take(self.receive_for((BACKWARD, chunk, micro_batch)))])
+            grad = self.take(self.receive_for((BACKWARD, chunk, micro_batch)))
+            with self.timers(BACKWARD_COMPUTE, exclude_comm=True):
+                ag.backward([result], [grad])
         x = self.inputs.pop((chunk, micro_batch))
         if x is not None:
             self.send(GRADIENT, chunk, micro_batch, x.grad, then_receive)
 
 
 def run_schedule(model, exchange, batches, schedule="1f1b", on_last_backward=None,
-                 deallocate_outputs=True, overlap=True, forward_only=False, memory=None):
+                 deallocate_outputs=True, overlap=True, forward_only=False, memory=None, timers=None):
     """Forward (and backward) every micro-batch through this rank's stages. `batches` is the
     list of M (inputs, targets) for this data-parallel rank; every pipeline rank passes the same.
     `on_last_backward` is called right before this rank's last backward (data parallelism
-    starts its gradient sync there). Returns the sum of the micro-batch losses on the rank
-    holding the loss, else zero: a float64 array of shape () on the model's device."""
+    starts its gradient sync there). `timers` (training/timers.py) splits the time into forward
+    and backward compute, TP communication inside them, and pipeline waits. Returns the sum of
+    the micro-batch losses on the rank holding the loss, else zero: a float64 array of shape ()
+    on the model's device."""
     grid, virtual, num_micro_batches = model.grid, model.virtual_size, len(batches)
+    timers = timers or no_timers()
 
     def actions_of(pp_rank):
         if forward_only:
@@ -220,10 +238,11 @@ def run_schedule(model, exchange, batches, schedule="1f1b", on_last_backward=Non
     actions = actions_of(grid.pp_rank)
     last_backward = max((k for k, action in enumerate(actions) if action[0] == BACKWARD), default=None)
     order = ReceiveOrder(actions_of, grid.pp_rank, grid.pp_size, virtual)
-    run = ScheduleRun(model, exchange, batches, overlap, deallocate_outputs, forward_only, order)
+    run = ScheduleRun(model, exchange, batches, overlap, deallocate_outputs, forward_only, order, timers)
     for k, (kind, chunk, micro_batch) in enumerate(actions):
         following = actions[k + 1] if k + 1 < len(actions) else None
-        then_receive = run.post_next(actions[k], following)
+        with timers(PIPELINE_WAIT):
+            then_receive = run.post_next(actions[k], following)
         if kind == FORWARD:
             run.forward_step(chunk, micro_batch, then_receive)
         else:
@@ -232,7 +251,8 @@ def run_schedule(model, exchange, batches, schedule="1f1b", on_last_backward=Non
             run.backward_step(chunk, micro_batch, then_receive)
         if memory is not None:
             memory.measure(run.inputs, run.outputs)
-    exchange.finish()
+    with timers(PIPELINE_WAIT):
+        exchange.finish()
     return run.loss_sum
 
 

@@ -24,6 +24,7 @@ from .log import TrainingLog
 from .optimizer import AdamW, clip_gradients, grad_norm_squared, learning_rate
 from .save_folder import SaveFolder
 from .step import schedule_options, train_step
+from .timers import NO_TIMERS, OPTIMIZER
 
 
 class TrainingDiverged(InputError):
@@ -33,8 +34,8 @@ class TrainingDiverged(InputError):
 class Trainer:
     """One training run on this rank: built from a TrainConfig, run by fit()."""
 
-    def __init__(self, config: TrainConfig):
-        self.config = config
+    def __init__(self, config: TrainConfig, timers=NO_TIMERS):
+        self.config, self.timers = config, timers     # timers.py: off unless a Timers is passed
         self.plan = plan = config.plan(comm.launch_size())
         self.grid = grid = build_grid(plan.tp, plan.pp)
         self.data = TrainingData(config.data_path)
@@ -92,12 +93,13 @@ class Trainer:
         The loss and the squared gradient norm reach the host together: one synchronisation."""
         self.model.rng.iteration = self.iteration           # dropout masks are keyed by it
         loss_sum = train_step(self.model, self.exchange, self.micro_batches(self.sampler, self.iteration),
-                              self.buckets, self.schedule, **schedule_options(self.config.parallel))
-        both = self.model.xp.concatenate([self.loss_total(loss_sum),
-                                          grad_norm_squared(self.params, self.grid.mp_group, self.norm_skip)])
-        loss_total, norm_squared = (float(v) for v in to_numpy(both))
-        norm = math.sqrt(norm_squared)
-        clip_gradients(self.params, norm, self.config.clip_grad)
+                              self.buckets, self.schedule, self.timers, **schedule_options(self.config.parallel))
+        with self.timers(OPTIMIZER):        # the norm's reduction and clipping, as Megatron times them
+            both = self.model.xp.concatenate([self.loss_total(loss_sum),
+                                              grad_norm_squared(self.params, self.grid.mp_group, self.norm_skip)])
+            loss_total, norm_squared = (float(v) for v in to_numpy(both))
+            norm = math.sqrt(norm_squared)
+            clip_gradients(self.params, norm, self.config.clip_grad)
         return loss_total / (self.plan.micro_batches * self.grid.dp_size), norm
 
     def step(self):
@@ -110,7 +112,8 @@ class Trainer:
         for what, value in (("loss", loss), ("gradient norm", norm)):
             if not math.isfinite(value):
                 raise self.diverged(what, value)
-        self.optimizer.step(lr)
+        with self.timers(OPTIMIZER):
+            self.optimizer.step(lr)
         self.iteration += 1
         return loss, norm, lr
 

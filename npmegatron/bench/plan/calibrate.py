@@ -1,0 +1,72 @@
+"""`npmegatron plan calibrate`: a profile of this machine from its own benchmarks.
+
+flops: the model FLOP/s of `npmegatron bench step` (a whole forward + backward + update, not the
+GEMM ceiling). Links: `npmegatron bench comm` on `ranks` processes, each collective's times over
+message sizes fitted by least squares to t = A + B S (relative error, bench comm's fit), then
+turned into the ring model's per-step parameters: all-reduce alpha = A / (2(p-1)), beta =
+B p / (2(p-1)); all-gather and reduce-scatter alpha = A / (p-1), beta = B p / (p-1); send/recv
+alpha = A, beta = B. One machine has no network: "inter" repeats "intra".
+Both benchmarks run as subprocesses (bench comm relaunches itself under mpiexec) and are parsed
+from the JSON line they print last.
+"""
+import json
+import os
+import subprocess
+import sys
+
+from ...autograd import InputError
+from ..comm import alpha_beta_fit
+
+
+def run_bench(args):
+    """The JSON object printed last by `npmegatron bench ARGS`."""
+    command = [sys.executable, "-m", "npmegatron.cli", "bench"] + [str(a) for a in args]
+    done = subprocess.run(command, capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not lines:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise InputError(f"`npmegatron bench {' '.join(map(str, args))}` failed ({tail[0]}); run it "
+                         "alone to see why")
+    return json.loads(lines[-1])
+
+
+def link_parameters(op, p, alpha_fit, beta_fit):
+    steps = {"all_reduce": 2 * (p - 1), "all_gather": p - 1, "reduce_scatter": p - 1, "sendrecv": 1}[op]
+    share = {"all_reduce": 2 * (p - 1) / p, "all_gather": (p - 1) / p, "reduce_scatter": (p - 1) / p,
+             "sendrecv": 1.0}[op]
+    return {"alpha_s": max(0.0, alpha_fit / steps), "beta_s_per_byte": max(0.0, beta_fit / share)}
+
+
+def physical_memory():
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def calibrate(model_args, ranks=2, min_bytes=1024, max_bytes=2 ** 20, device="cpu", runner=None):
+    runner = runner or run_bench
+    step = runner(["step"] + list(model_args))
+    comm = runner(["comm", "--ranks", ranks, "--min-bytes", min_bytes, "--max-bytes", max_bytes,
+                   "--device", device])
+    p = comm["ranks"]
+    links = {}
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "sendrecv"):
+        rows = [r for r in comm["table"] if r["op"] == op]
+        if len(rows) < 2:
+            raise InputError(f"bench comm measured {len(rows)} message size(s) for {op}; widen "
+                             "--min-bytes .. --max-bytes to at least two sizes (a factor of 4)")
+        alpha, beta = alpha_beta_fit([r["bytes"] for r in rows], [r["seconds"] for r in rows])
+        links[op] = link_parameters(op, p, alpha, beta)
+    return {
+        "name": f"calibrated-{os.uname().nodename}",
+        "description": (f"npmegatron plan calibrate: flops = bench step's model FLOP/s ({step['dtype']}, "
+                        f"{step['num_layers']} layers, hidden {step['hidden_size']}, micro-batch "
+                        f"{step['micro_batch_size']} x {step['seq_length']}, {step['device']}); links "
+                        f"fitted from bench comm on {p} ranks; inter = intra (one machine)."),
+        "flops": step["model_flops_per_s"], "gemm_flops": step["gemm_flops_per_s"],
+        "flops_recompute": "none",
+        "devices_per_node": (os.cpu_count() or 1) if device == "cpu" else 1,
+        "device_memory_bytes": physical_memory(),
+        "dp_overlap": 1.0, "intra": links, "inter": links,
+    }

@@ -1,0 +1,160 @@
+"""The click command `npmegatron plan` (and `npmegatron plan calibrate`), added to cli.main."""
+import json
+
+import click
+
+from ...autograd import InputError
+from ...cli_support import Group, config_options, user_errors
+from ...config import GPTConfig, ParallelConfig, TrainConfig
+
+MODEL_FIELDS = {"num_layers", "hidden_size", "num_attention_heads", "vocab_size", "dtype",
+                "sequence_parallel", "hidden_dropout", "attention_dropout"}
+REFERENCE = {"num_layers": 4, "hidden_size": 512, "num_attention_heads": 8, "vocab_size": 256,
+             "seq_length": 256, "micro_batch_size": 8, "hidden_dropout": 0.0, "attention_dropout": 0.0}
+GB = 1e9
+
+
+def parse_layout(text):
+    parts = text.lower().split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise InputError(f"--layout {text!r} is not TPxPPxDP with positive integers; write e.g. 2x1x4")
+    return tuple(int(p) for p in parts)
+
+
+def gb(n):
+    return f"{n / GB:.3f} GB"
+
+
+def format_plan(result, cfg, profile):
+    lines = [f"layout {result['layout']} (TP x PP x DP), {result['micro_batches']} micro-batches per step, "
+             f"profile {profile['name']}"]
+    mem = result["memory"]
+    head = f"{'pp rank':>7} {'layers':>6} {'params':>12} {'param':>11} {'grad':>11} {'AdamW m,v':>11} " \
+           f"{'activations':>12} {'total':>11}   {'mixed precision':>15}"
+    lines += ["memory per rank (this project's dtype; mixed precision = 16 B/param + fp16 activations):", head]
+    for r in mem["ranks"]:
+        lines.append(f"{r['pp_rank']:>7} {r['layers']:>6} {r['parameter_count']:>12,} {gb(r['parameters']):>11} "
+                     f"{gb(r['gradients']):>11} {gb(r['optimizer']):>11} {gb(r['activations']):>12} "
+                     f"{gb(r['total']):>11}   {gb(r['mixed_precision_total']):>15}")
+    fits = "n/a" if mem["fits"] is None else ("fits" if mem["fits"] else "DOES NOT FIT")
+    lines.append(f"peak {gb(mem['peak'])} on pipeline rank {mem['peak_pp_rank']} vs device memory "
+                 f"{gb(mem['device_memory'] or 0)}: {fits}")
+    t = result["time"]
+    lines.append(f"predicted step time {t['total'] * 1e3:.2f} ms = compute {t['compute'] * 1e3:.2f} + TP comm "
+                 f"{t['tp_comm'] * 1e3:.2f} + PP comm {t['pp_comm'] * 1e3:.2f} + bubble {t['bubble'] * 1e3:.2f}"
+                 f" + DP comm exposed {t['dp_comm_exposed'] * 1e3:.2f} (of {t['dp_comm'] * 1e3:.2f})"
+                 f" + embedding all-reduce {t['embedding_comm'] * 1e3:.2f} ms; "
+                 f"{t['flops_per_device'] / 1e9:.2f} GFLOP/s per rank")
+    return "\n".join(lines)
+
+
+def format_search(results):
+    lines = [f"{'layout':<12}{'step ms':>10}{'compute':>10}{'TP':>9}{'PP':>9}{'bubble':>9}{'DP exp':>9}"
+             f"{'peak mem':>12}  fit"]
+    for r in results:
+        t, m = r["time"], r["memory"]
+        fit = "-" if m["fits"] is None else ("yes" if m["fits"] else "no")
+        lines.append(f"{r['layout']:<12}{t['total'] * 1e3:>10.2f}{t['compute'] * 1e3:>10.2f}"
+                     f"{t['tp_comm'] * 1e3:>9.2f}{t['pp_comm'] * 1e3:>9.2f}{t['bubble'] * 1e3:>9.2f}"
+                     f"{t['dp_comm_exposed'] * 1e3:>9.2f}{gb(m['peak']):>12}  {fit}")
+    return "\n".join(lines)
+
+
+def format_weak(rows):
+    lines = ["weak scaling (Shoeybi et al. 2019 configurations, fp16, full recomputation), predicted:",
+             f"{'hidden':>6}{'heads':>6}{'layers':>7}{'params':>8}{'TP':>4}{'DP':>4}{'GPUs':>6}{'step s':>8}"
+             f"{'TFLOP/s/GPU':>13}{'efficiency':>12}"]
+    for r in rows:
+        lines.append(f"{r['hidden']:>6}{r['heads']:>6}{r['layers']:>7}{r['parameters'] / 1e9:>7.2f}B{r['tp']:>4}"
+                     f"{r['dp']:>4}{r['gpus']:>6}{r['step_s']:>8.3f}{r['tflops_per_gpu']:>13.1f}"
+                     f"{r['efficiency'] * 100:>11.1f}%")
+    return "\n".join(lines)
+
+
+@click.group("plan", cls=Group, invoke_without_command=True)
+@config_options(GPTConfig, only=MODEL_FIELDS, defaults=REFERENCE)
+@config_options(TrainConfig, only={"seq_length", "micro_batch_size", "global_batch_size"}, defaults=REFERENCE)
+@config_options(ParallelConfig, only={"num_layers_per_virtual_pipeline_stage", "pipeline_schedule"})
+@click.option("--layout", default="1x1x1", show_default=True, help="TPxPPxDP, e.g. 2x1x4.")
+@click.option("--recompute", type=click.Choice(["none", "selective", "full"]), default="none",
+              show_default=True, help="Activation recomputation.")
+@click.option("--profile", default="dgx2h", show_default=True,
+              help="Profile JSON file, or a shipped profile's name (dgx2h).")
+@click.option("--device-memory", type=float, default=None, help="GB per device (default: the profile's).")
+@click.option("--search", "search_ranks", type=click.IntRange(min=1), default=None,
+              help="Rank every TPxPPxDP layout of N ranks valid for the model by predicted step time.")
+@click.option("--weak-scaling", type=click.Choice(["paper"]), default=None,
+              help="Predict the paper's weak-scaling runs on the profile (default dgx2h).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+@user_errors
+def plan_command(ctx, layout, recompute, profile, device_memory, search_ranks, weak_scaling, as_json, **options):
+    """Predict memory per rank and step time of a model on a layout from a machine profile."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from . import Layout, load_profile
+    from .search import paper_weak_scaling, plan, search
+    machine = load_profile(profile)
+    if weak_scaling:
+        rows = paper_weak_scaling(machine)
+        click.echo(json.dumps(rows) if as_json else format_weak(rows))
+        return
+    if device_memory is not None and not device_memory > 0:
+        raise InputError(f"--device-memory {device_memory} must be a positive number of GB")
+    memory = None if device_memory is None else device_memory * GB
+    seq = options.pop("seq_length")
+    micro_batch = options.pop("micro_batch_size")
+    global_batch = options.pop("global_batch_size")
+    per_virtual = options.pop("num_layers_per_virtual_pipeline_stage")
+    schedule = options.pop("pipeline_schedule")
+    cfg = GPTConfig(**options, max_position_embeddings=seq)
+    t, p, d = parse_layout(layout)
+    if search_ranks is not None and layout != "1x1x1":
+        if t * p * d != search_ranks:
+            raise InputError(f"--layout {layout} has {t * p * d} ranks but --search asks for {search_ranks}; "
+                             "give one of the two")
+    if search_ranks is not None:
+        p, d = 1, search_ranks
+    virtual = 1
+    if per_virtual is not None:
+        if cfg.num_layers % (p * per_virtual):
+            raise InputError(f"--num-layers-per-virtual-pipeline-stage {per_virtual} does not split "
+                             f"{cfg.num_layers} layers over PP {p}; choose a divisor of num-layers / PP")
+        virtual = cfg.num_layers // (p * per_virtual)
+    base = Layout(tp=t, pp=p, dp=d, virtual=virtual, micro_batch=micro_batch,
+                  global_batch=global_batch or micro_batch * d, seq=seq,
+                  sequence_parallel=cfg.sequence_parallel, recompute=recompute, schedule=schedule)
+    if search_ranks is not None:
+        if global_batch is None:
+            base.global_batch = micro_batch * search_ranks
+        results = search(cfg, base, machine, search_ranks, memory)
+        click.echo(json.dumps(results) if as_json else format_search(results))
+        return
+    result = plan(cfg, base, machine, memory)
+    click.echo(json.dumps(result) if as_json else format_plan(result, cfg, machine))
+
+
+@plan_command.command("calibrate")
+@click.option("--output", "-o", required=True, help="Profile JSON to write.")
+@click.option("--ranks", type=click.IntRange(min=2), default=2, show_default=True, help="bench comm ranks.")
+@click.option("--max-bytes", type=click.IntRange(min=4096), default=2 ** 20, show_default=True,
+              help="Largest bench comm message (from 1 KiB, by factors of 4).")
+@click.option("--iters", type=click.IntRange(min=1), default=2, show_default=True, help="bench step timed steps.")
+@user_errors
+def calibrate_command(output, ranks, max_bytes, iters):
+    """Write a profile of this machine from `bench step` (on the plan's model) and `bench comm`."""
+    from .calibrate import calibrate
+    parent = click.get_current_context().parent.params
+    model_args = []
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "dtype",
+                 "seq_length", "micro_batch_size"):
+        model_args += ["--" + name.replace("_", "-"), parent[name]]
+    profile = calibrate(model_args + ["--warmup", 1, "--iters", iters], ranks, 1024, max_bytes)
+    try:
+        with open(output, "w", encoding="utf-8") as f:
+            json.dump(profile, f, indent=2)
+    except OSError as error:
+        raise InputError(f"cannot write the profile {output} ({error.strerror}); choose another --output") from None
+    click.echo(f"{output}: {profile['flops'] / 1e9:.2f} GFLOP/s model, links " + ", ".join(
+        f"{op} alpha {v['alpha_s'] * 1e6:.1f} us beta {1 / v['beta_s_per_byte'] / 1e9 if v['beta_s_per_byte'] else float('inf'):.2f} GB/s"
+        for op, v in profile["intra"].items()))

@@ -1,0 +1,211 @@
+"""Memory per rank of a model config on a layout (TP x PP x DP, virtual stages, micro-batch,
+sequence, dtype, sequence parallelism, recomputation).
+
+Parameters, gradients and optimizer state are exact: they count the tensors this project
+allocates (GPT, PipelineModel and AdamW), shard by shard, with the padded vocabulary on the first
+and last pipeline stage and the replicated LayerNorms and row-parallel biases on every TP rank.
+
+Activations follow Korthikanti et al. 2022 (Reducing Activation Recomputation in Large
+Transformer Models), whose per-layer count in 16-bit is s*b*h*(34 + 5*a*s/h) bytes, split here
+into what it is made of so it converts to this project's dtype honestly:
+
+    per layer = s*b*h * [ (4 w + 2 m) / (t if SP else 1)       LayerNorm inputs x2, QKV input,
+                                                                MLP input; 2 dropout masks
+                        + 12 w / t ]                            Q, K, V, projection input,
+                                                                GeLU input and output (4h)
+              + a*s^2*b * (2 w + m) / t                         softmax output, dropout mask
+                                                                and output
+with w the bytes of an activation element (2 in the paper) and m of a dropout mask (1). At w = 2,
+m = 1: s*b*h*(10 + 24/t) + 5*a*s^2*b/t without SP, s*b*h*(34 + 5*a*s/h)/t with SP, the paper's
+formulas. This project keeps masks as NumPy bool (1 byte), and none at all when a dropout
+probability is 0 (then the attention term is one saved softmax, a*s^2*b*w/t). Selective
+recomputation drops the a*s^2*b term; full recomputation keeps the layer input only (s*b*h*w,
+/t with SP) plus one layer's full activations while it is recomputed. Not counted: the embedding
+and logits buffers, the loss, and temporary workspace.
+
+Activations are multiplied by the layers a rank holds and the peak number of its stage-chunks in
+flight, taken from the schedule itself (pipeline.schedules.build_actions): AFAB holds M, 1F1B
+holds PP - rank, interleaved (PP - rank - 1) * 2 + (V - 1) * PP + 1 chunks.
+"""
+from dataclasses import dataclass, replace
+
+import numpy
+
+from ...autograd import InputError
+from ...pipeline import default_layout, parse_layout, plan_stages
+from ...pipeline.schedules import BACKWARD, build_actions
+from ...tensor_parallel import pad_vocab_size
+
+RECOMPUTE = ("none", "selective", "full")
+MIXED_PRECISION_BYTES_PER_PARAM = 16     # fp16 param 2 + fp16 grad 2 + fp32 master, m, v 12
+
+
+@dataclass
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    virtual: int = 1                 # virtual stages per pipeline rank
+    micro_batch: int = 1
+    global_batch: int = 1
+    seq: int = 128
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    schedule: str = None             # default: 1f1b, interleaved when virtual > 1
+    element_bytes: int = None        # default: the model's dtype; 2 for the paper's fp16
+    mask_bytes: int = 1
+
+    @property
+    def ranks(self):
+        return self.tp * self.pp * self.dp
+
+    @property
+    def micro_batches(self):
+        return self.global_batch // (self.micro_batch * self.dp)
+
+    @property
+    def pipeline_schedule(self):
+        return self.schedule or ("interleaved" if self.virtual > 1 else "1f1b")
+
+    def name(self):
+        return f"{self.tp}x{self.pp}x{self.dp}" + (f" v{self.virtual}" if self.virtual > 1 else "")
+
+
+def check_layout(cfg, layout):
+    """InputError (one sentence) when the model cannot run on this layout."""
+    t, p, v = layout.tp, layout.pp, layout.virtual
+    if layout.recompute not in RECOMPUTE:
+        raise InputError(f"recompute {layout.recompute!r} is unknown; use one of {', '.join(RECOMPUTE)}")
+    if cfg.num_attention_heads % t:
+        raise InputError(f"{cfg.num_attention_heads} attention heads are not divisible by TP {t}; "
+                         "choose a TP size that divides the number of heads")
+    if cfg.ffn_hidden_size % t:
+        raise InputError(f"FFN size {cfg.ffn_hidden_size} is not divisible by TP {t}; choose another TP size")
+    if cfg.num_layers % (p * v):
+        raise InputError(f"{cfg.num_layers} layers do not split evenly over PP {p} x {v} virtual "
+                         "stages; choose a PP size (and virtual stages) dividing the layers")
+    if layout.sequence_parallel and layout.seq % t:
+        raise InputError(f"sequence length {layout.seq} is not divisible by TP {t}, as sequence "
+                         "parallelism needs; use a multiple of it")
+    per_step = layout.micro_batch * layout.dp
+    if layout.global_batch % per_step:
+        raise InputError(f"global batch {layout.global_batch} is not divisible by micro-batch x DP = "
+                         f"{layout.micro_batch} x {layout.dp} = {per_step}; use a multiple of {per_step}")
+    if layout.pipeline_schedule == "interleaved" and layout.micro_batches % p:
+        raise InputError(f"the interleaved schedule needs the micro-batches ({layout.micro_batches}) "
+                         f"to be a multiple of PP {p}; change the global batch")
+    if v > 1 and layout.pipeline_schedule == "1f1b":
+        raise InputError(f"the 1f1b schedule runs one stage per rank, but this layout gives each rank "
+                         f"{v}; use the interleaved (or afab) schedule")
+    if layout.seq > cfg.max_position_embeddings:
+        raise InputError(f"sequence length {layout.seq} is longer than the position table "
+                         f"({cfg.max_position_embeddings}); raise max_position_embeddings")
+
+
+def stages_of(cfg, layout):
+    """StageSpecs of every global stage (pipeline rank i holds stages i, i + PP, ...)."""
+    text = default_layout(cfg.num_layers, layout.pp, layout.virtual)
+    return plan_stages(parse_layout(text), cfg.num_layers, layout.pp, text)
+
+
+def layer_parameters(cfg, tp):
+    """Elements of one transformer layer on one TP rank: sharded QKV, projection, MLP weights and
+    column-parallel biases; replicated row-parallel biases (2 h) and LayerNorms (4 h)."""
+    h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    return (4 * h * h + 2 * h * f + 3 * h + f) // tp + 6 * h
+
+
+def rank_parameters(cfg, layout, pp_rank):
+    """Elements this (TP rank, pipeline rank) allocates: its layers, the padded vocabulary shard
+    once if it holds the first or the last stage (one shared tensor when both), the position
+    table on the first stage and the final LayerNorm on the last."""
+    stages = stages_of(cfg, layout)[pp_rank::layout.pp]
+    h = cfg.hidden_size
+    padded = pad_vocab_size(cfg.vocab_size, layout.tp, cfg.make_vocab_size_divisible_by)
+    count = sum(len(s.layers) for s in stages) * layer_parameters(cfg, layout.tp)
+    if any(s.pre_process or s.post_process for s in stages):
+        count += padded // layout.tp * h
+    if any(s.pre_process for s in stages):
+        count += cfg.max_position_embeddings * h
+    if any(s.post_process for s in stages):
+        count += 2 * h
+    return count
+
+
+def in_flight_chunks(layout, pp_rank):
+    """Peak stage-chunks whose activations this rank holds at once, from the schedule's actions."""
+    m = layout.micro_batches
+    actions = build_actions(layout.pipeline_schedule, pp_rank, layout.pp, layout.virtual, m)
+    held = peak = 0
+    for kind, _, _ in actions:
+        held += -1 if kind == BACKWARD else 1
+        peak = max(peak, held)
+    return peak
+
+
+def layer_activation_bytes(cfg, layout, w, recompute=None):
+    """Bytes one transformer layer keeps for backward for one micro-batch (module docstring)."""
+    s, b, h, a, t = layout.seq, layout.micro_batch, cfg.hidden_size, cfg.num_attention_heads, layout.tp
+    recompute = recompute or layout.recompute
+    sp_div = t if layout.sequence_parallel else 1
+    if recompute == "full":
+        return s * b * h * w / sp_div
+    hidden_masks = 2 * layout.mask_bytes if cfg.hidden_dropout > 0 else 0
+    per_sbh = (4 * w + hidden_masks) / sp_div + 12 * w / t
+    attn_dropout = cfg.attention_dropout > 0
+    scores = (w * (2 if attn_dropout else 1) + (layout.mask_bytes if attn_dropout else 0)) / t
+    total = s * b * h * per_sbh
+    if recompute == "none":
+        total += a * s * s * b * scores
+    return total
+
+
+def korthikanti_bytes(s, b, h, a, t=1, sp=False, recompute="none"):
+    """The paper's per-layer formulas in 16-bit, as printed (for the tests and the report)."""
+    if recompute == "full":
+        return 2 * s * b * h / (t if sp else 1)
+    attention = 5 * a * s / h if recompute == "none" else 0
+    if sp:
+        return s * b * h * (34 + attention) / t
+    return s * b * h * (10 + (24 + attention) / t)
+
+
+def element_bytes(cfg, layout):
+    return layout.element_bytes or numpy.dtype(cfg.dtype).itemsize
+
+
+def rank_memory(cfg, layout, pp_rank):
+    """{'parameters', 'gradients', 'optimizer', 'activations', 'total', ...} in bytes for one rank."""
+    w = element_bytes(cfg, layout)
+    params = rank_parameters(cfg, layout, pp_rank)
+    stages = stages_of(cfg, layout)[pp_rank::layout.pp]
+    layers_per_chunk = cfg.num_layers // (layout.pp * layout.virtual)
+    chunks = in_flight_chunks(layout, pp_rank)
+    activations = chunks * layers_per_chunk * layer_activation_bytes(cfg, layout, w)
+    if layout.recompute == "full":      # the layer being recomputed holds everything once
+        activations += layer_activation_bytes(cfg, layout, w, "none")
+    result = {
+        "pp_rank": pp_rank, "layers": sum(len(s.layers) for s in stages),
+        "parameter_count": params, "parameters": params * w, "gradients": params * w,
+        "optimizer": 2 * params * w,       # AdamW's m and v, in the parameters' dtype here
+        "chunks_in_flight": chunks, "activations": activations,
+    }
+    result["total"] = result["parameters"] + result["gradients"] + result["optimizer"] + activations
+    result["mixed_precision_states"] = params * MIXED_PRECISION_BYTES_PER_PARAM
+    result["mixed_precision_total"] = result["mixed_precision_states"] + activations * 2 / w
+    return result
+
+
+def memory_plan(cfg, layout, device_memory=None):
+    """Memory of every pipeline rank; 'peak' is the largest total, 'fits' compares it with
+    device_memory (bytes; None: not judged)."""
+    check_layout(cfg, layout)
+    ranks = [rank_memory(cfg, layout, r) for r in range(layout.pp)]
+    peak = max(ranks, key=lambda r: r["total"])
+    return {"ranks": ranks, "peak": peak["total"], "peak_pp_rank": peak["pp_rank"],
+            "device_memory": device_memory,
+            "fits": None if device_memory is None else peak["total"] <= device_memory}
+
+
+def with_layout(layout, **changes):
+    return replace(layout, **changes)

@@ -1,0 +1,104 @@
+"""Machine profiles: the constants of the step-time model, as JSON.
+
+    {
+      "name": "dgx2h",                       # free text
+      "description": "...",                  # optional: where the numbers come from
+      "flops": 39e12,                        # achieved FLOP/s of a whole training step per device
+        # or "peak_flops": 125e12 with "achieved_fraction": 0.312 (flops = their product)
+      "flops_recompute": "none",             # optional: recomputation the flops were measured with
+      "devices_per_node": 16,
+      "device_memory_bytes": 34359738368,
+      "dp_overlap": 1.0,                     # optional: share of backward that hides DP all-reduce
+      "intra": {"alpha_s": 2e-6, "beta_s_per_byte": 6.67e-12},     # one pair for every collective
+      "inter": {"all_reduce": {"alpha_s": ..., "beta_s_per_byte": ...},   # or one per collective:
+                "all_gather": {...}, "reduce_scatter": {...}, "sendrecv": {...}}
+    }
+
+alpha_s and beta_s_per_byte are per ring step and per byte sent by one device (the link
+parameters of the ring formulas in time_model.py), not the fit of a whole collective. "intra"
+applies to groups within one node; "inter" to groups spanning nodes, its beta being one device's
+share of the node's network bandwidth (node bandwidth / devices per node).
+"""
+import json
+import os
+
+from ...autograd import InputError
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "sendrecv")
+PROFILE_DIR = os.path.join(os.path.dirname(__file__), "profiles")
+
+
+def shipped_profiles():
+    return sorted(f[:-5] for f in os.listdir(PROFILE_DIR) if f.endswith(".json"))
+
+
+def resolve(name_or_path):
+    """A file path, or the name of a shipped profile ('dgx2h')."""
+    if os.path.exists(name_or_path):
+        return name_or_path
+    shipped = os.path.join(PROFILE_DIR, name_or_path + ".json")
+    if os.path.sep not in name_or_path and os.path.exists(shipped):
+        return shipped
+    raise InputError(f"profile {name_or_path!r} is neither a file nor a shipped profile "
+                     f"({', '.join(shipped_profiles())}); give a profile JSON file or one of those names")
+
+
+def load_profile(name_or_path):
+    """The profile, checked and normalised: 'flops' set, 'intra'/'inter' per collective."""
+    path = resolve(name_or_path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise InputError(f"profile {path} is not readable JSON ({error}); fix the file or run "
+                         "`npmegatron plan calibrate --output FILE`") from None
+    return normalise(raw, path)
+
+
+def _number(raw, key, path, where=""):
+    value = raw.get(key) if isinstance(raw, dict) else None
+    if value is None:
+        raise InputError(f"profile {path} lacks the key '{where}{key}'; add it (see "
+                         "npmegatron/bench/plan/profiles.py for the schema)")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 \
+            or value == float("inf"):
+        raise InputError(f"profile {path} has '{where}{key}' = {value!r}; it must be a finite "
+                         "non-negative number")
+    return float(value)
+
+
+def _links(raw, path, name):
+    section = raw.get(name) if isinstance(raw, dict) else None
+    if not isinstance(section, dict):
+        raise InputError(f"profile {path} lacks the key {name!r} (an object with alpha_s and "
+                         "beta_s_per_byte, or one such object per collective); add it")
+    if "alpha_s" in section or "beta_s_per_byte" in section:
+        pair = {k: _number(section, k, path, f"{name}.") for k in ("alpha_s", "beta_s_per_byte")}
+        return {op: dict(pair) for op in COLLECTIVES}
+    return {op: {k: _number(section.get(op), k, path, f"{name}.{op}.")
+                 for k in ("alpha_s", "beta_s_per_byte")} for op in COLLECTIVES}
+
+
+def normalise(raw, path="<profile>"):
+    if not isinstance(raw, dict):
+        raise InputError(f"profile {path} is not a JSON object; see npmegatron/bench/plan/profiles.py")
+    profile = dict(raw)
+    profile.setdefault("name", os.path.splitext(os.path.basename(path))[0])
+    if "flops" in raw:
+        profile["flops"] = _number(raw, "flops", path)
+    elif "peak_flops" in raw:
+        profile["flops"] = _number(raw, "peak_flops", path) * _number(raw, "achieved_fraction", path)
+    else:
+        _number(raw, "flops", path)       # names the missing key
+    if profile["flops"] <= 0:
+        raise InputError(f"profile {path} gives a FLOP rate of 0; it must be positive")
+    profile["devices_per_node"] = max(1, int(_number(raw, "devices_per_node", path)))
+    profile["device_memory_bytes"] = _number(raw, "device_memory_bytes", path)
+    profile["dp_overlap"] = _number(raw, "dp_overlap", path) if "dp_overlap" in raw else 1.0
+    profile["flops_recompute"] = raw.get("flops_recompute", "none")
+    if profile["flops_recompute"] not in ("none", "selective", "full"):
+        raise InputError(f"profile {path} has flops_recompute {profile['flops_recompute']!r}; use none, "
+                         "selective or full")
+    profile["intra"] = _links(raw, path, "intra")
+    profile["inter"] = _links(raw, path, "inter")
+    return profile

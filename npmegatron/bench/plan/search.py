@@ -1,0 +1,72 @@
+"""Plans: memory + step time of one layout, every layout of N ranks ranked, and the paper's
+weak-scaling configurations (Shoeybi et al. 2019, Table 1) predicted on a profile."""
+from dataclasses import replace
+
+from ...autograd import InputError
+from ...config import GPTConfig
+from .memory import Layout, check_layout, memory_plan
+from .time_model import step_time
+
+
+def plan(cfg, layout, profile, device_memory=None):
+    device_memory = profile["device_memory_bytes"] if device_memory is None else device_memory
+    return {"layout": layout.name(), "tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
+            "virtual": layout.virtual, "micro_batches": layout.micro_batches,
+            "memory": memory_plan(cfg, layout, device_memory), "time": step_time(cfg, layout, profile)}
+
+
+def layouts_of(n):
+    return [(t, p, n // (t * p)) for t in range(1, n + 1) if n % t == 0
+            for p in range(1, n // t + 1) if (n // t) % p == 0]
+
+
+def search(cfg, base, profile, n, device_memory=None):
+    """Every TP x PP x DP = n the model can run on, fastest first (layouts that do not fit the
+    device memory after those that do); InputError when none is valid."""
+    plans, reasons = [], []
+    for t, p, d in layouts_of(n):
+        layout = replace(base, tp=t, pp=p, dp=d)
+        try:
+            check_layout(cfg, layout)
+        except InputError as error:
+            reasons.append(f"{t}x{p}x{d}: {error}")
+            continue
+        plans.append(plan(cfg, layout, profile, device_memory))
+    if not plans:
+        raise InputError(f"no layout of {n} ranks is valid for this model (e.g. {reasons[-1]}); "
+                         "choose another rank count, batch or model shape")
+    plans.sort(key=lambda r: (r["memory"]["fits"] is False, r["time"]["total"]))
+    return plans
+
+
+PAPER_MODELS = [  # hidden, heads, layers, TP (Shoeybi et al. 2019, Table 1)
+    (1536, 16, 40, 1), (1920, 20, 54, 2), (2304, 24, 64, 4), (3072, 32, 72, 8)]
+
+
+def paper_weak_scaling(profile):
+    """Predicted weak-scaling efficiency: per-GPU model FLOP/s relative to the 1-GPU model, for
+    the model-parallel runs (micro-batch 8, seq 1024, vocab 51,200, fp16, every layer
+    recomputed, dropout 0.1) and the same x 64-way DP at global batch 512."""
+    rows, base = [], None
+    for dp, global_batch in ((1, 8), (64, 512)):
+        for h, a, layers, t in PAPER_MODELS:
+            cfg = GPTConfig(num_layers=layers, hidden_size=h, num_attention_heads=a, vocab_size=51200,
+                            max_position_embeddings=1024, hidden_dropout=0.1, attention_dropout=0.1)
+            layout = Layout(tp=t, pp=1, dp=dp, micro_batch=8, global_batch=global_batch, seq=1024,
+                            recompute="full", element_bytes=2)
+            timing = step_time(cfg, layout, profile)
+            memory = memory_plan(cfg, layout, profile["device_memory_bytes"])
+            if base is None:
+                base = timing["flops_per_device"]
+            rows.append({"hidden": h, "heads": a, "layers": layers, "tp": t, "dp": dp, "gpus": t * dp,
+                         "parameters": cfg_params(cfg), "step_s": timing["total"],
+                         "tflops_per_gpu": timing["flops_per_device"] / 1e12,
+                         "efficiency": timing["flops_per_device"] / base,
+                         "mixed_precision_memory_gb": memory["ranks"][0]["mixed_precision_total"] / 1e9,
+                         "time": timing})
+    return rows
+
+
+def cfg_params(cfg):
+    from ...model import gpt_num_parameters
+    return gpt_num_parameters(cfg)

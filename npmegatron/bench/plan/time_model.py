@@ -1,0 +1,120 @@
+"""Step time from an alpha-beta + roofline model.
+
+Ring costs, for n ranks and a buffer of S bytes (alpha per ring step, beta per byte one device
+sends):  all-reduce 2(n-1) alpha + 2(n-1)/n S beta;  all-gather / reduce-scatter (S the full
+buffer) (n-1) alpha + (n-1)/n S beta;  point-to-point alpha + S beta.
+
+A step on one rank, M micro-batches, V virtual stages, L layers on the rank:
+- compute = model_flops(global batch) / (TP PP DP) / the profile's FLOP/s, times 4/3 for full
+  recomputation (one more forward) unless the profile's rate was measured with it;
+- TP comm (TP > 1): per layer and micro-batch 4 all-reduces of s*b*h elements (2 forward,
+  2 backward; 6 with full recomputation), or with SP as many all-gathers plus reduce-scatters;
+  plus the embedding's and the output layer's all-reduce, 2 per micro-batch spread over the PP
+  ranks;
+- PP comm (PP > 1): per micro-batch and virtual stage one activation sent forward and one
+  gradient back, s*b*h elements (/TP with SP: the sequence shard), counted as exposed;
+- bubble = (PP-1)/(M V) x (compute + TP comm + PP comm);
+- DP comm exposed = max(all-reduce of the last bucket, all-reduce of this rank's gradients -
+  dp_overlap x the last micro-batch's backward (2/3 of its compute)): gradients are reduced once
+  per step, overlapped with the backward of the last micro-batch, and the last bucket starts only
+  when that backward ends; plus, with PP > 1, the tied embedding's all-reduce between the first
+  and last stage, exposed.
+The optimizer update (memory bound) is not modelled.
+
+Which link parameters a group uses: ranks are ordered TP fastest, then DP, then PP
+(comm/grid.py), filling nodes of `devices_per_node`. A group within one node uses "intra". A
+group spanning nodes uses "inter", whose beta is one device's share of the node's network; k
+members of a ring on one node cross the node boundary once between them, so their ring runs at
+k shares: beta / k.
+"""
+from ...model import gpt_num_parameters, model_flops
+from .memory import check_layout, element_bytes, rank_parameters
+
+RECOMPUTE_COST = {"none": 1.0, "selective": 1.0, "full": 4.0 / 3.0}
+
+
+def all_reduce_time(n, nbytes, alpha, beta):
+    return 0.0 if n <= 1 else 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes * beta
+
+
+def all_gather_time(n, nbytes, alpha, beta):
+    return 0.0 if n <= 1 else (n - 1) * alpha + (n - 1) / n * nbytes * beta
+
+
+reduce_scatter_time = all_gather_time
+
+
+def p2p_time(nbytes, alpha, beta):
+    return alpha + nbytes * beta
+
+
+def group_links(profile, op, span, members_per_node):
+    """(alpha, beta) of a group whose ranks cover `span` consecutive rank positions."""
+    if span <= profile["devices_per_node"]:
+        link = profile["intra"][op]
+        return link["alpha_s"], link["beta_s_per_byte"]
+    link = profile["inter"][op]
+    return link["alpha_s"], link["beta_s_per_byte"] / max(1, members_per_node)
+
+
+def placement(layout, profile):
+    """Span and members per node of the TP group, the DP group and pipeline neighbours."""
+    dpn, t, d, p = profile["devices_per_node"], layout.tp, layout.dp, layout.pp
+    return {"tp": (t, min(t, dpn)),
+            "dp": (t * (d - 1) + 1, 1 if t >= dpn else max(1, min(d, dpn // t))),
+            "pp": (t * d * p if p > 1 else 1, 1)}
+
+
+def step_time(cfg, layout, profile):
+    """{'compute', 'tp_comm', 'pp_comm', 'bubble', 'dp_comm_exposed', 'total', ...} in seconds."""
+    check_layout(cfg, layout)
+    w = element_bytes(cfg, layout)
+    t, p, d, v, m = layout.tp, layout.pp, layout.dp, layout.virtual, layout.micro_batches
+    s, b, h = layout.seq, layout.micro_batch, cfg.hidden_size
+    place = placement(layout, profile)
+    flops = model_flops(cfg, gpt_num_parameters(cfg), layout.global_batch, s)
+    factor = RECOMPUTE_COST[layout.recompute] / RECOMPUTE_COST[profile["flops_recompute"]]
+    compute = flops / layout.ranks / profile["flops"] * factor
+
+    sbh = s * b * h * w
+    tp_comm = 0.0
+    if t > 1:
+        forwards = 3 if layout.recompute == "full" else 2
+        per_layer_count = forwards + 2
+        if layout.sequence_parallel:
+            ag = all_gather_time(t, sbh, *group_links(profile, "all_gather", *place["tp"]))
+            rs = reduce_scatter_time(t, sbh, *group_links(profile, "reduce_scatter", *place["tp"]))
+            one = ag + rs
+        else:
+            one = all_reduce_time(t, sbh, *group_links(profile, "all_reduce", *place["tp"]))
+        tp_comm = m * (cfg.num_layers // p * per_layer_count + 2 / p) * one
+
+    pp_comm = 0.0
+    if p > 1:
+        nbytes = sbh / (t if layout.sequence_parallel else 1)
+        pp_comm = 2 * m * v * p2p_time(nbytes, *group_links(profile, "sendrecv", *place["pp"]))
+
+    ideal = compute + tp_comm + pp_comm
+    bubble = (p - 1) / (m * v) * ideal
+
+    grad_bytes = max(rank_parameters(cfg, layout, r) for r in range(p)) * w
+    dp_total = dp_exposed = 0.0
+    if d > 1:
+        links = group_links(profile, "all_reduce", *place["dp"])
+        dp_total = all_reduce_time(d, grad_bytes, *links)
+        bucket = min(grad_bytes, getattr(layout, "bucket_elements", 2 ** 20) * w)
+        last_backward = compute * 2 / 3 / m
+        dp_exposed = max(all_reduce_time(d, bucket, *links),
+                         dp_total - profile["dp_overlap"] * last_backward)
+    embedding = 0.0
+    if p > 1:
+        from ...tensor_parallel import pad_vocab_size
+        padded = pad_vocab_size(cfg.vocab_size, t, cfg.make_vocab_size_divisible_by)
+        embedding = all_reduce_time(2, padded // t * h * w,
+                                    *group_links(profile, "all_reduce", place["pp"][0], 1))
+    total = ideal + bubble + dp_exposed + embedding
+    return {"compute": compute, "tp_comm": tp_comm, "pp_comm": pp_comm, "bubble": bubble,
+            "dp_comm": dp_total, "dp_comm_exposed": dp_exposed, "embedding_comm": embedding,
+            "total": total, "model_flops": flops,
+            "flops_per_device": flops / total / layout.ranks,
+            "samples_per_s": layout.global_batch / total}

@@ -1,0 +1,410 @@
+"""`npmegatron bench scaling`: strong and weak scaling over TP x PP x DP layouts, with each
+step's time split into phases by the training step's timers (training/timers.py).
+
+The parent is a plain process (it never starts MPI): for each layout it launches one
+`mpiexec -n TP*PP*DP python -m npmegatron.bench.scaling '<spec JSON>'` child, whose rank 0
+prints one JSON record on a line starting with RECORD_PREFIX. Every child gets
+max(1, cores // ranks) BLAS threads per rank (OMP/OPENBLAS/MKL_NUM_THREADS here, threadpoolctl in
+comm.init()), so every layout runs on the same cores.
+
+Strong scaling: one model and one global batch (default: micro-batch x largest DP x 2, so every
+layout has at least 2 micro-batches) on every layout; efficiency = speed-up / ranks, speed-up =
+step time of the baseline (the 1-rank layout, else the one with fewest ranks) / this step time,
+times the baseline's ranks.
+
+Weak scaling (the paper's Table 1 idea: the work per rank stays about constant):
+  TP: heads = the given heads rounded up to a multiple of TP; hidden = the given hidden x sqrt(TP)
+      rounded to a multiple of those heads (so parameters per rank, ~12 L h^2 / TP, stay about
+      constant, and heads and the MLP split evenly over TP);
+  PP: layers = the given layers x PP;   DP: global batch = the given global batch x DP.
+  Efficiency = model FLOP/s per rank / the baseline's model FLOP/s per rank.
+
+A step is the trainer's: train_step (1F1B), loss and gradient-norm reductions, clip at 1.0,
+AdamW, on synthetic random tokens. Phases are rank 0's seconds per step (mean over the measured
+steps); "other" is rank 0's step time minus its phases (zeroing buffers, Python overhead).
+"""
+import dataclasses
+import json
+import math
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy
+
+from ..autograd import InputError
+from ..training.timers import PHASES
+
+RECORD_PREFIX = "SCALING-RECORD "
+PHASE_LABELS = {"forward-compute": "fwd", "backward-compute": "bwd", "tp-comm": "tp", "dp-comm": "dp",
+                "pipeline-wait": "pp", "finalize-grads": "fin", "optimizer": "opt", "other": "other"}
+AXES = {"tp": 0, "pp": 1, "dp": 2}
+MAX_RANKS_PER_CORE = 8
+
+
+def cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def threads_per_rank(ranks):
+    return max(1, cores() // ranks)
+
+
+# ----------------------------------------------------------------------------- layouts (parent)
+
+def parse_layouts(layouts, ranks, parallel):
+    """[(tp, pp, dp)] from --layouts "1x1x1,2x1x1" or from --ranks "1,2,4" with --parallel."""
+    if layouts is not None and ranks is not None:
+        raise InputError("give either --layouts or --ranks with --parallel, not both")
+    if ranks is not None:
+        if parallel is None:
+            raise InputError("--ranks needs --parallel tp, pp or dp to say which axis the ranks go to")
+        result = []
+        for item in _items(ranks, "--ranks"):
+            n = _positive(item, f"--ranks entry {item!r}")
+            layout = [1, 1, 1]
+            layout[AXES[parallel]] = n
+            result.append(tuple(layout))
+        return result
+    if parallel is not None:
+        raise InputError("--parallel goes with --ranks; --layouts already names each axis")
+    result = []
+    for item in _items(layouts if layouts is not None else "1x1x1,2x1x1,1x2x1,1x1x2,2x1x2", "--layouts"):
+        parts = item.lower().split("x")
+        if len(parts) != 3:
+            raise InputError(f"layout {item!r} is not TPxPPxDP (three positive integers joined by x, "
+                             "like 2x1x2)")
+        result.append(tuple(_positive(p, f"layout {item!r}") for p in parts))
+    return result
+
+
+def _items(text, flag):
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    if not items:
+        raise InputError(f"{flag} is empty; give a comma-separated list")
+    return items
+
+
+def _positive(text, what):
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1 or str(value) != text.strip():
+        raise InputError(f"{what} needs positive integers, got {text!r}")
+    return value
+
+
+def layout_name(tp, pp, dp):
+    return f"{tp}x{pp}x{dp}"
+
+
+def plan_runs(cfg, layouts, mode, micro_batch, seq, global_batch=None):
+    """One spec per layout: its model config, global batch and micro-batches, checked here, in
+    the parent, so a bad layout is one sentence before anything is launched."""
+    from ..model import gpt_num_parameters
+    from ..pipeline import default_layout
+    if mode == "strong" and global_batch is None:
+        global_batch = micro_batch * max(dp for _, _, dp in layouts) * 2
+    if mode == "weak" and global_batch is None:
+        global_batch = micro_batch * 2
+    limit = MAX_RANKS_PER_CORE * cores()
+    specs = []
+    for tp, pp, dp in layouts:
+        name, ranks = layout_name(tp, pp, dp), tp * pp * dp
+        if ranks > limit:
+            raise InputError(f"layout {name} needs {ranks} ranks, more than {MAX_RANKS_PER_CORE} per core "
+                             f"on this machine's {cores()} cores; use smaller layouts")
+        layout_cfg, batch = cfg, global_batch
+        if mode == "weak":
+            heads = -(-cfg.num_attention_heads // tp) * tp
+            hidden = max(heads, round(cfg.hidden_size * math.sqrt(tp) / heads) * heads)
+            layout_cfg = dataclasses.replace(cfg, hidden_size=hidden, num_attention_heads=heads,
+                                             num_layers=cfg.num_layers * pp, ffn_hidden_size=None)
+            batch = global_batch * dp
+        if layout_cfg.num_attention_heads % tp:
+            raise InputError(f"layout {name}: {layout_cfg.num_attention_heads} attention heads are not "
+                             f"divisible by TP = {tp}; choose --num-attention-heads a multiple of {tp}")
+        if layout_cfg.num_layers % pp:
+            raise InputError(f"layout {name}: {layout_cfg.num_layers} layers do not split evenly over "
+                             f"PP = {pp} stages; choose --num-layers a multiple of {pp}")
+        default_layout(layout_cfg.num_layers, pp)
+        if batch % (micro_batch * dp):
+            raise InputError(f"layout {name}: global batch {batch} is not a multiple of micro-batch "
+                             f"{micro_batch} x DP {dp}; choose --global-batch-size a multiple of "
+                             f"{micro_batch * dp}")
+        specs.append({"layout": name, "tp": tp, "pp": pp, "dp": dp, "ranks": ranks,
+                      "cfg": dataclasses.asdict(layout_cfg), "global_batch": batch,
+                      "micro_batch": micro_batch, "micro_batches": batch // (micro_batch * dp),
+                      "seq": seq, "parameters": gpt_num_parameters(layout_cfg)})
+    return specs
+
+
+# ----------------------------------------------------------------------------- running (parent)
+
+def rank_environment(ranks):
+    env = dict(os.environ)
+    threads = str(threads_per_rank(ranks))
+    env.update({"OMP_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
+                "PYTHONUNBUFFERED": "1"})
+    if ranks > cores():
+        env["MPIR_CVAR_CH4_PROGRESS_THROTTLE"] = "true"
+    return env
+
+
+def mpiexec_path():
+    path = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if os.path.exists(path):
+        return path
+    import shutil
+    found = shutil.which("mpiexec") or shutil.which("mpirun")
+    if found is None:
+        raise InputError("no mpiexec found; install the MPI extra (pip install 'npmegatron[mpi]')")
+    return found
+
+
+class ChildFailed(Exception):
+    pass
+
+
+def run_layout(spec, warmup, iters, timeout=None):
+    """Launch one layout's child under mpiexec; its record (a dict)."""
+    child = dict(spec, warmup=warmup, iters=iters, threads_per_rank=threads_per_rank(spec["ranks"]))
+    command = [mpiexec_path(), "-n", str(spec["ranks"]), sys.executable, "-m", "npmegatron.bench.scaling",
+               json.dumps(child)]
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    done = subprocess.run(command, env=rank_environment(spec["ranks"]), capture_output=True, text=True,
+                          timeout=timeout)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(RECORD_PREFIX)]
+    if done.returncode or not lines:
+        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
+        raise ChildFailed(f"layout {spec['layout']} failed (exit {done.returncode}):\n{tail}")
+    record = json.loads(lines[-1][len(RECORD_PREFIX):])
+    record["environment"]["load_average_before"] = load
+    return record
+
+
+def add_efficiency(records, mode):
+    """Speed-up and efficiency against the baseline: the 1-rank layout, else the fewest ranks."""
+    if not records:
+        return records
+    base = min(records, key=lambda r: r["ranks"])
+    for r in records:
+        r["baseline"] = base["layout"]
+        if mode == "strong":
+            r["speedup"] = base["step_s"] / r["step_s"] * base["ranks"]
+            r["efficiency"] = r["speedup"] / r["ranks"]
+        else:
+            r["efficiency"] = r["model_flops_per_s_per_rank"] / base["model_flops_per_s_per_rank"]
+            r["speedup"] = r["efficiency"] * r["ranks"]
+    return records
+
+
+def bench_scaling(cfg, layouts, mode, micro_batch, seq, global_batch=None, warmup=1, iters=3,
+                  on_record=None):
+    specs = plan_runs(cfg, layouts, mode, micro_batch, seq, global_batch)
+    records = []
+    for spec in specs:
+        records.append(run_layout(spec, warmup, iters))
+        if on_record is not None:
+            on_record(records[-1])
+    return add_efficiency(records, mode)
+
+
+# ----------------------------------------------------------------------------- output (parent)
+
+def format_table(records, mode):
+    if not records:
+        return ""
+    env = records[0]["environment"]
+    flop_unit, scale = ("TFLOP/s", 1e12) if env["device"] == "gpu" else ("GFLOP/s", 1e9)
+    lines = [f"{mode} scaling, {records[0]['dtype']} on {env['device']}, {env['cores']} cores; BLAS threads "
+             f"per rank = max(1, cores // ranks), set through OMP/OPENBLAS/MKL_NUM_THREADS and "
+             f"threadpoolctl; efficiency vs {records[0]['baseline']}",
+             "step: median [min-max] over the measured steps, slowest rank; phases: rank 0's ms per "
+             "step (mean), compute excludes the TP communication inside it"]
+    phases = list(PHASES) + ["other"]
+    head = (f"{'layout':>7} {'ranks':>5} {'thr':>3} {'params':>11} {'hidden':>6} {'lay':>3} {'GBS':>4} "
+            f"{'step s':>22} {'tokens/s':>9} {flop_unit + '/rank':>13} {'eff':>6} "
+            + " ".join(f"{PHASE_LABELS[p]:>7}" for p in phases))
+    lines.append(head)
+    for r in records:
+        spread = f"{r['step_s']:.3f} [{r['step_min_s']:.3f}-{r['step_max_s']:.3f}]"
+        lines.append(f"{r['layout']:>7} {r['ranks']:>5} {r['threads_per_rank']:>3} {r['parameters']:>11,} "
+                     f"{r['hidden_size']:>6} {r['num_layers']:>3} {r['global_batch']:>4} {spread:>22} "
+                     f"{r['tokens_per_s']:>9.0f} {r['model_flops_per_s_per_rank'] / scale:>13.2f} "
+                     f"{r['efficiency'] * 100:>5.0f}% "
+                     + " ".join(f"{r['phases_s'][p] * 1e3:>7.1f}" for p in phases))
+    return "\n".join(lines)
+
+
+def write_output(records, mode, folder):
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "results.jsonl"), "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    plot(records, mode, folder)
+
+
+def plot(records, mode, folder):
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+    ranks = [r["ranks"] for r in records]
+    labels = [r["layout"] for r in records]
+    fig, (ax1, ax2) = pyplot.subplots(1, 2, figsize=(10, 4))
+    top = max(ranks)
+    ax1.plot([1, top], [1, top], "k--", label="ideal")
+    ax1.scatter(ranks, [r["speedup"] for r in records], color="C0", zorder=3, label="measured")
+    ax2.plot([1, top], [1, 1], "k--", label="ideal")
+    ax2.scatter(ranks, [r["efficiency"] for r in records], color="C1", zorder=3, label="measured")
+    for r, label in zip(records, labels):
+        ax1.annotate(label, (r["ranks"], r["speedup"]), fontsize=8, xytext=(3, 3), textcoords="offset points")
+        ax2.annotate(label, (r["ranks"], r["efficiency"]), fontsize=8, xytext=(3, 3), textcoords="offset points")
+    ax1.set(xlabel="ranks", ylabel="speed-up" if mode == "strong" else "scaled speed-up",
+            title=f"{mode} scaling: speed-up")
+    ax2.set(xlabel="ranks", ylabel="efficiency", title=f"{mode} scaling: efficiency",
+            ylim=(0, max(1.1, max(r["efficiency"] for r in records) * 1.1)))
+    for ax in (ax1, ax2):
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(os.path.join(folder, "scaling.png"), dpi=100)
+    pyplot.close(fig)
+
+    fig, ax = pyplot.subplots(figsize=(max(6, 1.2 * len(records) + 4), 4))
+    bottom = numpy.zeros(len(records))
+    for k, phase in enumerate(list(PHASES) + ["other"]):
+        values = numpy.array([max(0.0, r["phases_s"][phase]) for r in records])
+        ax.bar(labels, values, bottom=bottom, label=phase, color=f"C{k}")
+        bottom += values
+    ax.set(xlabel="layout (TPxPPxDP)", ylabel="seconds per step (rank 0)", title=f"{mode} scaling: step phases")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(os.path.join(folder, "breakdown.png"), dpi=100)
+    pyplot.close(fig)
+
+
+# ----------------------------------------------------------------------------- one layout (child)
+
+def git_commit():
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment(device, threads):
+    from mpi4py import MPI
+    import mpi4py
+    from threadpoolctl import threadpool_info
+    blas = [{k: i.get(k) for k in ("internal_api", "version", "num_threads", "threading_layer")}
+            for i in threadpool_info() if i.get("user_api") == "blas"]
+    return {"git_commit": git_commit(), "python": platform.python_version(), "numpy": numpy.__version__,
+            "mpi4py": mpi4py.__version__, "mpi_library": MPI.Get_library_version().strip().splitlines()[0],
+            "blas": blas, "cores": cores(), "threads_per_rank": threads,
+            "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+            "device": device, "machine": platform.machine(), "node": platform.node()}
+
+
+def run_child(spec):
+    """One layout on the ranks mpiexec started; rank 0 prints the record."""
+    from .. import comm
+    from ..autograd.backend import to_numpy
+    from ..build import build_grid, build_model
+    from ..config import GPTConfig
+    from ..data_parallel import GradientBuckets
+    from ..model import model_flops
+    from ..pipeline import StageExchange
+    from ..training.optimizer import AdamW, clip_gradients, grad_norm_squared
+    from ..training.step import train_step
+    from ..training.timers import OPTIMIZER, Timers
+
+    world = comm.init()
+    if world.size != spec["ranks"]:
+        raise InputError(f"layout {spec['layout']} needs {spec['ranks']} ranks, mpiexec started {world.size}")
+    grid = build_grid(spec["tp"], spec["pp"])
+    cfg = GPTConfig(**spec["cfg"])
+    model = build_model(cfg, grid)
+    xp = model.xp
+    mb, m, seq = spec["micro_batch"], spec["micro_batches"], spec["seq"]
+    rng = numpy.random.default_rng(cfg.seed)
+    ids = rng.integers(0, cfg.vocab_size, (spec["global_batch"], seq + 1))
+    mine = ids[grid.dp_rank * m * mb:(grid.dp_rank + 1) * m * mb]
+    batches = [(xp.asarray(mine[j * mb:(j + 1) * mb, :-1]), xp.asarray(mine[j * mb:(j + 1) * mb, 1:]))
+               for j in range(m)]
+    exchange = StageExchange(grid, cfg.dtype, xp, m)
+    params = model.parameters()
+    buckets = GradientBuckets(params, grid.dp_group)
+    optimizer = AdamW(params, lr=1e-4)
+    norm_skip = model.norm_skip()
+    timers = Timers(xp, comm_groups=(grid.tp_group.name,))
+
+    def step():
+        loss_sum = train_step(model, exchange, batches, buckets, "1f1b", timers)
+        with timers(OPTIMIZER):
+            loss = comm.all_reduce(comm.all_reduce(xp.asarray(loss_sum).reshape(1), grid.pp_group), grid.dp_group)
+            both = xp.concatenate([loss, grad_norm_squared(params, grid.mp_group, norm_skip)])
+            _, norm_squared = (float(v) for v in to_numpy(both))
+            clip_gradients(params, math.sqrt(norm_squared), 1.0)
+            optimizer.step(1e-4)
+
+    times, phase_sums = [], {p: 0.0 for p in PHASES}
+    for i in range(spec["warmup"] + spec["iters"]):
+        comm.barrier(grid.world)
+        timers.synchronize()
+        timers.reset()
+        start = time.perf_counter()
+        step()
+        timers.synchronize()
+        seconds = time.perf_counter() - start
+        if i >= spec["warmup"]:
+            times.append(seconds)
+            for name, value in timers.elapsed().items():
+                phase_sums[name] = phase_sums.get(name, 0.0) + value
+    # The slowest rank's step times (each step ends with collectives, so they are close).
+    slowest = to_numpy(comm.all_reduce(numpy.asarray(times), grid.world, "max"))
+    rank0_mean = statistics.fmean(times)
+    phases = {name: total / len(times) for name, total in phase_sums.items()}
+    phases["other"] = rank0_mean - sum(phases.values())
+    peak = to_numpy(comm.all_reduce(numpy.asarray([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss],
+                                                  numpy.float64), grid.world, "max"))[0]
+    if grid.rank != 0:
+        return None
+    step_s = statistics.median(slowest)
+    flops = model_flops(cfg, spec["parameters"], spec["global_batch"], seq)
+    record = {k: spec[k] for k in ("layout", "tp", "pp", "dp", "ranks", "global_batch", "micro_batch",
+                                   "micro_batches", "seq", "parameters", "threads_per_rank")}
+    record.update({
+        "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
+        "num_attention_heads": cfg.num_attention_heads, "vocab_size": cfg.vocab_size, "dtype": cfg.dtype,
+        "device": cfg.device, "schedule": "1f1b", "warmup": spec["warmup"], "iters": spec["iters"],
+        "step_s": step_s, "step_min_s": float(min(slowest)), "step_max_s": float(max(slowest)),
+        "step_times_s": [float(t) for t in slowest],
+        "tokens_per_s": spec["global_batch"] * seq / step_s,
+        "model_flops_per_step": flops, "model_flops_per_s": flops / step_s,
+        "model_flops_per_s_per_rank": flops / step_s / spec["ranks"],
+        "phases_s": phases, "phases_of": "rank 0, mean seconds per measured step",
+        "rank0_step_mean_s": rank0_mean,
+        "phases_sum_ratio": sum(v for k, v in phases.items() if k != "other") / rank0_mean,
+        "peak_rss_MiB_max_over_ranks": float(peak) / 1024,
+        "environment": environment(cfg.device, spec["threads_per_rank"]),
+    })
+    return record
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    record = run_child(json.loads(argv[0]))
+    if record is not None:
+        print(RECORD_PREFIX + json.dumps(record), flush=True)
+
+
+if __name__ == "__main__":
+    main()

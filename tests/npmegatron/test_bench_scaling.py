@@ -1,0 +1,119 @@
+"""Named timers in the training step and `npmegatron bench scaling` (strong and weak, over
+mpiexec children, one per layout): phases that add up to the step, records, plots, bad input."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from npmegatron.cli import main
+from npmegatron.comm.stats import record, reset_stats
+from npmegatron.training.timers import NO_TIMERS, PHASES, TP_COMM, Timers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CLI = [sys.executable, "-m", "npmegatron.cli", "bench", "scaling"]
+TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--micro-batch-size", "2", "--vocab-size", "64", "--warmup", "1", "--iters", "2"]
+
+
+def run(args, timeout=180):
+    return subprocess.run(CLI + args, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def records_of(result):
+    assert result.returncode == 0, result.stdout + result.stderr
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+
+
+def test_timers_off_are_no_ops():
+    timer = NO_TIMERS("forward-compute", exclude_comm=True)
+    timer.start()
+    timer.start()           # no state: not even a double start is noticed
+    timer.stop()
+    with NO_TIMERS("optimizer"):
+        pass
+    assert NO_TIMERS("a") is NO_TIMERS("b")
+    assert NO_TIMERS.elapsed() == {} and not NO_TIMERS.enabled
+
+
+def test_timers_sum_and_move_tp_communication_out_of_compute():
+    reset_stats()
+    timers = Timers(comm_groups=("tp",))
+    for _ in range(2):
+        with timers("forward-compute", exclude_comm=True):
+            record("all_reduce", "tp", 64, 0.25)       # as if a TP collective took 0.25 s inside
+            record("all_reduce", "dp", 64, 5.0)        # other groups stay where they are
+    elapsed = timers.elapsed()
+    assert elapsed[TP_COMM] == pytest.approx(0.5)
+    assert -0.6 < elapsed["forward-compute"] < -0.4    # the clock saw ~0 s, 0.5 s moved out
+    assert timers("forward-compute").count == 2
+    timers.reset()
+    assert timers.elapsed() == {"forward-compute": 0.0, TP_COMM: 0.0}
+    with pytest.raises(RuntimeError):
+        timers("x").stop()
+    reset_stats()
+
+
+def test_phases_add_up_to_the_step_at_tp2_and_pp2():
+    records = records_of(run(["--layouts", "2x1x1,1x2x1", "--json"] + TINY[:-4]
+                             + ["--warmup", "1", "--iters", "3", "--hidden-size", "64", "--seq-length", "32"]))
+    by_layout = {r["layout"]: r for r in records}
+    assert set(by_layout) == {"2x1x1", "1x2x1"}
+    for r in records:
+        assert set(r["phases_s"]) == set(PHASES) | {"other"}
+        named = sum(v for k, v in r["phases_s"].items() if k != "other")
+        assert named == pytest.approx(r["rank0_step_mean_s"], rel=0.10), r["phases_s"]
+        assert r["phases_s"]["forward-compute"] > 0 and r["phases_s"]["backward-compute"] > 0
+    assert by_layout["2x1x1"]["phases_s"]["tp-comm"] > 0
+    assert by_layout["2x1x1"]["phases_s"]["pipeline-wait"] < 0.01 * by_layout["2x1x1"]["rank0_step_mean_s"]
+    assert by_layout["1x2x1"]["phases_s"]["pipeline-wait"] > 0
+    assert by_layout["1x2x1"]["phases_s"]["tp-comm"] == 0
+
+
+def test_strong_scaling_writes_records_and_plots(tmp_path):
+    result = run(["--mode", "strong", "--layouts", "1x1x1,2x1x1", "--output", str(tmp_path)] + TINY)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "layout" in result.stdout and "2x1x1" in result.stdout and "threads per rank" in result.stdout
+    lines = (tmp_path / "results.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [r["layout"] for r in records] == ["1x1x1", "2x1x1"]
+    assert records[0]["efficiency"] == pytest.approx(1.0)
+    assert records[0]["global_batch"] == records[1]["global_batch"] == 4    # micro-batch x DP 1 x 2
+    cores = len(os.sched_getaffinity(0))
+    assert [r["threads_per_rank"] for r in records] == [max(1, cores // n) for n in (1, 2)]
+    assert [r["environment"]["blas"][0]["num_threads"] for r in records] == [max(1, cores // n) for n in (1, 2)]
+    for r in records:
+        assert r["tokens_per_s"] > 0 and r["model_flops_per_s_per_rank"] > 0
+        assert r["environment"]["numpy"] and r["environment"]["mpi_library"]
+    for name in ("scaling.png", "breakdown.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_weak_scaling_over_tp_grows_the_model():
+    records = records_of(run(["--mode", "weak", "--ranks", "1,2", "--parallel", "tp", "--json"] + TINY))
+    one, two = records
+    assert (one["tp"], two["tp"]) == (1, 2)
+    assert one["hidden_size"] == 32 and two["hidden_size"] == 44      # 32 x sqrt(2), a multiple of 4 heads
+    assert two["parameters"] > one["parameters"]
+    assert two["efficiency"] == pytest.approx(two["model_flops_per_s_per_rank"] / one["model_flops_per_s_per_rank"])
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--layouts", "abc"], "is not TPxPPxDP"),
+    (["--layouts", "0x1x1"], "positive integers"),
+    (["--layouts", ","], "is empty"),
+    (["--layouts", "3x1x1"], "not divisible by TP = 3"),
+    (["--layouts", "1x3x1"], "do not split evenly"),
+    (["--ranks", "1,2"], "needs --parallel"),
+    (["--ranks", "1,x", "--parallel", "dp"], "positive integers"),
+    (["--layouts", "1x1x1", "--ranks", "2", "--parallel", "tp"], "not both"),
+    (["--layouts", "1x1x2", "--global-batch-size", "3"], "not a multiple"),
+    (["--layouts", "1x1x1000"], "more than 8 per core"),
+], ids=lambda v: v if isinstance(v, str) else " ".join(v))
+def test_bad_input_is_one_sentence(args, words):
+    result = CliRunner().invoke(main, ["bench", "scaling"] + args + TINY[:10])
+    assert result.exit_code != 0
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and words in lines[0], result.output

@@ -1,0 +1,198 @@
+"""`npmegatron plan`: memory figures against what the project allocates, the Korthikanti
+activation formula, ring costs, profiles, search and calibration (with a fake bench)."""
+import json
+from types import SimpleNamespace
+
+import pytest
+from click.testing import CliRunner
+
+from npmegatron.autograd import InputError
+from npmegatron.bench.plan import Layout, load_profile, memory_plan, step_time
+from npmegatron.bench.plan import calibrate as calibrate_module
+from npmegatron.bench.plan.memory import korthikanti_bytes, layer_activation_bytes, rank_parameters
+from npmegatron.bench.plan.search import paper_weak_scaling, search
+from npmegatron.bench.plan.time_model import all_gather_time, all_reduce_time, p2p_time
+from npmegatron.build import build_model
+from npmegatron.cli import main
+from npmegatron.comm import ProcessGrid
+from npmegatron.config import GPTConfig
+from npmegatron.model import gpt_num_parameters
+from npmegatron.tensor_parallel import pad_vocab_size
+
+SMALL = dict(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=200,
+             max_position_embeddings=32)
+
+
+def allocated(model):
+    return sum(p.data.nbytes for p in model.parameters())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_states_equal_allocated_bytes_single_process(dtype):
+    cfg = GPTConfig(**SMALL, dtype=dtype)
+    model = build_model(cfg, ProcessGrid.single())
+    rank = memory_plan(cfg, Layout(seq=32, micro_batch=2, global_batch=2))["ranks"][0]
+    assert rank["parameters"] == rank["gradients"] == allocated(model)
+    assert rank["optimizer"] == 2 * allocated(model)       # AdamW's m and v, zeros_like(param)
+
+
+class FakeGroup:
+    def __init__(self, size, rank):
+        self.size, self.rank = size, rank
+
+
+def fake_grid(tp, tp_rank, pp, pp_rank):
+    """Enough of a ProcessGrid to construct a shard (construction does not communicate)."""
+    return SimpleNamespace(tp_group=FakeGroup(tp, tp_rank), tp_rank=tp_rank, tp_size=tp,
+                           pp_size=pp, pp_rank=pp_rank, embedding_group=FakeGroup(1, 0))
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (4, 1), (2, 2), (1, 4)])
+def test_sharded_states_equal_allocated_bytes(tp, pp):
+    cfg = GPTConfig(**SMALL)
+    for pp_rank in range(pp):
+        counts = [allocated(build_model(cfg, fake_grid(tp, r, pp, pp_rank))) for r in range(tp)]
+        assert len(set(counts)) == 1
+        assert rank_parameters(cfg, Layout(tp=tp, pp=pp), pp_rank) * 4 == counts[0]
+
+
+def test_tp2_specs_arithmetic():
+    """Whole model over TP=2: the shards add to the parameters, replicated tensors counted twice,
+    plus the vocabulary padding."""
+    cfg = GPTConfig(**SMALL)
+    h, layers = cfg.hidden_size, cfg.num_layers
+    padded = pad_vocab_size(cfg.vocab_size, 2)
+    replicated = layers * 6 * h + cfg.max_position_embeddings * h + 2 * h
+    total = 2 * rank_parameters(cfg, Layout(tp=2), 0)
+    assert total == gpt_num_parameters(cfg) + (padded - cfg.vocab_size) * h + replicated
+
+
+def test_korthikanti_formula_by_hand():
+    s, b, h, a = 2048, 1, 12288, 96       # GPT-3 175B's layer shape (Korthikanti et al. Table 2)
+    assert korthikanti_bytes(s, b, h, a) == s * b * h * (34 + 5 * a * s / h)
+    assert korthikanti_bytes(s, b, h, a, t=8) == s * b * h * (10 + 24 / 8 + 5 * a * s / (h * 8))
+    assert korthikanti_bytes(s, b, h, a, t=8, sp=True) == s * b * h * (34 + 5 * a * s / h) / 8
+    assert korthikanti_bytes(s, b, h, a, t=8, sp=True, recompute="selective") == s * b * h * 34 / 8
+    cfg = GPTConfig(num_layers=1, hidden_size=h, num_attention_heads=a, max_position_embeddings=s)
+    for t, sp in ((1, False), (8, False), (8, True)):
+        for recompute in ("none", "selective", "full"):
+            layout = Layout(tp=t, seq=s, micro_batch=b, sequence_parallel=sp, recompute=recompute)
+            assert layer_activation_bytes(cfg, layout, 2) == pytest.approx(
+                korthikanti_bytes(s, b, h, a, t, sp, recompute))
+    # float32, no dropout: 16 elements of 4 bytes per s*b*h, one saved softmax of 4 bytes
+    cfg = GPTConfig(num_layers=1, hidden_size=64, num_attention_heads=4, hidden_dropout=0.0,
+                    attention_dropout=0.0, max_position_embeddings=32)
+    assert layer_activation_bytes(cfg, Layout(seq=32, micro_batch=2), 4) == 32 * 2 * 64 * 64 + 4 * 32 * 32 * 2 * 4
+
+
+def test_in_flight_micro_batches_follow_the_schedule():
+    cfg = GPTConfig(**SMALL)
+    base = dict(pp=2, micro_batch=1, global_batch=8, seq=32)
+    per = lambda **kw: [r["chunks_in_flight"] for r in memory_plan(cfg, Layout(**{**base, **kw}))["ranks"]]
+    assert per() == [2, 1]                     # 1F1B: PP - rank
+    assert per(schedule="afab") == [8, 8]      # AFAB: M
+    assert per(virtual=2) == [5, 3]            # interleaved: (PP - rank - 1) * 2 + (V - 1) * PP + 1
+
+
+def test_ring_costs():
+    assert all_reduce_time(4, 1000, 1e-6, 1e-9) == pytest.approx(6e-6 + 1.5 * 1000e-9)
+    assert all_gather_time(4, 1000, 1e-6, 1e-9) == pytest.approx(3e-6 + 0.75 * 1000e-9)
+    assert p2p_time(1000, 1e-6, 1e-9) == pytest.approx(1e-6 + 1e-6)
+    assert all_reduce_time(1, 1000, 1, 1) == 0
+
+
+def test_dgx2h_profile_and_paper_weak_scaling():
+    profile = load_profile("dgx2h")
+    assert profile["flops"] == 39e12 and profile["devices_per_node"] == 16
+    assert profile["inter"]["all_reduce"]["beta_s_per_byte"] == pytest.approx(16 / 100e9)
+    rows = paper_weak_scaling(profile)
+    assert rows[0]["efficiency"] == 1.0 and rows[0]["tflops_per_gpu"] == pytest.approx(39.0)
+    assert all(0.5 < r["efficiency"] <= 1.0 for r in rows)
+    assert rows[3]["efficiency"] < rows[1]["efficiency"]
+
+
+def test_step_time_parts():
+    profile = load_profile("dgx2h")
+    cfg = GPTConfig(num_layers=4, hidden_size=512, num_attention_heads=8, vocab_size=256,
+                    max_position_embeddings=256)
+    one = step_time(cfg, Layout(seq=256, micro_batch=8, global_batch=8), profile)
+    assert one["tp_comm"] == one["bubble"] == one["dp_comm"] == 0
+    tp = step_time(cfg, Layout(tp=2, seq=256, micro_batch=8, global_batch=8), profile)
+    assert tp["compute"] == pytest.approx(one["compute"] / 2) and tp["tp_comm"] > 0
+    pp = step_time(cfg, Layout(pp=2, seq=256, micro_batch=8, global_batch=32), profile)
+    assert pp["bubble"] == pytest.approx((pp["compute"] + pp["pp_comm"]) / 4)
+
+
+def test_search_ranks_and_refuses():
+    cfg = GPTConfig(**SMALL)
+    profile = load_profile("dgx2h")
+    results = search(cfg, Layout(seq=32, micro_batch=2, global_batch=16), profile, 4)
+    assert {r["layout"] for r in results} == {"1x1x4", "1x2x2", "1x4x1", "2x1x2", "2x2x1", "4x1x1"}
+    times = [r["time"]["total"] for r in results]
+    assert times == sorted(times)
+    with pytest.raises(InputError, match="no layout of 3 ranks"):
+        search(cfg, Layout(seq=32, micro_batch=2, global_batch=2), profile, 3)
+
+
+@pytest.mark.parametrize("content,needle", [
+    ('{"name": "x"}', "lacks the key 'flops'"),
+    ('{"flops": 1e9, "devices_per_node": 1, "device_memory_bytes": 1, "intra": {"alpha_s": 1e-6}, '
+     '"inter": {"alpha_s": 1e-6, "beta_s_per_byte": 1e-9}}', "lacks the key 'intra.beta_s_per_byte'"),
+    ('{"flops": "fast"}', "'flops' = 'fast'"),
+    ('not json', "is not readable JSON"),
+])
+def test_bad_profiles_are_one_sentence(tmp_path, content, needle):
+    path = tmp_path / "profile.json"
+    path.write_text(content)
+    with pytest.raises(InputError, match=needle) as error:
+        load_profile(str(path))
+    assert str(path) in str(error.value) and "\n" not in str(error.value)
+    result = CliRunner().invoke(main, ["plan", "--profile", str(path)])
+    assert result.exit_code == 1 and needle.split("'")[0] in result.output and "Traceback" not in result.output
+
+
+def test_cli_plan_layouts_and_errors():
+    runner = CliRunner()
+    result = runner.invoke(main, ["plan", "--layout", "2x1x1", "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output)
+    assert plan["tp"] == 2 and plan["memory"]["fits"] is True
+    for args, needle in ((["--layout", "3x1x1"], "not divisible by TP 3"),
+                         (["--layout", "1x3x1"], "do not split evenly"),
+                         (["--layout", "2x2"], "is not TPxPPxDP"),
+                         (["--search", "4", "--layout", "2x1x1"], "has 2 ranks but --search asks for 4"),
+                         (["--profile", "nosuch"], "neither a file nor a shipped profile")):
+        result = runner.invoke(main, ["plan"] + args)
+        assert result.exit_code != 0 and needle in result.output, (args, result.output)
+    result = runner.invoke(main, ["plan", "--search", "4", "--global-batch-size", "32"])
+    assert result.exit_code == 0 and result.output.count("\n") == 7
+    result = runner.invoke(main, ["plan", "--weak-scaling", "paper"])
+    assert result.exit_code == 0 and "3072" in result.output
+
+
+def fake_bench(args):
+    if args[0] == "step":
+        return {"dtype": "float32", "num_layers": 4, "hidden_size": 512, "micro_batch_size": 8,
+                "seq_length": 256, "device": "cpu", "model_flops_per_s": 5e10, "gemm_flops_per_s": 8e10}
+    sizes = [1024, 4096, 16384, 65536]
+    alpha, beta = 1e-5, 1e-9        # the whole collective's fit on 2 ranks
+    return {"ranks": 2, "table": [{"op": op, "bytes": s, "seconds": alpha + beta * s}
+                                  for op in ("all_reduce", "all_gather", "reduce_scatter", "sendrecv")
+                                  for s in sizes]}
+
+
+def test_calibrate_with_a_fake_bench(tmp_path, monkeypatch):
+    monkeypatch.setattr(calibrate_module, "run_bench", fake_bench)
+    output = tmp_path / "here.json"
+    result = CliRunner().invoke(main, ["plan", "calibrate", "--output", str(output)])
+    assert result.exit_code == 0, result.output
+    profile = load_profile(str(output))
+    assert profile["flops"] == 5e10
+    ar, ag = profile["intra"]["all_reduce"], profile["intra"]["all_gather"]
+    assert ar["alpha_s"] == pytest.approx(1e-5 / 2) and ar["beta_s_per_byte"] == pytest.approx(1e-9)
+    assert ag["alpha_s"] == pytest.approx(1e-5) and ag["beta_s_per_byte"] == pytest.approx(2e-9)
+    assert profile["intra"]["sendrecv"]["beta_s_per_byte"] == pytest.approx(1e-9)
+    # the calibrated profile predicts the measured collective back
+    assert all_reduce_time(2, 65536, ar["alpha_s"], ar["beta_s_per_byte"]) == pytest.approx(1e-5 + 65536e-9)
+    result = CliRunner().invoke(main, ["plan", "--profile", str(output), "--layout", "1x1x2"])
+    assert result.exit_code == 0 and "predicted step time" in result.output
