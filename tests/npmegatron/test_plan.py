@@ -1,8 +1,10 @@
 """`npmegatron plan`: memory figures against what the project allocates, the Korthikanti
 activation formula, ring costs, profiles, search and calibration (with a fake bench)."""
 import json
+import os
 from types import SimpleNamespace
 
+import numpy
 import pytest
 from click.testing import CliRunner
 
@@ -11,7 +13,7 @@ from npmegatron.bench.plan import Layout, load_profile, memory_plan, step_time
 from npmegatron.bench.plan import calibrate as calibrate_module
 from npmegatron.bench.plan.memory import korthikanti_bytes, layer_activation_bytes, rank_parameters
 from npmegatron.bench.plan.search import paper_weak_scaling, search
-from npmegatron.bench.plan.time_model import all_gather_time, all_reduce_time, p2p_time
+from npmegatron.bench.plan.time_model import all_gather_time, all_reduce_time, p2p_time, rank_flops
 from npmegatron.build import build_model
 from npmegatron.cli import main
 from npmegatron.comm import ProcessGrid
@@ -77,12 +79,28 @@ def test_korthikanti_formula_by_hand():
     for t, sp in ((1, False), (8, False), (8, True)):
         for recompute in ("none", "selective", "full"):
             layout = Layout(tp=t, seq=s, micro_batch=b, sequence_parallel=sp, recompute=recompute)
-            assert layer_activation_bytes(cfg, layout, 2) == pytest.approx(
+            assert layer_activation_bytes(cfg, layout, 2, accounting="korthikanti") == pytest.approx(
                 korthikanti_bytes(s, b, h, a, t, sp, recompute))
-    # float32, no dropout: 16 elements of 4 bytes per s*b*h, one saved softmax of 4 bytes
-    cfg = GPTConfig(num_layers=1, hidden_size=64, num_attention_heads=4, hidden_dropout=0.0,
-                    attention_dropout=0.0, max_position_embeddings=32)
-    assert layer_activation_bytes(cfg, Layout(seq=32, micro_batch=2), 4) == 32 * 2 * 64 * 64 + 4 * 32 * 32 * 2 * 4
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_project_accounting_is_the_autograd_tape_of_one_layer(dropout):
+    """One more layer adds exactly the plan's per-layer activation bytes (plus its parameters,
+    which the tape also references) to what backward keeps."""
+    from npmegatron.autograd.memory import saved_bytes_by_function
+    from npmegatron.model import GPT
+    from npmegatron.bench.plan.memory import layer_parameters
+    kw = dict(hidden_size=64, num_attention_heads=4, vocab_size=64, max_position_embeddings=32,
+              hidden_dropout=dropout, attention_dropout=dropout)
+    ids = numpy.random.default_rng(0).integers(0, 64, (2, 33))
+    kept = []
+    for layers in (1, 2):
+        _, loss = GPT(GPTConfig(num_layers=layers, **kw))(ids[:, :-1], ids[:, 1:])
+        kept.append(sum(saved_bytes_by_function([loss]).values()))
+    cfg = GPTConfig(num_layers=1, **kw)
+    per_layer = layer_activation_bytes(cfg, Layout(seq=32, micro_batch=2), 4)
+    # (LayerNorm's 1/std per token and the biases Linear does not keep: within 1 %)
+    assert kept[1] - kept[0] - layer_parameters(cfg, 1) * 4 == pytest.approx(per_layer, rel=0.01)
 
 
 def test_in_flight_micro_batches_follow_the_schedule():
@@ -170,10 +188,11 @@ def test_cli_plan_layouts_and_errors():
     assert result.exit_code == 0 and "3072" in result.output
 
 
-def fake_bench(args):
+def fake_bench(args, threads=None):
     if args[0] == "step":
         return {"dtype": "float32", "num_layers": 4, "hidden_size": 512, "micro_batch_size": 8,
-                "seq_length": 256, "device": "cpu", "model_flops_per_s": 5e10, "gemm_flops_per_s": 8e10}
+                "seq_length": 256, "device": "cpu", "gemm_flops_per_s": 8e10,
+                "model_flops_per_s": 3e10 if threads == 1 else 5e10}
     sizes = [1024, 4096, 16384, 65536]
     alpha, beta = 1e-5, 1e-9        # the whole collective's fit on 2 ranks
     return {"ranks": 2, "table": [{"op": op, "bytes": s, "seconds": alpha + beta * s}
@@ -196,3 +215,10 @@ def test_calibrate_with_a_fake_bench(tmp_path, monkeypatch):
     assert all_reduce_time(2, 65536, ar["alpha_s"], ar["beta_s_per_byte"]) == pytest.approx(1e-5 + 65536e-9)
     result = CliRunner().invoke(main, ["plan", "--profile", str(output), "--layout", "1x1x2"])
     assert result.exit_code == 0 and "predicted step time" in result.output
+    # Ranks split this machine's cores: with one thread each, each gets the one-thread rate.
+    cores = os.cpu_count() or 1
+    if cores > 1:
+        assert profile["flops_by_threads"] == {str(cores): 5e10, "1": 3e10}
+        layout = SimpleNamespace(ranks=cores)
+        assert rank_flops(profile, layout) == 3e10
+        assert rank_flops(profile, SimpleNamespace(ranks=2 * cores)) == 1.5e10

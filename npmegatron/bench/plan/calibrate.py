@@ -1,7 +1,7 @@
 """`npmegatron plan calibrate`: a profile of this machine from its own benchmarks.
 
 flops: the model FLOP/s of `npmegatron bench step` (a whole forward + backward + update, not the
-GEMM ceiling). Links: `npmegatron bench comm` on `ranks` processes, each collective's times over
+GEMM ceiling), with every core and, on a multi-core CPU, with one BLAS thread (flops_by_threads). Links: `npmegatron bench comm` on `ranks` processes, each collective's times over
 message sizes fitted by least squares to t = A + B S (relative error, bench comm's fit), then
 turned into the ring model's per-step parameters: all-reduce alpha = A / (2(p-1)), beta =
 B p / (2(p-1)); all-gather and reduce-scatter alpha = A / (p-1), beta = B p / (p-1); send/recv
@@ -18,10 +18,14 @@ from ...autograd import InputError
 from ..comm import alpha_beta_fit
 
 
-def run_bench(args):
-    """The JSON object printed last by `npmegatron bench ARGS`."""
+def run_bench(args, threads=None):
+    """The JSON object printed last by `npmegatron bench ARGS` (with `threads` BLAS threads)."""
     command = [sys.executable, "-m", "npmegatron.cli", "bench"] + [str(a) for a in args]
-    done = subprocess.run(command, capture_output=True, text=True)
+    env = dict(os.environ)
+    if threads is not None:
+        env.update({name: str(threads) for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                                                     "MKL_NUM_THREADS")})
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode or not lines:
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
@@ -47,6 +51,13 @@ def physical_memory():
 def calibrate(model_args, ranks=2, min_bytes=1024, max_bytes=2 ** 20, device="cpu", runner=None):
     runner = runner or run_bench
     step = runner(["step"] + list(model_args))
+    cores = (os.cpu_count() or 1) if device == "cpu" else 1
+    # On a CPU, ranks split the cores: a layout of R ranks gives each cores / R BLAS threads, and
+    # one thread runs the step's single-threaded elementwise work as fast as all of them do, so
+    # the one-thread rate is measured too (time_model.rank_flops).
+    by_threads = {str(cores): step["model_flops_per_s"]}
+    if cores > 1:
+        by_threads["1"] = runner(["step"] + list(model_args), threads=1)["model_flops_per_s"]
     comm = runner(["comm", "--ranks", ranks, "--min-bytes", min_bytes, "--max-bytes", max_bytes,
                    "--device", device])
     p = comm["ranks"]
@@ -66,7 +77,9 @@ def calibrate(model_args, ranks=2, min_bytes=1024, max_bytes=2 ** 20, device="cp
                         f"fitted from bench comm on {p} ranks; inter = intra (one machine)."),
         "flops": step["model_flops_per_s"], "gemm_flops": step["gemm_flops_per_s"],
         "flops_recompute": "none",
-        "devices_per_node": (os.cpu_count() or 1) if device == "cpu" else 1,
+        "devices_per_node": cores,
+        "ranks_share_flops": device == "cpu",      # the layout's ranks split this machine
+        "flops_by_threads": by_threads,
         "device_memory_bytes": physical_memory(),
         "dp_overlap": 1.0, "intra": links, "inter": links,
     }

@@ -23,6 +23,17 @@ recomputation drops the a*s^2*b term; full recomputation keeps the layer input o
 /t with SP) plus one layer's full activations while it is recomputed. Not counted: the embedding
 and logits buffers, the loss, and temporary workspace.
 
+What this project's autograd keeps differs from that count, and the plan uses its own tape
+(accounting="project", checked against saved_bytes_by_function in the tests):
+
+    per layer = s*b*h * [ (2 w + 2 m) / (t if SP else 1)       LayerNorm x-hat x2; 2 dropout masks
+                        + 2 w                                   QKV and MLP inputs, kept whole by
+                                                                Linear (gathered under SP)
+                        + 16 w / t ]                            Q, K, V, projection input, bias-GeLU
+                                                                input and tanh (4h each), second
+                                                                projection input (4h)
+              + the same attention term.
+
 Activations are multiplied by the layers a rank holds and the peak number of its stage-chunks in
 flight, taken from the schedule itself (pipeline.schedules.build_actions): AFAB holds M, 1F1B
 holds PP - rank, interleaved (PP - rank - 1) * 2 + (V - 1) * PP + 1 chunks.
@@ -143,15 +154,19 @@ def in_flight_chunks(layout, pp_rank):
     return peak
 
 
-def layer_activation_bytes(cfg, layout, w, recompute=None):
-    """Bytes one transformer layer keeps for backward for one micro-batch (module docstring)."""
+def layer_activation_bytes(cfg, layout, w, recompute=None, accounting="project"):
+    """Bytes one transformer layer keeps for backward for one micro-batch (module docstring):
+    `accounting` "project" counts this project's autograd tape, "korthikanti" the paper's."""
     s, b, h, a, t = layout.seq, layout.micro_batch, cfg.hidden_size, cfg.num_attention_heads, layout.tp
     recompute = recompute or layout.recompute
     sp_div = t if layout.sequence_parallel else 1
     if recompute == "full":
         return s * b * h * w / sp_div
     hidden_masks = 2 * layout.mask_bytes if cfg.hidden_dropout > 0 else 0
-    per_sbh = (4 * w + hidden_masks) / sp_div + 12 * w / t
+    if accounting == "korthikanti":
+        per_sbh = (4 * w + hidden_masks) / sp_div + 12 * w / t
+    else:
+        per_sbh = (2 * w + hidden_masks) / sp_div + 2 * w + 16 * w / t
     attn_dropout = cfg.attention_dropout > 0
     scores = (w * (2 if attn_dropout else 1) + (layout.mask_bytes if attn_dropout else 0)) / t
     total = s * b * h * per_sbh

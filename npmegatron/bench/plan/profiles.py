@@ -9,6 +9,8 @@
       "devices_per_node": 16,
       "device_memory_bytes": 34359738368,
       "dp_overlap": 1.0,                     # optional: share of backward that hides DP all-reduce
+      "ranks_share_flops": false,            # optional: true for a CPU, whose ranks split it:
+      "flops_by_threads": {"1": ..., "2": ...},  # optional: the rate per BLAS thread count
       "intra": {"alpha_s": 2e-6, "beta_s_per_byte": 6.67e-12},     # one pair for every collective
       "inter": {"all_reduce": {"alpha_s": ..., "beta_s_per_byte": ...},   # or one per collective:
                 "all_gather": {...}, "reduce_scatter": {...}, "sendrecv": {...}}
@@ -96,6 +98,7 @@ def normalise(raw, path="<profile>"):
     profile["device_memory_bytes"] = _number(raw, "device_memory_bytes", path)
     profile["dp_overlap"] = _number(raw, "dp_overlap", path) if "dp_overlap" in raw else 1.0
     profile["flops_recompute"] = raw.get("flops_recompute", "none")
+    profile["ranks_share_flops"] = bool(raw.get("ranks_share_flops", False))
     if profile["flops_recompute"] not in ("none", "selective", "full"):
         raise InputError(f"profile {path} has flops_recompute {profile['flops_recompute']!r}; use none, "
                          "selective or full")

@@ -5,7 +5,8 @@ sends):  all-reduce 2(n-1) alpha + 2(n-1)/n S beta;  all-gather / reduce-scatter
 buffer) (n-1) alpha + (n-1)/n S beta;  point-to-point alpha + S beta.
 
 A step on one rank, M micro-batches, V virtual stages, L layers on the rank:
-- compute = model_flops(global batch) / (TP PP DP) / the profile's FLOP/s, times 4/3 for full
+- compute = model_flops(global batch) / (TP PP DP) / one rank's FLOP/s (the profile's, or on a
+  CPU profile its share of the machine: rank_flops), times 4/3 for full
   recomputation (one more forward) unless the profile's rate was measured with it;
 - TP comm (TP > 1): per layer and micro-batch 4 all-reduces of s*b*h elements (2 forward,
   2 backward; 6 with full recomputation), or with SP as many all-gathers plus reduce-scatters;
@@ -65,6 +66,20 @@ def placement(layout, profile):
             "pp": (t * d * p if p > 1 else 1, 1)}
 
 
+def rank_flops(profile, layout):
+    """One rank's FLOP/s. On a CPU profile (`ranks_share_flops`) the layout's ranks all run on the
+    one machine: each gets max(1, cores // ranks) BLAS threads (as bench scaling sets them) and
+    the rate measured with that many threads (`flops_by_threads`, the nearest count measured),
+    shared further when ranks outnumber the cores."""
+    if not profile.get("ranks_share_flops"):
+        return profile["flops"]
+    cores = profile["devices_per_node"]
+    threads = max(1, cores // layout.ranks)
+    rates = {int(k): v for k, v in (profile.get("flops_by_threads") or {cores: profile["flops"]}).items()}
+    nearest = min(rates, key=lambda n: (abs(n - threads), n))
+    return rates[nearest] * min(1.0, cores / layout.ranks)
+
+
 def step_time(cfg, layout, profile):
     """{'compute', 'tp_comm', 'pp_comm', 'bubble', 'dp_comm_exposed', 'total', ...} in seconds."""
     check_layout(cfg, layout)
@@ -74,7 +89,7 @@ def step_time(cfg, layout, profile):
     place = placement(layout, profile)
     flops = model_flops(cfg, gpt_num_parameters(cfg), layout.global_batch, s)
     factor = RECOMPUTE_COST[layout.recompute] / RECOMPUTE_COST[profile["flops_recompute"]]
-    compute = flops / layout.ranks / profile["flops"] * factor
+    compute = flops / layout.ranks / rank_flops(profile, layout) * factor
 
     sbh = s * b * h * w
     tp_comm = 0.0
