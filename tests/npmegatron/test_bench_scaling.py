@@ -72,6 +72,7 @@ def test_phases_add_up_to_the_step_at_tp2_and_pp2():
     assert by_layout["1x2x1"]["phases_s"]["tp-comm"] == 0
 
 
+@pytest.mark.slow
 def test_strong_scaling_writes_records_and_plots(tmp_path):
     result = run(["--mode", "strong", "--layouts", "1x1x1,2x1x1", "--output", str(tmp_path)] + TINY)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -69,6 +69,7 @@ def test_resume_at_tp2_dp2_is_bitwise_with_dropout(tmp_path):
             assert (a[name][key] == c[name][key]).all(), (name, key)
 
 
+@pytest.mark.slow
 def test_killed_while_saving_resumes_from_the_previous_checkpoint(mpirun, tmp_path):
     def run(mode, log):
         return ["save-and-resume", mode, "--checkpoint", tmp_path / "ck",

@@ -26,7 +26,8 @@ def test_four_ranks_pp4_pp2xtp2_pp2xdp2(mpirun):
     assert check(mpirun, 4, pipeline_cases(4)) < 1e-10
 
 
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+@pytest.mark.parametrize("overlap", [True, pytest.param(False, marks=pytest.mark.slow)],
+                         ids=["overlap", "no-overlap"])
 def test_tag_free_p2p_matches_in_posting_order(mpirun, overlap):
     """NCCL has no tags: a pair's messages match in the order they are posted. With the MPI
     backend ignoring tags (NPMEGATRON_P2P_ORDERED=1), every layout still equals the serial model:
@@ -45,6 +46,7 @@ def test_eight_ranks_pp4xtp2_and_pp2xtp2xdp2(mpirun):
     assert check(mpirun, 8, pipeline_cases(8)) < 1e-10
 
 
+@pytest.mark.slow
 def test_schedule_memory_and_deallocated_outputs(mpirun):
     """PP = 4, M = 8: 1F1B holds fewer activations on stage 0 than AFAB, and deallocating sent
     outputs lowers the peak further; a deallocated output holds one element after its send."""
