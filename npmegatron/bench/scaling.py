@@ -313,66 +313,86 @@ def environment(device, threads):
             "device": device, "machine": platform.machine(), "node": platform.node()}
 
 
-def run_child(spec):
-    """One layout on the ranks mpiexec started; rank 0 prints the record."""
-    from .. import comm
-    from ..autograd.backend import to_numpy
-    from ..build import build_grid, build_model
-    from ..config import GPTConfig
-    from ..data_parallel import GradientBuckets
-    from ..model import model_flops
-    from ..pipeline import StageExchange
-    from ..training.optimizer import AdamW, clip_gradients, grad_norm_squared
-    from ..training.step import train_step
-    from ..training.timers import OPTIMIZER, Timers
+class ChildRun:
+    """One layout's training step on the ranks mpiexec started: the model, its micro-batches of
+    synthetic tokens, buckets, exchange and AdamW, built the way the Trainer builds them."""
 
-    world = comm.init()
-    if world.size != spec["ranks"]:
-        raise InputError(f"layout {spec['layout']} needs {spec['ranks']} ranks, mpiexec started {world.size}")
-    grid = build_grid(spec["tp"], spec["pp"])
-    cfg = GPTConfig(**spec["cfg"])
-    model = build_model(cfg, grid)
-    xp = model.xp
-    mb, m, seq = spec["micro_batch"], spec["micro_batches"], spec["seq"]
-    rng = numpy.random.default_rng(cfg.seed)
-    ids = rng.integers(0, cfg.vocab_size, (spec["global_batch"], seq + 1))
-    mine = ids[grid.dp_rank * m * mb:(grid.dp_rank + 1) * m * mb]
-    batches = [(xp.asarray(mine[j * mb:(j + 1) * mb, :-1]), xp.asarray(mine[j * mb:(j + 1) * mb, 1:]))
-               for j in range(m)]
-    exchange = StageExchange(grid, cfg.dtype, xp, m)
-    params = model.parameters()
-    buckets = GradientBuckets(params, grid.dp_group)
-    optimizer = AdamW(params, lr=1e-4)
-    norm_skip = model.norm_skip()
-    timers = Timers(xp, comm_groups=(grid.tp_group.name,))
+    def __init__(self, spec):
+        from .. import comm
+        from ..build import build_grid, build_model
+        from ..config import GPTConfig
+        from ..data_parallel import GradientBuckets
+        from ..pipeline import StageExchange
+        from ..training.optimizer import AdamW
+        from ..training.timers import Timers
 
-    def step():
-        loss_sum = train_step(model, exchange, batches, buckets, "1f1b", timers)
+        world = comm.init()
+        if world.size != spec["ranks"]:
+            raise InputError(f"layout {spec['layout']} needs {spec['ranks']} ranks, mpiexec started {world.size}")
+        self.spec, self.grid = spec, build_grid(spec["tp"], spec["pp"])
+        self.cfg = GPTConfig(**spec["cfg"])
+        self.model = build_model(self.cfg, self.grid)
+        xp, mb, m = self.model.xp, spec["micro_batch"], spec["micro_batches"]
+        ids = numpy.random.default_rng(self.cfg.seed).integers(0, self.cfg.vocab_size,
+                                                              (spec["global_batch"], spec["seq"] + 1))
+        mine = ids[self.grid.dp_rank * m * mb:(self.grid.dp_rank + 1) * m * mb]
+        self.batches = [(xp.asarray(mine[j * mb:(j + 1) * mb, :-1]), xp.asarray(mine[j * mb:(j + 1) * mb, 1:]))
+                        for j in range(m)]
+        self.exchange = StageExchange(self.grid, self.cfg.dtype, xp, m)
+        self.params = self.model.parameters()
+        self.buckets = GradientBuckets(self.params, self.grid.dp_group)
+        self.optimizer = AdamW(self.params, lr=1e-4)
+        self.norm_skip = self.model.norm_skip()
+        self.timers = Timers(xp, comm_groups=(self.grid.tp_group.name,))
+
+    def step(self):
+        """One training step, as Trainer.train_step and step() make it."""
+        from .. import comm
+        from ..autograd.backend import to_numpy
+        from ..training.optimizer import clip_gradients, grad_norm_squared
+        from ..training.step import train_step
+        from ..training.timers import OPTIMIZER
+        grid, xp, timers = self.grid, self.model.xp, self.timers
+        loss_sum = train_step(self.model, self.exchange, self.batches, self.buckets, "1f1b", timers)
         with timers(OPTIMIZER):
             loss = comm.all_reduce(comm.all_reduce(xp.asarray(loss_sum).reshape(1), grid.pp_group), grid.dp_group)
-            both = xp.concatenate([loss, grad_norm_squared(params, grid.mp_group, norm_skip)])
+            both = xp.concatenate([loss, grad_norm_squared(self.params, grid.mp_group, self.norm_skip)])
             _, norm_squared = (float(v) for v in to_numpy(both))
-            clip_gradients(params, math.sqrt(norm_squared), 1.0)
-            optimizer.step(1e-4)
+            clip_gradients(self.params, math.sqrt(norm_squared), 1.0)
+            self.optimizer.step(1e-4)
 
-    times, phase_sums = [], {p: 0.0 for p in PHASES}
-    for i in range(spec["warmup"] + spec["iters"]):
-        comm.barrier(grid.world)
-        timers.synchronize()
-        timers.reset()
-        start = time.perf_counter()
-        step()
-        timers.synchronize()
-        seconds = time.perf_counter() - start
-        if i >= spec["warmup"]:
-            times.append(seconds)
-            for name, value in timers.elapsed().items():
-                phase_sums[name] = phase_sums.get(name, 0.0) + value
+    def measure(self):
+        """(this rank's step times, its mean seconds per phase) over the timed steps."""
+        from .. import comm
+        times, phase_sums = [], {p: 0.0 for p in PHASES}
+        for i in range(self.spec["warmup"] + self.spec["iters"]):
+            comm.barrier(self.grid.world)
+            self.timers.synchronize()
+            self.timers.reset()
+            start = time.perf_counter()
+            self.step()
+            self.timers.synchronize()
+            seconds = time.perf_counter() - start
+            if i >= self.spec["warmup"]:
+                times.append(seconds)
+                for name, value in self.timers.elapsed().items():
+                    phase_sums[name] = phase_sums.get(name, 0.0) + value
+        phases = {name: total / len(times) for name, total in phase_sums.items()}
+        phases["other"] = statistics.fmean(times) - sum(phases.values())
+        return times, phases
+
+
+def run_child(spec):
+    """One layout on the ranks mpiexec started; rank 0 returns the record (others None)."""
+    from .. import comm
+    from ..autograd.backend import to_numpy
+    from ..model import model_flops
+    run = ChildRun(spec)
+    grid, cfg, seq = run.grid, run.cfg, spec["seq"]
+    times, phases = run.measure()
     # The slowest rank's step times (each step ends with collectives, so they are close).
     slowest = to_numpy(comm.all_reduce(numpy.asarray(times), grid.world, "max"))
     rank0_mean = statistics.fmean(times)
-    phases = {name: total / len(times) for name, total in phase_sums.items()}
-    phases["other"] = rank0_mean - sum(phases.values())
     peak = to_numpy(comm.all_reduce(numpy.asarray([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss],
                                                   numpy.float64), grid.world, "max"))[0]
     if grid.rank != 0:
