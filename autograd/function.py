@@ -3,6 +3,7 @@
 As in Chainer and PyTorch, a Function saves only what it asks for (`ctx.save_for_backward`) and
 reads `ctx.needs_input_grad` so it never computes a gradient nobody wants.
 """
+from . import profile as _profile
 from . import tensor as _tensor
 from .tensor import Tensor
 
@@ -57,7 +58,10 @@ class Node:
         if self.ctx is None:
             raise RuntimeError(f"backward through {self.name} a second time: its saved arrays were "
                                "freed after the first backward; run the forward again")
-        result = self.function.backward(self.ctx, *grads)
+        if _profile.active():
+            result = _profile.timed(self.name, 1, lambda: self.function.backward(self.ctx, *grads))
+        else:
+            result = self.function.backward(self.ctx, *grads)
         self.ctx = None     # drop saved arrays as soon as they are used
         return result if isinstance(result, tuple) else (result,)
 
@@ -98,7 +102,10 @@ class Function:
         arrays = [x.data if isinstance(x, Tensor) else x for x in inputs]
         needs = tuple(isinstance(x, Tensor) and x.requires_grad for x in inputs)
         ctx = Context(needs)
-        out = cls.forward(ctx, *arrays, **params)
+        if _profile.active():
+            out = _profile.timed(cls.__name__, 0, lambda: cls.forward(ctx, *arrays, **params))
+        else:
+            out = cls.forward(ctx, *arrays, **params)
         record = _tensor.is_grad_enabled() and any(needs)
         outs = out if isinstance(out, tuple) else (out,)
         tensors = tuple(Tensor(o, requires_grad=record) for o in outs)

@@ -92,6 +92,9 @@ def bench_model_config(options):
                       "micro_batch_size": 8})
 @click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True, help="Untimed steps first.")
 @click.option("--iters", type=POSITIVE, default=5, show_default=True, help="Timed steps (median reported).")
+@click.option("--threads", type=POSITIVE, default=None, help="BLAS threads (default: the BLAS library's own).")
+@click.option("--profile", is_flag=True, help="Also print seconds per step by kind of op, the optimizer "
+              "and the autograd's own overhead.")
 @user_errors
 def bench_step_command(**options):
     """Time forward + backward + SGD step against the matmul FLOP/s at the model's GEMM shapes."""
@@ -106,7 +109,8 @@ def bench_step_command(**options):
     from .bench.step import bench_step, format_table
     cfg = bench_model_config(options)
     click.echo(format_table(bench_step(cfg, options["micro_batch_size"], options["seq_length"],
-                                       options["warmup"], options["iters"])))
+                                       options["warmup"], options["iters"], options["threads"],
+                                       options["profile"])))
 
 
 @bench.command("comm")

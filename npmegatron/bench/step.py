@@ -1,5 +1,6 @@
 """`npmegatron bench step`: time forward + backward + an optimizer step, and in the same run the
 machine's matmul FLOP/s at the model's own GEMM shapes, so the ratio holds on a noisy machine."""
+import contextlib
 import json
 import statistics
 import time
@@ -56,36 +57,79 @@ def gemm_ceiling(cfg, batch, seq, repeats=5):
     return flops / seconds
 
 
-def bench_step(cfg: GPTConfig, batch, seq, warmup=2, iters=5):
-    model = GPT(cfg)
-    xp = model.xp
-    rng = numpy.random.default_rng(cfg.seed)
-    ids = rng.integers(0, cfg.vocab_size, (batch, seq + 1))
-    inputs, targets = xp.asarray(ids[:, :-1]), xp.asarray(ids[:, 1:])
-    optimizer = SGD(model.parameters(), lr=1e-4)
-    times = []
+# Functions by kind, for --profile; anything else is "other ops" (embeddings, reshapes, the
+# tensor-parallel mappings).
+OP_KINDS = {"matmul": ("MatMul", "Linear"), "softmax": ("Softmax",), "layernorm": ("LayerNorm",),
+            "loss": ("CrossEntropy", "_VocabParallelCrossEntropy"),
+            "elementwise": ("Add", "Sub", "Mul", "Div", "Neg", "Pow", "Exp", "Log", "Tanh", "GeluTanh",
+                            "GeluErf", "BiasGelu", "Dropout", "DropoutAdd", "Sum", "Mean", "Max")}
+
+
+def op_kinds(table):
+    """Seconds per kind of op from an op_profile table (forward + backward)."""
+    kind_of = {name: kind for kind, names in OP_KINDS.items() for name in names}
+    seconds = {kind: 0.0 for kind in list(OP_KINDS) + ["other ops"]}
+    for name, (forward, backward, _) in table.items():
+        seconds[kind_of.get(name, "other ops")] += forward + backward
+    return seconds
+
+
+def _timed_steps(model, inputs, targets, optimizer, xp, warmup, iters, profile):
+    """(step seconds, optimizer seconds, op table) of the timed steps."""
+    from ..autograd.profile import op_profile
+    times, optimizer_s, table = [], 0.0, {}
     for i in range(warmup + iters):
+        timed = i >= warmup
         _synchronize(xp)
         start = time.perf_counter()
-        model.zero_grad()
-        _, loss = model(inputs, targets)
-        loss.backward()
+        with op_profile() if profile and timed else contextlib.nullcontext() as ops:
+            model.zero_grad()
+            _, loss = model(inputs, targets)
+            loss.backward()
+        before_update = time.perf_counter()
         optimizer.step()
         _synchronize(xp)
-        if i >= warmup:
+        if timed:
             times.append(time.perf_counter() - start)
+            optimizer_s += time.perf_counter() - before_update
+            for name, entry in (ops or {}).items():
+                total = table.setdefault(name, [0.0, 0.0, 0])
+                for k in range(3):
+                    total[k] += entry[k]
+    return times, optimizer_s, table
+
+
+def bench_step(cfg: GPTConfig, batch, seq, warmup=2, iters=5, threads=None, profile=False):
+    """threads: BLAS threads for this run (threadpoolctl; default: the library's own); profile:
+    also report seconds per step by kind of op, the optimizer, and the autograd's own overhead
+    (the step minus both)."""
+    from threadpoolctl import threadpool_limits
+    with threadpool_limits(limits=threads) if threads else contextlib.nullcontext():
+        model = GPT(cfg)
+        xp = model.xp
+        rng = numpy.random.default_rng(cfg.seed)
+        ids = rng.integers(0, cfg.vocab_size, (batch, seq + 1))
+        inputs, targets = xp.asarray(ids[:, :-1]), xp.asarray(ids[:, 1:])
+        optimizer = SGD(model.parameters(), lr=1e-4)
+        times, optimizer_s, table = _timed_steps(model, inputs, targets, optimizer, xp, warmup, iters, profile)
+        gemm = gemm_ceiling(cfg, batch, seq)
     step_s = statistics.median(times)
     flops = model_flops(cfg, model.num_parameters(), batch, seq)
-    gemm = gemm_ceiling(cfg, batch, seq)
-    return {
+    result = {
         "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
         "num_attention_heads": cfg.num_attention_heads, "seq_length": seq, "micro_batch_size": batch,
         "vocab_size": cfg.vocab_size, "dtype": cfg.dtype, "device": cfg.device,
-        "tf32": cfg.tf32,
+        "tf32": cfg.tf32, "threads": threads,
         "parameters": model.num_parameters(), "step_s": step_s,
         "model_flops_per_step": flops, "model_flops_per_s": flops / step_s,
         "gemm_flops_per_s": gemm, "ratio": flops / step_s / gemm,
     }
+    if profile:
+        kinds = {kind: seconds / iters for kind, seconds in op_kinds(table).items()}
+        kinds["optimizer"] = optimizer_s / iters
+        kinds["autograd and Python overhead"] = statistics.fmean(times) - sum(kinds.values())
+        result["profile_s"] = kinds
+    return result
 
 
 def format_table(result):
@@ -95,5 +139,7 @@ def format_table(result):
             ("model FLOP/s", f"{result['model_flops_per_s'] / 1e9:.2f} GFLOP/s"),
             ("GEMM FLOP/s at the model's shapes", f"{result['gemm_flops_per_s'] / 1e9:.2f} GFLOP/s"),
             ("ratio", f"{result['ratio'] * 100:.1f} %")]
+    for kind, seconds in (result.get("profile_s") or {}).items():
+        rows.append((f"  {kind} (per step)", f"{seconds * 1e3:.1f} ms"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows) + "\n" + json.dumps(result)
