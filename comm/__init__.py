@@ -11,14 +11,15 @@ from .debug import CommMismatchError
 from .grid import ProcessGrid, grid_coordinates, grid_ranks
 from .group import Group
 from .p2p import P2POp, Request, batch_isend_irecv, irecv, isend, recv, send, sendrecv, wait_all
-from .runtime import (blas_threads, device_index, init, launch_rank, launch_size, launched_by_mpi,
-                      local_rank, local_size, report_and_abort, reports_input_error)
+from .runtime import (blas_thread_environment, blas_threads, device_index, init, launch_rank, launch_size,
+                      launched_by_mpi, local_rank, local_size, mpiexec_path, report_and_abort,
+                      reports_input_error)
 from .signals import ExitSignal
 from .stats import Stats, reset_stats, stats
 
 __all__ = [
     "init", "launched_by_mpi", "launch_rank", "launch_size", "local_rank", "local_size",
-    "blas_threads", "device_index", "report_and_abort", "reports_input_error", "ExitSignal",
+    "blas_threads", "blas_thread_environment", "mpiexec_path", "device_index", "report_and_abort", "reports_input_error", "ExitSignal",
     "Group", "ProcessGrid", "grid_ranks", "grid_coordinates",
     "all_reduce", "all_reduce_async", "all_gather", "reduce_scatter", "broadcast", "barrier",
     "send", "recv", "isend", "irecv", "sendrecv", "batch_isend_irecv", "P2POp", "Request", "wait_all",

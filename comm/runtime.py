@@ -147,6 +147,22 @@ def blas_threads():
     return _state["blas_threads"]
 
 
+def blas_thread_environment(threads):
+    """The variables that give a process to be started `threads` BLAS threads."""
+    return {name: str(threads) for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+
+
+def mpiexec_path():
+    """The mpiexec beside this Python (the mpich wheel's), else the one on PATH."""
+    import shutil
+    path = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    found = path if os.path.exists(path) else shutil.which("mpiexec") or shutil.which("mpirun")
+    if found is None:
+        raise InputError("no mpiexec found; install the MPI extra (pip install 'npmegatron[mpi]') "
+                         "or launch this command with your MPI's mpirun")
+    return found
+
+
 def _end_on_uncaught(exc_type, exc, tb):
     """sys.excepthook under mpirun; Python exits with status 1 after it returns."""
     if not isinstance(exc, InputError):

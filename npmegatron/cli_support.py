@@ -2,9 +2,7 @@
 dataclasses (config.py), bad input as one sentence printed once (under mpirun too), and the
 relaunch under mpiexec that the benchmarks use."""
 import functools
-import os
 import re
-import shutil
 import subprocess
 import sys
 import typing
@@ -97,11 +95,6 @@ Group.group_class = Group
 
 def relaunch_under_mpiexec(ranks):
     """Run this same command line on `ranks` ranks with the environment's mpiexec."""
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    if not os.path.exists(mpiexec):
-        mpiexec = shutil.which("mpiexec") or shutil.which("mpirun")
-    if mpiexec is None:
-        raise InputError("no mpiexec found; install the MPI extra (pip install 'npmegatron[mpi]') "
-                         "or launch this command with your MPI's mpirun")
-    command = [mpiexec, "-n", str(ranks), sys.executable, "-m", "npmegatron.cli"] + sys.argv[1:]
+    from . import comm
+    command = [comm.mpiexec_path(), "-n", str(ranks), sys.executable, "-m", "npmegatron.cli"] + sys.argv[1:]
     return subprocess.call(command)

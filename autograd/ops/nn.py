@@ -178,8 +178,8 @@ def check_ids(ids, size, what, fix, ignore_index=None):
         return
     xp = get_array_module(ids)
     if ignore_index is not None:
-        ignored = ids == ignore_index
-        lo, hi = xp.where(ignored, 0, ids).min(), xp.where(ignored, 0, ids).max()
+        kept = xp.where(ids == ignore_index, 0, ids)      # 0 is in range: it never fails the check
+        lo, hi = kept.min(), kept.max()
     else:
         lo, hi = ids.min(), ids.max()
     lo, hi = (int(v) for v in to_numpy(xp.stack([lo, hi])))

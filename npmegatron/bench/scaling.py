@@ -147,24 +147,11 @@ def plan_runs(cfg, layouts, mode, micro_batch, seq, global_batch=None):
 # ----------------------------------------------------------------------------- running (parent)
 
 def rank_environment(ranks):
-    env = dict(os.environ)
-    threads = str(threads_per_rank(ranks))
-    env.update({"OMP_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
-                "PYTHONUNBUFFERED": "1"})
+    from .. import comm
+    env = dict(os.environ, **comm.blas_thread_environment(threads_per_rank(ranks)), PYTHONUNBUFFERED="1")
     if ranks > cores():
         env["MPIR_CVAR_CH4_PROGRESS_THROTTLE"] = "true"
     return env
-
-
-def mpiexec_path():
-    path = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    if os.path.exists(path):
-        return path
-    import shutil
-    found = shutil.which("mpiexec") or shutil.which("mpirun")
-    if found is None:
-        raise InputError("no mpiexec found; install the MPI extra (pip install 'npmegatron[mpi]')")
-    return found
 
 
 class ChildFailed(Exception):
@@ -173,8 +160,9 @@ class ChildFailed(Exception):
 
 def run_layout(spec, warmup, iters, timeout=None):
     """Launch one layout's child under mpiexec; its record (a dict)."""
+    from .. import comm
     child = dict(spec, warmup=warmup, iters=iters, threads_per_rank=threads_per_rank(spec["ranks"]))
-    command = [mpiexec_path(), "-n", str(spec["ranks"]), sys.executable, "-m", "npmegatron.bench.scaling",
+    command = [comm.mpiexec_path(), "-n", str(spec["ranks"]), sys.executable, "-m", "npmegatron.bench.scaling",
                json.dumps(child)]
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     done = subprocess.run(command, env=rank_environment(spec["ranks"]), capture_output=True, text=True,
@@ -347,18 +335,11 @@ class ChildRun:
 
     def step(self):
         """One training step, as Trainer.train_step and step() make it."""
-        from .. import comm
-        from ..autograd.backend import to_numpy
-        from ..training.optimizer import clip_gradients, grad_norm_squared
-        from ..training.step import train_step
+        from ..training.step import clip_after_step, train_step
         from ..training.timers import OPTIMIZER
-        grid, xp, timers = self.grid, self.model.xp, self.timers
-        loss_sum = train_step(self.model, self.exchange, self.batches, self.buckets, "1f1b", timers)
-        with timers(OPTIMIZER):
-            loss = comm.all_reduce(comm.all_reduce(xp.asarray(loss_sum).reshape(1), grid.pp_group), grid.dp_group)
-            both = xp.concatenate([loss, grad_norm_squared(self.params, grid.mp_group, self.norm_skip)])
-            _, norm_squared = (float(v) for v in to_numpy(both))
-            clip_gradients(self.params, math.sqrt(norm_squared), 1.0)
+        loss_sum = train_step(self.model, self.exchange, self.batches, self.buckets, "1f1b", self.timers)
+        with self.timers(OPTIMIZER):
+            clip_after_step(self.model, self.params, loss_sum, self.norm_skip, 1.0)
             self.optimizer.step(1e-4)
 
     def measure(self):

@@ -1,6 +1,11 @@
 """The training step: forward and backward of one global batch's micro-batches on this rank,
 then every gradient made whole. One function, used by the trainer, the benchmarks and the tests."""
+import math
+
+from .. import comm
+from ..autograd.backend import to_numpy
 from ..pipeline import run_schedule
+from .optimizer import clip_gradients, grad_norm_squared
 from .timers import FINALIZE_GRADS, NO_TIMERS
 
 
@@ -24,3 +29,22 @@ def train_step(model, exchange, batches, buckets, schedule="1f1b", timers=None, 
     with timers(FINALIZE_GRADS):    # SP partial gradients over TP, the tied embedding over PP ends
         model.finalize_grads()
     return loss_sum
+
+
+def sum_losses(model, loss_sum):
+    """Losses summed on the last stage, then over the pipeline and the DP replicas: a float64
+    array of shape (1,), left on the device."""
+    grid = model.grid
+    return comm.all_reduce(comm.all_reduce(model.xp.asarray(loss_sum).reshape(1), grid.pp_group),
+                           grid.dp_group)
+
+
+def clip_after_step(model, params, loss_sum, norm_skip, max_norm):
+    """(summed loss, gradient norm before clipping) as host floats, the gradients clipped to
+    max_norm. Both numbers reach the host together: the step's one synchronisation."""
+    both = model.xp.concatenate([sum_losses(model, loss_sum),
+                                 grad_norm_squared(params, model.grid.mp_group, norm_skip)])
+    loss_total, norm_squared = (float(v) for v in to_numpy(both))
+    norm = math.sqrt(norm_squared)
+    clip_gradients(params, norm, max_norm)
+    return loss_total, norm

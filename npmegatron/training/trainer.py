@@ -21,9 +21,9 @@ from ..data_parallel import GradientBuckets
 from ..pipeline import StageExchange, run_schedule
 from . import checkpoint
 from .log import TrainingLog
-from .optimizer import AdamW, clip_gradients, grad_norm_squared, learning_rate
+from .optimizer import AdamW, learning_rate
 from .save_folder import SaveFolder
-from .step import schedule_options, train_step
+from .step import clip_after_step, schedule_options, sum_losses, train_step
 from .timers import NO_TIMERS, OPTIMIZER
 
 
@@ -78,15 +78,9 @@ class Trainer:
         first = step * self.plan.global_batch + self.grid.dp_rank * count * size
         return [sampler.batch(first + j * size, size) for j in range(count)]
 
-    def loss_total(self, loss_sum):
-        """Losses summed on the last stage, then over the pipeline and the DP replicas: a float64
-        array of shape (1,), left on the device."""
-        total = comm.all_reduce(self.model.xp.asarray(loss_sum).reshape(1), self.grid.pp_group)
-        return comm.all_reduce(total, self.grid.dp_group)
-
     def mean_loss(self, loss_sum, count):
         """The mean over micro-batches and DP replicas of losses summed on the last stage."""
-        return float(to_numpy(self.loss_total(loss_sum))[0]) / (count * self.grid.dp_size)
+        return float(to_numpy(sum_losses(self.model, loss_sum))[0]) / (count * self.grid.dp_size)
 
     def train_step(self):
         """Forward and backward over the micro-batches, DP average, clip. Returns (loss, norm).
@@ -95,11 +89,8 @@ class Trainer:
         loss_sum = train_step(self.model, self.exchange, self.micro_batches(self.sampler, self.iteration),
                               self.buckets, self.schedule, self.timers, **schedule_options(self.config.parallel))
         with self.timers(OPTIMIZER):        # the norm's reduction and clipping, as Megatron times them
-            both = self.model.xp.concatenate([self.loss_total(loss_sum),
-                                              grad_norm_squared(self.params, self.grid.mp_group, self.norm_skip)])
-            loss_total, norm_squared = (float(v) for v in to_numpy(both))
-            norm = math.sqrt(norm_squared)
-            clip_gradients(self.params, norm, self.config.clip_grad)
+            loss_total, norm = clip_after_step(self.model, self.params, loss_sum, self.norm_skip,
+                                               self.config.clip_grad)
         return loss_total / (self.plan.micro_batches * self.grid.dp_size), norm
 
     def step(self):

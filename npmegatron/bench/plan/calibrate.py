@@ -21,10 +21,8 @@ from ..comm import alpha_beta_fit
 def run_bench(args, threads=None):
     """The JSON object printed last by `npmegatron bench ARGS` (with `threads` BLAS threads)."""
     command = [sys.executable, "-m", "npmegatron.cli", "bench"] + [str(a) for a in args]
-    env = dict(os.environ)
-    if threads is not None:
-        env.update({name: str(threads) for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
-                                                     "MKL_NUM_THREADS")})
+    from ... import comm
+    env = dict(os.environ, **(comm.blas_thread_environment(threads) if threads is not None else {}))
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode or not lines:
