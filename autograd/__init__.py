@@ -13,7 +13,7 @@ from .ops import (
     reshape, transpose, split, concatenate, getitem,
     sum, mean, max,
     exp, log, tanh, gelu, bias_gelu,
-    softmax, layer_norm, dropout, dropout_add, embedding, cross_entropy,
+    softmax, layer_norm, dropout, dropout_add, embedding, cross_entropy, causal_attention,
 )
 from .gradcheck import gradcheck, numerical_grad
 
@@ -23,5 +23,5 @@ __all__ = [
     "reshape", "transpose", "split", "concatenate", "getitem",
     "sum", "mean", "max", "exp", "log", "tanh", "gelu", "bias_gelu",
     "softmax", "layer_norm", "dropout", "dropout_add", "embedding", "cross_entropy",
-    "gradcheck", "numerical_grad",
+    "causal_attention", "gradcheck", "numerical_grad",
 ]

@@ -3,7 +3,8 @@
 A chain is a Python function `body(xp, *arrays_and_scalars)` decorated with `@fused`. On CuPy
 arrays it runs as one kernel made by `cupy.fuse`; on NumPy arrays the very same body runs
 directly, so the CPU tests check the code the GPU compiles. `Fused.__call__` is the one place
-that picks the path (a multithreaded CPU engine would plug in there).
+that picks the path; on the CPU, large arrays go through the
+multithreaded block engine of `cpu_blocks.py`, which runs the same body on blocks of rows.
 
 The rules a body follows, read from CuPy's source (cupy/cupy, `cupy/_core/fusion.pyx`,
 `cupy/_core/new_fusion.pyx`, `cupy/_core/_fusion_interface.py`, `cupy/_core/_fusion_trace.pyx`):
@@ -37,6 +38,8 @@ import functools
 import importlib
 
 import numpy
+
+from .cpu_blocks import WHOLE as _WHOLE, run_chain
 
 #: Every chain by name: the strict-fusion test runs each one.
 CHAINS = {}
@@ -82,7 +85,10 @@ class Fused:
         args = tuple(_host_scalar(a) for a in args)
         if _on_gpu(args):
             return self.kernel()(*args)
-        return self.body(NUMPY_FUNCTIONS, *args)
+        result = run_chain(self.body, NUMPY_FUNCTIONS, args)
+        if result is _WHOLE:
+            return self.body(NUMPY_FUNCTIONS, *args)
+        return result
 
     def kernel(self):
         """The cupy.fuse function, made on first GPU use (CuPy is imported only then)."""

@@ -12,6 +12,7 @@ import time
 import traceback
 
 from npmegatron.autograd.errors import InputError
+from npmegatron.autograd.threads import set_cpu_threads
 
 from .group import Group
 
@@ -54,8 +55,12 @@ def init():
     local = world.Split_type(MPI.COMM_TYPE_SHARED)
     _state["local_size"], _state["local_rank"] = local.Get_size(), local.Get_rank()
     threads = max(1, _cores() // _state["local_size"])
+    asked = os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")
+    if asked and asked.isdigit() and 0 < int(asked) < threads:
+        threads = int(asked)        # a smaller budget the launcher gave (bench scaling's baseline)
     _state["blas_limits"] = threadpool_limits(limits=threads, user_api="blas")
     _state["blas_threads"] = threads
+    set_cpu_threads(threads)        # the CPU engine's threads follow the same per-rank budget
     _state["device"] = bind_device(_state["local_rank"])
     # Gathered here, where every local rank is present: gathered lazily at a rank's first GPU
     # call, it would hang whenever another local rank's next call is not on the GPU.

@@ -97,7 +97,7 @@ def bench_model_config(options):
               "and the autograd's own overhead.")
 @user_errors
 def bench_step_command(**options):
-    """Time forward + backward + SGD step against the matmul FLOP/s at the model's GEMM shapes."""
+    """Time forward + backward + AdamW step against the matmul FLOP/s at the model's GEMM shapes."""
     from . import comm
     if comm.launch_size() > 1:
         # Every rank would time its own copy and print its own table. Rank 0 alone says so, without
@@ -182,11 +182,14 @@ def bench_pipeline_command(ranks, **options):
                    "replica (default: micro-batch x 2).")
 @click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True, help="Untimed steps first.")
 @click.option("--iters", type=POSITIVE, default=3, show_default=True, help="Timed steps per layout.")
+@click.option("--threads-per-rank", type=POSITIVE, default=None,
+              help="BLAS and CPU-engine threads per rank (default: the cores shared among the ranks; "
+                   "1 gives the single-core serial baseline).")
 @click.option("--output", default=None, help="Folder: results.jsonl, scaling.png, breakdown.png.")
 @click.option("--json", "as_json", is_flag=True, help="Print the records (JSON lines), not the table.")
 @user_errors
-def bench_scaling_command(mode, layouts, ranks, parallel, global_batch_size, warmup, iters, output, as_json,
-                          **options):
+def bench_scaling_command(mode, layouts, ranks, parallel, global_batch_size, warmup, iters, threads_per_rank,
+                          output, as_json, **options):
     """Strong or weak scaling over TP x PP x DP layouts, each launched as its own mpiexec job, with
     each step split into phases (compute, TP, DP and pipeline communication, optimizer)."""
     from . import comm
@@ -200,7 +203,7 @@ def bench_scaling_command(mode, layouts, ranks, parallel, global_batch_size, war
     parsed = parse_layouts(layouts, ranks, parallel)
     try:
         records = bench_scaling(cfg, parsed, mode, options["micro_batch_size"], options["seq_length"],
-                                global_batch_size, warmup, iters)
+                                global_batch_size, warmup, iters, threads=threads_per_rank)
     except ChildFailed as error:
         raise click.ClickException(str(error)) from None
     if output:

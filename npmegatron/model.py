@@ -58,9 +58,11 @@ class ParallelAttention(Module):
         q, k, v = (part.reshape(b, t, heads, d).transpose(0, 2, 1, 3) for part in ag.split(qkv, 3, axis=3))
         if cache is not None:      # generation: attend to every earlier position, computed once
             k, v = cache.extend(k.data, v.data)
-        probs = ag.softmax(q @ k.transpose(0, 1, 3, 2), scale=1.0 / math.sqrt(d), causal=True)
-        probs = ag.dropout(probs, self.cfg.attention_dropout, self.probs_dropout, self.training)
-        y = (probs @ v).transpose(0, 2, 1, 3).reshape(b, t, heads * d)
+        # Blockwise: the (t, t) probabilities are never kept. The dropout position is frozen
+        # now, because backward draws the masks again.
+        y = ag.causal_attention(q, k, v, 1.0 / math.sqrt(d), self.cfg.attention_dropout,
+                                self.probs_dropout.frozen(), self.training)
+        y = y.transpose(0, 2, 1, 3).reshape(b, t, heads * d)
         return self.proj(y)
 
 

@@ -5,6 +5,7 @@ from ..backend import get_array_module
 from ..errors import InputError
 from ..function import Function
 from ..fusion import fused
+from .arithmetic import bias_grad
 
 
 class Exp(Function):
@@ -192,7 +193,7 @@ class BiasGelu(Function):
     def backward(ctx, g):
         y, b, kept = ctx.saved
         gy = ctx.backward_chain(g, y, b, kept)
-        gb = gy.reshape(-1, gy.shape[-1]).sum(axis=0) if ctx.needs_input_grad[1] else None
+        gb = bias_grad(gy) if ctx.needs_input_grad[1] else None
         return gy, gb
 
 

@@ -4,10 +4,12 @@ Fused means one Function with a hand-written backward, as Megatron's fused kerne
 (FusedScaleMaskSoftmax, fused LayerNorm), instead of a chain of primitives each saving arrays.
 """
 from ..backend import get_array_module, scatter_add, to_numpy
+from ..cpu_blocks import each_row_block
 from ..errors import InputError
 from ..function import Function
 from ..fusion import fused
 from ..tensor import Tensor
+from .arithmetic import bias_grad
 
 
 def _causal_bias(xp, t_q, t_k, dtype):
@@ -37,13 +39,12 @@ def softmax_backward(xp, g, y, dot, scale):
 
 
 @fused
-def normalize_affine_(xp, xhat, rstd, weight, bias):
-    """LayerNorm's x - mean becomes xhat = (x - mean) * rstd in place (kept for backward); the
-    output xhat * weight + bias is returned."""
+def normalize_affine_(xp, xhat, rstd, weight, bias, out):
+    """LayerNorm's x - mean becomes xhat = (x - mean) * rstd in place (kept for backward), and
+    out = xhat * weight + bias."""
     xhat *= rstd
-    out = xhat * weight
+    xp.multiply(xhat, weight, out=out)
     out += bias
-    return out
 
 
 @fused
@@ -95,33 +96,52 @@ class Softmax(Function):
         return softmax_backward(g, y, dot, ctx.scale)
 
 
+def _layer_norm_rows(xp, x, weight, bias, eps, out, xhat, rstd):
+    """LayerNorm forward of some rows (2-D): all of them at once on a GPU, a block of rows per
+    call from the CPU engine, whose reductions are per row and so stay inside the block."""
+    xp.subtract(x, x.mean(axis=-1, keepdims=True), out=xhat)
+    var = (xhat * xhat).mean(axis=-1, keepdims=True)
+    var += eps
+    xp.sqrt(var, out=rstd)
+    xp.divide(1.0, rstd, out=rstd)
+    normalize_affine_(xhat, rstd, weight, bias, out)
+
+
+def _layer_norm_grad_rows(xp, g, weight, xhat, rstd, gx):
+    """dx = rstd (gh - mean(gh) - xhat mean(gh xhat)), gh = g * weight, for some rows."""
+    xp.multiply(g, weight, out=gx)
+    layer_norm_backward_(gx, xhat, gx.mean(axis=-1, keepdims=True),
+                         (gx * xhat).mean(axis=-1, keepdims=True), rstd)
+
+
 class LayerNorm(Function):
     """(x - mean) / sqrt(var + eps) * weight + bias over the last axis, fused both ways."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
         xp = get_array_module(x)
-        mu = x.mean(axis=-1, keepdims=True)
-        xhat = x - mu
-        var = (xhat * xhat).mean(axis=-1, keepdims=True)
-        rstd = 1.0 / xp.sqrt(var + eps)
-        out = normalize_affine_(xhat, rstd, weight, bias)
+        x2 = x.reshape(-1, x.shape[-1])
+        out, xhat = xp.empty_like(x2), xp.empty_like(x2)
+        rstd = xp.empty((x2.shape[0], 1), x.dtype)
+        each_row_block(lambda *rows: _layer_norm_rows(xp, rows[0], weight, bias, eps, *rows[1:]),
+                       x2, out, xhat, rstd)
         ctx.save_for_backward(xhat, rstd, weight)
-        return out
+        return out.reshape(x.shape)
 
     @staticmethod
     def backward(ctx, g):
         xhat, rstd, weight = ctx.saved
+        xp = get_array_module(g)
         need_x, need_w, need_b = ctx.needs_input_grad
-        g2 = g.reshape(-1, g.shape[-1])
-        gw = (g2 * xhat.reshape(g2.shape)).sum(axis=0) if need_w else None
-        gb = g2.sum(axis=0) if need_b else None
+        g2 = g.reshape(xhat.shape)
+        gw = (g2 * xhat).sum(axis=0) if need_w else None
+        gb = bias_grad(g2) if need_b else None
         gx = None
         if need_x:
-            # dx = rstd * (gh - mean(gh) - xhat * mean(gh * xhat)), gh = g * weight
-            gx = g * weight
-            layer_norm_backward_(gx, xhat, gx.mean(axis=-1, keepdims=True),
-                                 (gx * xhat).mean(axis=-1, keepdims=True), rstd)
+            gx = xp.empty_like(g2)
+            each_row_block(lambda *rows: _layer_norm_grad_rows(xp, rows[0], weight, *rows[1:]),
+                           g2, xhat, rstd, gx)
+            gx = gx.reshape(g.shape)
         return gx, gw, gb
 
 

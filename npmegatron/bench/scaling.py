@@ -146,9 +146,9 @@ def plan_runs(cfg, layouts, mode, micro_batch, seq, global_batch=None):
 
 # ----------------------------------------------------------------------------- running (parent)
 
-def rank_environment(ranks):
+def rank_environment(ranks, threads):
     from .. import comm
-    env = dict(os.environ, **comm.blas_thread_environment(threads_per_rank(ranks)), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, **comm.blas_thread_environment(threads), PYTHONUNBUFFERED="1")
     if ranks > cores():
         env["MPIR_CVAR_CH4_PROGRESS_THROTTLE"] = "true"
     return env
@@ -158,14 +158,16 @@ class ChildFailed(Exception):
     pass
 
 
-def run_layout(spec, warmup, iters, timeout=None):
-    """Launch one layout's child under mpiexec; its record (a dict)."""
+def run_layout(spec, warmup, iters, timeout=None, threads=None):
+    """Launch one layout's child under mpiexec; its record (a dict). threads: BLAS and CPU-engine
+    threads per rank (default: the cores shared among the ranks)."""
     from .. import comm
-    child = dict(spec, warmup=warmup, iters=iters, threads_per_rank=threads_per_rank(spec["ranks"]))
+    threads = threads or threads_per_rank(spec["ranks"])
+    child = dict(spec, warmup=warmup, iters=iters, threads_per_rank=threads)
     command = [comm.mpiexec_path(), "-n", str(spec["ranks"]), sys.executable, "-m", "npmegatron.bench.scaling",
                json.dumps(child)]
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    done = subprocess.run(command, env=rank_environment(spec["ranks"]), capture_output=True, text=True,
+    done = subprocess.run(command, env=rank_environment(spec["ranks"], threads), capture_output=True, text=True,
                           timeout=timeout)
     lines = [line for line in done.stdout.splitlines() if line.startswith(RECORD_PREFIX)]
     if done.returncode or not lines:
@@ -193,11 +195,11 @@ def add_efficiency(records, mode):
 
 
 def bench_scaling(cfg, layouts, mode, micro_batch, seq, global_batch=None, warmup=1, iters=3,
-                  on_record=None):
+                  on_record=None, threads=None):
     specs = plan_runs(cfg, layouts, mode, micro_batch, seq, global_batch)
     records = []
     for spec in specs:
-        records.append(run_layout(spec, warmup, iters))
+        records.append(run_layout(spec, warmup, iters, threads=threads))
         if on_record is not None:
             on_record(records[-1])
     return add_efficiency(records, mode)

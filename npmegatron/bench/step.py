@@ -9,7 +9,7 @@ import numpy
 
 from ..autograd.backend import array_module_for
 from ..model import GPT, GPTConfig, model_flops
-from ..training.optimizer import SGD
+from ..training.optimizer import AdamW
 
 
 def _synchronize(xp):
@@ -59,7 +59,8 @@ def gemm_ceiling(cfg, batch, seq, repeats=5):
 
 # Functions by kind, for --profile; anything else is "other ops" (embeddings, reshapes, the
 # tensor-parallel mappings).
-OP_KINDS = {"matmul": ("MatMul", "Linear"), "softmax": ("Softmax",), "layernorm": ("LayerNorm",),
+OP_KINDS = {"matmul": ("MatMul", "Linear"), "attention": ("Softmax", "CausalAttention"),
+            "layernorm": ("LayerNorm",),
             "loss": ("CrossEntropy", "_VocabParallelCrossEntropy"),
             "elementwise": ("Add", "Sub", "Mul", "Div", "Neg", "Pow", "Exp", "Log", "Tanh", "GeluTanh",
                             "GeluErf", "BiasGelu", "Dropout", "DropoutAdd", "Sum", "Mean", "Max")}
@@ -100,19 +101,24 @@ def _timed_steps(model, inputs, targets, optimizer, xp, warmup, iters, profile):
 
 
 def bench_step(cfg: GPTConfig, batch, seq, warmup=2, iters=5, threads=None, profile=False):
-    """threads: BLAS threads for this run (threadpoolctl; default: the library's own); profile:
+    """threads: BLAS threads for this run (threadpoolctl; default: the library's own), which are
+    also the CPU engine's (autograd/threads.py); profile:
     also report seconds per step by kind of op, the optimizer, and the autograd's own overhead
     (the step minus both)."""
     from threadpoolctl import threadpool_limits
+
+    from ..autograd.threads import set_cpu_threads
+    previous = set_cpu_threads(threads)
     with threadpool_limits(limits=threads) if threads else contextlib.nullcontext():
         model = GPT(cfg)
         xp = model.xp
         rng = numpy.random.default_rng(cfg.seed)
         ids = rng.integers(0, cfg.vocab_size, (batch, seq + 1))
         inputs, targets = xp.asarray(ids[:, :-1]), xp.asarray(ids[:, 1:])
-        optimizer = SGD(model.parameters(), lr=1e-4)
+        optimizer = AdamW(model.parameters(), lr=1e-4)
         times, optimizer_s, table = _timed_steps(model, inputs, targets, optimizer, xp, warmup, iters, profile)
         gemm = gemm_ceiling(cfg, batch, seq)
+    set_cpu_threads(previous)
     step_s = statistics.median(times)
     flops = model_flops(cfg, model.num_parameters(), batch, seq)
     result = {

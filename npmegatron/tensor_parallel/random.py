@@ -48,19 +48,55 @@ def draw_key(key, *words):
     return key
 
 
-def uniform(key, shape, dtype, xp):
+def uniform(key, shape, dtype, xp, block=None):
     """Numbers j = 0 .. prod(shape)-1 of the draw `key`: uniform in [0, 1), the top 24 (float32)
-    or 53 (float64) bits of mix64(key + j * golden) scaled exactly, so the same on any device."""
+    or 53 (float64) bits of mix64(key + j * golden) scaled exactly, so the same on any device.
+
+    block=(row_start, row_stop, col_stop) gives only `uniform(key, shape)[..., row_start:row_stop,
+    :col_stop]`, drawn at the cost of the block (blockwise attention draws its masks this way)."""
     dtype = numpy.dtype(dtype)
-    bits = xp.arange(int(numpy.prod(shape, dtype=numpy.int64)), dtype=xp.uint64)
+    shape = tuple(int(n) for n in numpy.atleast_1d(shape)) if not isinstance(shape, tuple) else shape
+    starts, width, out_shape = _row_starts(shape, block)
+    mantissa = 24 if dtype == numpy.float32 else 53
+    if xp is numpy and starts.size * width >= _COMPILED_MIN_SIZE:
+        from . import _uniform_kernel
+        numbers = numpy.empty((starts.size, width), dtype)
+        _uniform_kernel.fill(numbers, numpy.uint64(key), starts, mantissa)
+        return numbers.reshape(out_shape)
+    bits = xp.asarray(starts)[:, None] + xp.arange(width, dtype=xp.uint64)[None, :]
     bits *= xp.uint64(_GOLDEN)
     bits += xp.uint64(key)
     mix64(bits, xp)
-    mantissa = 24 if dtype == numpy.float32 else 53
     bits >>= xp.uint64(64 - mantissa)
-    numbers = bits.astype(dtype).reshape(shape)
+    numbers = bits.astype(dtype).reshape(out_shape)
     numbers *= dtype.type(2.0 ** -mantissa)
     return numbers
+
+
+#: Draws at least this large are hashed by the compiled kernel on NumPy (smaller ones are not
+#: worth importing numba for); both give bitwise the same numbers.
+_COMPILED_MIN_SIZE = 1 << 15
+
+
+def _row_starts(shape, block):
+    """(index of each output row's first number, row width, output shape) as host uint64."""
+    if not shape:
+        return numpy.zeros(1, numpy.uint64), 1, shape
+    lead, rows, cols = int(numpy.prod(shape[:-2], dtype=numpy.int64)), 1, shape[-1]
+    if len(shape) >= 2:
+        rows = shape[-2]
+    if block is None:
+        starts = numpy.arange(lead * rows, dtype=numpy.uint64) * numpy.uint64(cols)
+        return starts, cols, shape
+    if len(shape) < 2:
+        raise ValueError(f"a block of a draw needs at least 2 dimensions, got shape {shape}")
+    row_start, row_stop, col_stop = block
+    if not (0 <= row_start <= row_stop <= rows and 0 <= col_stop <= cols):
+        raise ValueError(f"block {block} is outside the draw of shape {shape}")
+    row_index = numpy.arange(lead, dtype=numpy.uint64)[:, None] * numpy.uint64(rows) \
+        + numpy.arange(row_start, row_stop, dtype=numpy.uint64)[None, :]
+    starts = row_index.reshape(-1) * numpy.uint64(cols)
+    return starts, col_stop, shape[:-2] + (row_stop - row_start, col_stop)
 
 
 def site_number(layer=None, kind=0):
@@ -77,10 +113,27 @@ class DropoutSite:
     def __init__(self, tracker, stream, site):
         self.tracker, self.stream, self.site = tracker, stream, site
 
-    def random(self, shape, dtype=numpy.float64):
+    def random(self, shape, dtype=numpy.float64, block=None):
+        """The site's uniforms of `shape`; block=(row_start, row_stop, col_stop): only
+        `random(shape)[..., row_start:row_stop, :col_stop]`, at the cost of the block."""
+        return self.frozen().random(shape, dtype, block)
+
+    def frozen(self):
+        """This site's draw at the tracker's position now, kept: an op that draws again in its
+        backward (blockwise attention) holds it, so its masks stay the forward's even if the
+        tracker has moved on."""
         t = self.tracker
-        key = draw_key(t.keys[self.stream], t.iteration, t.micro_batch, self.site)
-        return uniform(key, shape, dtype, t.xp)
+        return FrozenDraw(draw_key(t.keys[self.stream], t.iteration, t.micro_batch, self.site), t.xp)
+
+
+class FrozenDraw:
+    """One draw's key: `random(shape, dtype, block)` as DropoutSite's, at a fixed position."""
+
+    def __init__(self, key, xp):
+        self.key, self.xp = key, xp
+
+    def random(self, shape, dtype=numpy.float64, block=None):
+        return uniform(self.key, shape, dtype, self.xp, block)
 
 
 class RNGTracker:

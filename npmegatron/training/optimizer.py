@@ -1,4 +1,4 @@
-"""Optimizers (AdamW, plain SGD), the learning-rate schedule and global-norm gradient clipping,
+"""The AdamW optimizer, the learning-rate schedule and global-norm gradient clipping,
 as in Megatron's training loop (paper §4.2: warmup, cosine decay to a minimum)."""
 import math
 
@@ -7,19 +7,6 @@ import numpy
 from ..autograd import get_array_module
 from ..autograd.backend import to_numpy
 from ..autograd.fusion import fused
-
-
-class SGD:
-    """p -= lr * grad: the 'plain optimizer step' of the step benchmark."""
-
-    def __init__(self, params, lr=1e-3):
-        self.params, self.lr = list(params), lr
-
-    def step(self, lr=None):
-        lr = self.lr if lr is None else lr
-        for p in self.params:
-            if p.grad is not None:
-                p.data -= p.dtype.type(lr) * p.grad
 
 
 @fused

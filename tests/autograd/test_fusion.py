@@ -261,11 +261,15 @@ def _cases(dtype=np.float64):
         "exp_shifted_": ((x.copy(), x.max(axis=-1, keepdims=True)),
                          lambda: {0: np.exp(x - x.max(axis=-1, keepdims=True))}),
         "softmax_backward": ((g, y, dot, 0.5), lambda: 0.5 * y * (g - dot)),
-        "normalize_affine_": ((xc.copy(), rstd, b, g[0, 0]), lambda: (xhat * b + g[0, 0], {0: xhat})),
+        "normalize_affine_": ((xc.copy(), rstd, b, g[0, 0], np.empty_like(xc)),
+                              lambda: {0: xhat, 4: xhat * b + g[0, 0]}),
         "layer_norm_backward_": ((gh.copy(), xhat, mean_gh, mean_ghx, rstd),
                                  lambda: {0: rstd * (gh - mean_gh - xhat * mean_ghx)}),
         "dropout_add_forward": ((x, u, r, 0.3, 1 / 0.7), lambda: (r + np.where(keep, x / 0.7, 0), keep)),
         "dropout_backward": ((g, keep, 1 / 0.7), lambda: np.where(keep, g / 0.7, 0)),
+        "dropout_": ((x.copy(), u, 0.3, 1 / 0.7), lambda: {0: np.where(keep, x / 0.7, 0)}),
+        "dropout_softmax_backward_": ((g.copy(), y, u, dot, 0.3, 1 / 0.7, 0.5),
+                                      lambda: {0: 0.5 * y * (np.where(keep, g / 0.7, 0) - dot)}),
         "adamw_update_": ((p.copy(), g, m.copy(), v.copy(), 1 - lr * wd, b1, 1 - b1, b2, 1 - b2,
                            1 / math.sqrt(bias2), eps, lr / bias1),
                           lambda: {0: p_new, 2: m_new, 3: v_new}),
@@ -431,3 +435,48 @@ def test_adamw_matches_the_textbook_update():
         start = start * (1 - 0.001) - 0.01 * (m / (1 - 0.9 ** step)) / (
             np.sqrt(v / (1 - 0.999 ** step)) + 1e-8)
     np.testing.assert_allclose(p.data, start, rtol=1e-13)
+
+
+@pytest.fixture
+def tiny_blocks(monkeypatch):
+    """The CPU block engine on the tests' small arrays: blocks of a few rows, two threads."""
+    from npmegatron.autograd import cpu_blocks, threads
+    monkeypatch.setattr(cpu_blocks, "MIN_BLOCKED_ELEMENTS", 1)
+    monkeypatch.setattr(cpu_blocks, "BLOCK_ELEMENTS", 8)
+    previous = threads.set_cpu_threads(2)
+    yield
+    threads.set_cpu_threads(previous)
+
+
+@pytest.mark.parametrize("name", sorted(_cases()))
+def test_block_engine_gives_the_whole_array_results_bitwise(name, tiny_blocks):
+    """Each chain cut into row blocks on two threads equals the body run once on whole arrays."""
+    args, _ = _cases()[name]
+    whole_args = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
+    block_args = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
+    whole = fusion.CHAINS[name].body(fusion.NUMPY_FUNCTIONS, *whole_args)
+    blocked = fusion.CHAINS[name](*block_args)
+    for got, want in zip(blocked if isinstance(blocked, tuple) else (blocked,),
+                         whole if isinstance(whole, tuple) else (whole,)):
+        np.testing.assert_array_equal(got, want)
+    for got, want in zip(block_args, whole_args):
+        if isinstance(got, np.ndarray):
+            np.testing.assert_array_equal(got, want)
+
+
+def test_layer_norm_by_row_blocks_equals_one_pass(tiny_blocks):
+    rng = np.random.default_rng(3)
+    x, w, b, g = (rng.standard_normal(s) for s in ((3, 5, 16), (16,), (16,), (3, 5, 16)))
+    blocked = [Tensor(a, requires_grad=True) for a in (x, w, b)]
+    out = ag.layer_norm(*blocked)
+    out.backward(g)
+    from npmegatron.autograd import threads
+    threads.set_cpu_threads(1)
+    import npmegatron.autograd.cpu_blocks as cpu_blocks
+    cpu_blocks.MIN_BLOCKED_ELEMENTS = 1 << 40
+    whole = [Tensor(a, requires_grad=True) for a in (x, w, b)]
+    ref = ag.layer_norm(*whole)
+    ref.backward(g)
+    np.testing.assert_array_equal(out.data, ref.data)
+    for got, want in zip(blocked, whole):
+        np.testing.assert_array_equal(got.grad, want.grad)

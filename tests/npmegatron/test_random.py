@@ -97,3 +97,20 @@ def test_a_pipeline_split_draws_the_serial_models_masks():
     assert got.item() == want.item()
     serial.rng.micro_batch = 1
     assert serial(ids[:, :-1], ids[:, 1:])[1].item() != want.item()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_compiled_hash_and_blocks_equal_the_array_code(dtype, monkeypatch):
+    """Large draws go through the numba kernel, blocks draw only their part: both give bitwise the
+    numbers of the plain array code for the whole draw."""
+    from npmegatron.tensor_parallel import random
+    shape, block = (2, 3, 70, 90), (10, 45, 60)
+    compiled = random.uniform(1234, shape, dtype, np)
+    compiled_block = random.uniform(1234, shape, dtype, np, block=block)
+    monkeypatch.setattr(random, "_COMPILED_MIN_SIZE", 1 << 62)
+    plain = random.uniform(1234, shape, dtype, np)
+    assert np.array_equal(compiled, plain) and compiled.dtype == dtype
+    assert np.array_equal(compiled_block, plain[..., 10:45, :60])
+    assert np.array_equal(random.uniform(1234, shape, dtype, np, block=block), plain[..., 10:45, :60])
+    with pytest.raises(ValueError, match="outside the draw"):
+        random.uniform(1234, shape, dtype, np, block=(0, 71, 10))

@@ -183,8 +183,11 @@ def dropout_masks(world, grid):
             continue
         seen.add(id(node))
         if node.name in ("Dropout", "DropoutAdd"):        # DropoutAdd: residual + dropout
-            keep = node.ctx.saved[0]
-            masks["attention" if keep.ndim == 4 else "hidden"].append(keep)
+            masks["hidden"].append(node.ctx.saved[0])
+        if node.name == "CausalAttention":      # keeps no mask: it draws it again in backward
+            q, k = node.ctx.saved[:2]
+            shape = q.shape[:3] + k.shape[2:3]
+            masks["attention"].append(node.ctx.generator.random(shape, q.dtype) >= node.ctx.p)
         stack.extend(e[0] for e in node.edges if e is not None)
     assert len(masks["hidden"]) == 1 + 2 * 2 and len(masks["attention"]) == 2
     for kind, arrays in masks.items():

@@ -29,10 +29,14 @@ What this project's autograd keeps differs from that count, and the plan uses it
     per layer = s*b*h * [ (2 w + 2 m) / (t if SP else 1)       LayerNorm x-hat x2; 2 dropout masks
                         + 2 w                                   QKV and MLP inputs, kept whole by
                                                                 Linear (gathered under SP)
-                        + 16 w / t ]                            Q, K, V, projection input, bias-GeLU
-                                                                input and tanh (4h each), second
-                                                                projection input (4h)
-              + the same attention term.
+                        + 16 w / t ]                            Q, K, V, attention output (also the
+                                                                projection input: one buffer),
+                                                                bias-GeLU input and tanh (4h each),
+                                                                second projection input (4h)
+              + a*s*b * w / t                                   log-sum-exp per query and head
+
+and no a*s^2*b term: blockwise attention (autograd/ops/attention.py) recomputes the probabilities
+and draws their dropout masks again in backward, so selective recomputation changes nothing here.
 
 Activations are multiplied by the layers a rank holds and the peak number of its stage-chunks in
 flight, taken from the schedule itself (pipeline.schedules.build_actions): AFAB holds M, 1F1B
@@ -163,10 +167,10 @@ def layer_activation_bytes(cfg, layout, w, recompute=None, accounting="project")
     if recompute == "full":
         return s * b * h * w / sp_div
     hidden_masks = 2 * layout.mask_bytes if cfg.hidden_dropout > 0 else 0
-    if accounting == "korthikanti":
-        per_sbh = (4 * w + hidden_masks) / sp_div + 12 * w / t
-    else:
-        per_sbh = (2 * w + hidden_masks) / sp_div + 2 * w + 16 * w / t
+    if accounting != "korthikanti":
+        log_sum_exp = a * s * b * w / t
+        return s * b * h * ((2 * w + hidden_masks) / sp_div + 2 * w + 16 * w / t) + log_sum_exp
+    per_sbh = (4 * w + hidden_masks) / sp_div + 12 * w / t
     attn_dropout = cfg.attention_dropout > 0
     scores = (w * (2 if attn_dropout else 1) + (layout.mask_bytes if attn_dropout else 0)) / t
     total = s * b * h * per_sbh
