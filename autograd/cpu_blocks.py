@@ -1,4 +1,4 @@
-"""The CPU engine for elementwise chains and row-wise ops: NumPy on blocks of rows, the blocks
+"""The CPU engine for elementwise chains: NumPy on blocks of rows, the blocks
 shared among the budget's threads (autograd/threads.py).
 
 NumPy releases the GIL inside its ufunc loops and reductions and vectorises tanh and exp with
@@ -6,8 +6,11 @@ SIMD, so running the very same NumPy code on row blocks from a few threads both 
 and keeps a chain's temporaries in cache (a block is about BLOCK_ELEMENTS numbers). Measured on
 the GeLU chain (2048 x 2048 float32, 2 cores): NumPy on the whole array 25-31 ms; this engine
 15-16 ms; numexpr 62 ms and a numba `prange` kernel 48 ms, both slower because they evaluate tanh
-one element at a time through libm. Row-wise ops (LayerNorm, softmax) run whole rows per block,
-so their reductions stay inside a block."""
+one element at a time through libm. (Where a chain has no transcendental function and a row
+reduction, numba wins instead: LayerNorm, in ops/_layer_norm_cpu.py.)
+
+`each_share` runs a few tasks at once with BLAS held to one thread each: blockwise attention,
+whose many small GEMMs scale better split by heads than threaded inside BLAS."""
 import concurrent.futures
 import threading
 
@@ -70,14 +73,43 @@ def for_row_blocks(rows, row_elements, work):
             future.result()
 
 
-def each_row_block(fn, *arrays):
-    """fn(*arrays) for 2-D arrays of the same rows: once on GPU or small arrays, else per block of
-    rows (fn(*[a[start:stop] for a in arrays])) on the budget's threads."""
-    if not all(isinstance(a, numpy.ndarray) for a in arrays):
-        fn(*arrays)
+def share_ranges(count, shares):
+    """[(start, stop)]: [0, count) in at most `shares` nearly equal, non-empty parts."""
+    shares = max(1, min(shares, count))
+    bounds = [count * i // shares for i in range(shares + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+_blas = None
+
+
+def each_share(tasks):
+    """Run the callables at once, one per thread (the caller's included), with BLAS held to one
+    thread for the duration: for work made of many small GEMMs that each thread does its share of
+    (blockwise attention). One task runs on the caller with BLAS as it is."""
+    global _blas
+    if len(tasks) == 1:
+        tasks[0]()
         return
-    rows, cols = arrays[0].shape
-    for_row_blocks(rows, cols, lambda start, stop: fn(*(a[start:stop] for a in arrays)))
+    if _blas is None:
+        from threadpoolctl import ThreadpoolController
+        _blas = ThreadpoolController().select(user_api="blas")
+    with _blas.limit(limits=1):
+        others = [_executor(len(tasks) - 1).submit(_as_busy, task) for task in tasks[1:]]
+        try:
+            _as_busy(tasks[0])
+        finally:
+            for future in others:
+                future.result()
+
+
+def _as_busy(task):
+    """A share runs its chains whole: the threads are already all in use."""
+    _inside.busy = True
+    try:
+        task()
+    finally:
+        _inside.busy = False
 
 
 def as_rows(array, rows):

@@ -3,8 +3,9 @@
 Fused means one Function with a hand-written backward, as Megatron's fused kernels
 (FusedScaleMaskSoftmax, fused LayerNorm), instead of a chain of primitives each saving arrays.
 """
+import numpy
+
 from ..backend import get_array_module, scatter_add, to_numpy
-from ..cpu_blocks import each_row_block
 from ..errors import InputError
 from ..function import Function
 from ..fusion import fused
@@ -96,51 +97,51 @@ class Softmax(Function):
         return softmax_backward(g, y, dot, ctx.scale)
 
 
-def _layer_norm_rows(xp, x, weight, bias, eps, out, xhat, rstd):
-    """LayerNorm forward of some rows (2-D): all of them at once on a GPU, a block of rows per
-    call from the CPU engine, whose reductions are per row and so stay inside the block."""
-    xp.subtract(x, x.mean(axis=-1, keepdims=True), out=xhat)
-    var = (xhat * xhat).mean(axis=-1, keepdims=True)
-    var += eps
-    xp.sqrt(var, out=rstd)
-    xp.divide(1.0, rstd, out=rstd)
-    normalize_affine_(xhat, rstd, weight, bias, out)
-
-
-def _layer_norm_grad_rows(xp, g, weight, xhat, rstd, gx):
-    """dx = rstd (gh - mean(gh) - xhat mean(gh xhat)), gh = g * weight, for some rows."""
-    xp.multiply(g, weight, out=gx)
-    layer_norm_backward_(gx, xhat, gx.mean(axis=-1, keepdims=True),
-                         (gx * xhat).mean(axis=-1, keepdims=True), rstd)
+#: LayerNorm inputs at least this large run the numba kernels on the CPU (below that, importing
+#: numba costs more than it saves: a test's tiny model never does).
+COMPILED_LAYER_NORM_SIZE = 1 << 16
 
 
 class LayerNorm(Function):
-    """(x - mean) / sqrt(var + eps) * weight + bias over the last axis, fused both ways."""
+    """(x - mean) / sqrt(var + eps) * weight + bias over the last axis, fused both ways: the
+    chains below on a GPU and for small arrays, numba kernels of the same formulas for large
+    arrays on the CPU (_layer_norm_cpu.py)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
         xp = get_array_module(x)
         x2 = x.reshape(-1, x.shape[-1])
-        out, xhat = xp.empty_like(x2), xp.empty_like(x2)
-        rstd = xp.empty((x2.shape[0], 1), x.dtype)
-        each_row_block(lambda *rows: _layer_norm_rows(xp, rows[0], weight, bias, eps, *rows[1:]),
-                       x2, out, xhat, rstd)
+        ctx.compiled = xp is numpy and x.size >= COMPILED_LAYER_NORM_SIZE
+        if ctx.compiled:
+            from . import _layer_norm_cpu          # numba is imported for large arrays only
+            out, xhat, rstd = _layer_norm_cpu.forward(x2, weight, bias, eps)
+        else:
+            xhat = x2 - x2.mean(axis=-1, keepdims=True)
+            var = (xhat * xhat).mean(axis=-1, keepdims=True)
+            var += eps
+            rstd = 1.0 / xp.sqrt(var)
+            out = xp.empty_like(x2)
+            normalize_affine_(xhat, rstd, weight, bias, out)
         ctx.save_for_backward(xhat, rstd, weight)
         return out.reshape(x.shape)
 
     @staticmethod
     def backward(ctx, g):
         xhat, rstd, weight = ctx.saved
-        xp = get_array_module(g)
         need_x, need_w, need_b = ctx.needs_input_grad
         g2 = g.reshape(xhat.shape)
+        if ctx.compiled:
+            from . import _layer_norm_cpu
+            gx, gw, gb = _layer_norm_cpu.backward(g2, weight, xhat, rstd)
+            return gx.reshape(g.shape), gw, gb
         gw = (g2 * xhat).sum(axis=0) if need_w else None
         gb = bias_grad(g2) if need_b else None
         gx = None
         if need_x:
-            gx = xp.empty_like(g2)
-            each_row_block(lambda *rows: _layer_norm_grad_rows(xp, rows[0], weight, *rows[1:]),
-                           g2, xhat, rstd, gx)
+            # dx = rstd * (gh - mean(gh) - xhat * mean(gh * xhat)), gh = g * weight
+            gx = g2 * weight
+            layer_norm_backward_(gx, xhat, gx.mean(axis=-1, keepdims=True),
+                                 (gx * xhat).mean(axis=-1, keepdims=True), rstd)
             gx = gx.reshape(g.shape)
         return gx, gw, gb
 

@@ -48,15 +48,16 @@ def draw_key(key, *words):
     return key
 
 
-def uniform(key, shape, dtype, xp, block=None):
+def uniform(key, shape, dtype, xp, block=None, lead=None):
     """Numbers j = 0 .. prod(shape)-1 of the draw `key`: uniform in [0, 1), the top 24 (float32)
     or 53 (float64) bits of mix64(key + j * golden) scaled exactly, so the same on any device.
 
     block=(row_start, row_stop, col_stop) gives only `uniform(key, shape)[..., row_start:row_stop,
-    :col_stop]`, drawn at the cost of the block (blockwise attention draws its masks this way)."""
+    :col_stop]`, drawn at the cost of the block (blockwise attention draws its masks this way);
+    lead=((start, stop), ...) narrows the leading axes too (a thread's share of the heads)."""
     dtype = numpy.dtype(dtype)
     shape = tuple(int(n) for n in numpy.atleast_1d(shape)) if not isinstance(shape, tuple) else shape
-    starts, width, out_shape = _row_starts(shape, block)
+    starts, width, out_shape = _row_starts(shape, block, lead)
     mantissa = 24 if dtype == numpy.float32 else 53
     if xp is numpy and starts.size * width >= _COMPILED_MIN_SIZE:
         from . import _uniform_kernel
@@ -78,25 +79,26 @@ def uniform(key, shape, dtype, xp, block=None):
 _COMPILED_MIN_SIZE = 1 << 15
 
 
-def _row_starts(shape, block):
+def _row_starts(shape, block, lead=None):
     """(index of each output row's first number, row width, output shape) as host uint64."""
     if not shape:
         return numpy.zeros(1, numpy.uint64), 1, shape
-    lead, rows, cols = int(numpy.prod(shape[:-2], dtype=numpy.int64)), 1, shape[-1]
-    if len(shape) >= 2:
-        rows = shape[-2]
-    if block is None:
-        starts = numpy.arange(lead * rows, dtype=numpy.uint64) * numpy.uint64(cols)
-        return starts, cols, shape
+    if block is None and lead is None:
+        rows = int(numpy.prod(shape[:-1], dtype=numpy.int64))
+        return numpy.arange(rows, dtype=numpy.uint64) * numpy.uint64(shape[-1]), shape[-1], shape
     if len(shape) < 2:
         raise ValueError(f"a block of a draw needs at least 2 dimensions, got shape {shape}")
-    row_start, row_stop, col_stop = block
-    if not (0 <= row_start <= row_stop <= rows and 0 <= col_stop <= cols):
-        raise ValueError(f"block {block} is outside the draw of shape {shape}")
-    row_index = numpy.arange(lead, dtype=numpy.uint64)[:, None] * numpy.uint64(rows) \
-        + numpy.arange(row_start, row_stop, dtype=numpy.uint64)[None, :]
-    starts = row_index.reshape(-1) * numpy.uint64(cols)
-    return starts, col_stop, shape[:-2] + (row_stop - row_start, col_stop)
+    rows, cols = shape[-2:]
+    row_start, row_stop, col_stop = (0, rows, cols) if block is None else block
+    lead = [(0, n) for n in shape[:-2]] if lead is None else list(lead)
+    if not (0 <= row_start <= row_stop <= rows and 0 <= col_stop <= cols) or len(lead) != len(shape) - 2 \
+            or any(not 0 <= a <= b <= n for (a, b), n in zip(lead, shape[:-2])):
+        raise ValueError(f"block {block} (leading axes {lead}) is outside the draw of shape {shape}")
+    index = numpy.zeros(1, numpy.uint64)        # flat index of each leading position, then rows
+    for (a, b), n in zip(lead + [(row_start, row_stop)], shape[:-2] + (rows,)):
+        index = (index[:, None] * numpy.uint64(n) + numpy.arange(a, b, dtype=numpy.uint64)[None, :]).reshape(-1)
+    out_shape = tuple(b - a for a, b in lead) + (row_stop - row_start, col_stop)
+    return index * numpy.uint64(cols), col_stop, out_shape
 
 
 def site_number(layer=None, kind=0):
@@ -132,8 +134,8 @@ class FrozenDraw:
     def __init__(self, key, xp):
         self.key, self.xp = key, xp
 
-    def random(self, shape, dtype=numpy.float64, block=None):
-        return uniform(self.key, shape, dtype, self.xp, block)
+    def random(self, shape, dtype=numpy.float64, block=None, lead=None):
+        return uniform(self.key, shape, dtype, self.xp, block, lead)
 
 
 class RNGTracker:

@@ -56,7 +56,7 @@ def test_values_and_gradients_equal_the_dense_path(p, t_q, t_k, block_size):
 
 
 def test_large_blocks_through_the_cpu_engine_equal_the_dense_path():
-    """Blocks of more than 2**18 scores: the chains run on row blocks in threads."""
+    """Blocks of more than 2**18 scores (on one thread the chains run on row blocks)."""
     inputs = leaves(2, 4, 300, 300, 8)
     generator = site().frozen()
     out = ag.causal_attention(*inputs, SCALE, 0.1, generator, block_size=128)
@@ -122,3 +122,22 @@ def test_refuses_bad_input():
         ag.causal_attention(q, k, v, SCALE, 1.0, None)
     with pytest.raises(InputError, match="block size 0"):
         ag.causal_attention(q, k, v, SCALE, 0.0, None, block_size=0)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_heads_shared_among_threads_give_the_one_thread_results_bitwise(threads):
+    """On the CPU the heads are shared among the budget's threads (by batch when b >= threads,
+    else by heads), each drawing its part of the masks: bitwise what one thread computes."""
+    from npmegatron.autograd.threads import set_cpu_threads
+    inputs = leaves(2, 3, 9, 9, 4)
+    weights = RNG.standard_normal((2, 3, 9, 4))
+    results = {}
+    for count in (1, threads):
+        previous = set_cpu_threads(count)
+        try:
+            out = ag.causal_attention(*inputs, SCALE, 0.3, site().frozen(), block_size=4)
+            results[count] = [out.data] + gradients(out, inputs, weights)
+        finally:
+            set_cpu_threads(previous)
+    for got, want in zip(results[threads], results[1]):
+        np.testing.assert_array_equal(got, want)

@@ -464,19 +464,19 @@ def test_block_engine_gives_the_whole_array_results_bitwise(name, tiny_blocks):
             np.testing.assert_array_equal(got, want)
 
 
-def test_layer_norm_by_row_blocks_equals_one_pass(tiny_blocks):
+@pytest.mark.parametrize("dtype, rtol", [(np.float64, 1e-12), (np.float32, 1e-5)])
+def test_compiled_layer_norm_equals_the_chains(dtype, rtol, monkeypatch):
+    """The CPU's numba LayerNorm (large arrays) against the fused chains (GPU, small arrays)."""
+    from npmegatron.autograd.ops import nn
     rng = np.random.default_rng(3)
-    x, w, b, g = (rng.standard_normal(s) for s in ((3, 5, 16), (16,), (16,), (3, 5, 16)))
-    blocked = [Tensor(a, requires_grad=True) for a in (x, w, b)]
-    out = ag.layer_norm(*blocked)
-    out.backward(g)
-    from npmegatron.autograd import threads
-    threads.set_cpu_threads(1)
-    import npmegatron.autograd.cpu_blocks as cpu_blocks
-    cpu_blocks.MIN_BLOCKED_ELEMENTS = 1 << 40
-    whole = [Tensor(a, requires_grad=True) for a in (x, w, b)]
-    ref = ag.layer_norm(*whole)
-    ref.backward(g)
-    np.testing.assert_array_equal(out.data, ref.data)
-    for got, want in zip(blocked, whole):
-        np.testing.assert_array_equal(got.grad, want.grad)
+    x, w, b, g = (rng.standard_normal(s).astype(dtype) for s in ((3, 50, 16), (16,), (16,), (3, 50, 16)))
+    results = []
+    for size in (1, 1 << 62):
+        monkeypatch.setattr(nn, "COMPILED_LAYER_NORM_SIZE", size)
+        leaves = [Tensor(a.copy(), requires_grad=True) for a in (x, w, b)]
+        out = ag.layer_norm(*leaves)
+        out.backward(g)
+        results.append([out.data] + [t.grad for t in leaves])
+    for got, want in zip(*results):
+        assert got.dtype == dtype
+        np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol)
