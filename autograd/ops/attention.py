@@ -19,6 +19,8 @@ from .nn import _causal_bias, exp_shifted_, softmax_backward
 #: dense path, one block of 256 is slower (nothing skipped, scores recomputed); at t=1024, 128
 #: rows is the fastest or within noise of it. Scores held at once: 128 x t per head.
 BLOCK_SIZE = 128
+#: Attention with fewer scores than this runs on the calling thread (a thread hand-off costs more).
+MIN_SHARED_SCORES = 1 << 16
 
 
 @fused
@@ -106,10 +108,11 @@ def _by_heads(xp, shape, work):
     with BLAS held to one thread per share. Measured at b=8, heads=8, t=256, d=64, float32 on 2
     cores: forward + backward 88 ms with 2 BLAS threads on all heads at once, 63 ms in 2 shares:
     attention's GEMMs are small, and its elementwise work then runs on both cores too."""
-    b, h = shape[:2]
+    b, h, t_q = shape[:3]
     split_batch = b >= cpu_threads()
     count = b if split_batch else h
-    shares = share_ranges(count, cpu_threads() if xp.__name__ == "numpy" else 1)
+    parallel = xp.__name__ == "numpy" and b * h * t_q * t_q >= MIN_SHARED_SCORES
+    shares = share_ranges(count, cpu_threads() if parallel else 1)
     whole = slice(None)
     each_share([(lambda s=s: work(slice(*s), whole) if split_batch else work(whole, slice(*s)))
                 for s in shares])

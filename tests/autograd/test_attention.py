@@ -125,10 +125,12 @@ def test_refuses_bad_input():
 
 
 @pytest.mark.parametrize("threads", [2, 3])
-def test_heads_shared_among_threads_give_the_one_thread_results_bitwise(threads):
+def test_heads_shared_among_threads_give_the_one_thread_results_bitwise(threads, monkeypatch):
     """On the CPU the heads are shared among the budget's threads (by batch when b >= threads,
     else by heads), each drawing its part of the masks: bitwise what one thread computes."""
+    from npmegatron.autograd.ops import attention
     from npmegatron.autograd.threads import set_cpu_threads
+    monkeypatch.setattr(attention, "MIN_SHARED_SCORES", 1)
     inputs = leaves(2, 3, 9, 9, 4)
     weights = RNG.standard_normal((2, 3, 9, 4))
     results = {}

@@ -92,6 +92,13 @@ def test_strong_scaling_writes_records_and_plots(tmp_path):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_threads_per_rank_sets_the_budget_of_blas_and_the_cpu_engine():
+    """--threads-per-rank 1: the single-core serial baseline, even where more cores are free."""
+    records = records_of(run(["--layouts", "1x1x1", "--threads-per-rank", "1", "--json"] + TINY))
+    assert records[0]["threads_per_rank"] == 1
+    assert records[0]["environment"]["blas"][0]["num_threads"] == 1
+
+
 def test_weak_scaling_over_tp_grows_the_model():
     records = records_of(run(["--mode", "weak", "--ranks", "1,2", "--parallel", "tp", "--json"] + TINY))
     one, two = records
