@@ -13,3 +13,7 @@ import os as _os
 _os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "12")
 
 __version__ = "0.1.0"
+
+from .autograd.host_memory import keep_freed_memory as _keep_freed_memory  # noqa: E402
+
+_keep_freed_memory()

@@ -1,0 +1,25 @@
+"""Keep freed host memory in the process, as PyTorch's CPU allocator caches its blocks.
+
+glibc returns the top of its heap to the kernel once 2 x the mmap threshold (32 MiB at most)
+lies free, and serves large arrays with fresh mmaps: every training step then faults in its
+activations again, page by page, and the kernel zeroes each page. With arrays up to 32 MiB served
+from the heap, the heap grown 256 MiB at a time and trimmed only above 2 GiB free, a step reuses
+the pages of the last one. Measured on the reference model (`bench step`, 2 cores): minor page
+faults per run 240,000 -> 77,000, system time 3.3-3.5 -> 2.3-2.6 s, step 2.09-2.20 -> 1.99-2.07 s."""
+import ctypes
+import ctypes.util
+
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+
+
+def keep_freed_memory():
+    """Tune glibc's malloc (mallopt); a no-op where there is no glibc. True when applied."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError, TypeError):
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return all(mallopt(option, value) == 1 for option, value in (
+        (_M_MMAP_THRESHOLD, 32 << 20), (_M_TOP_PAD, 256 << 20), (_M_TRIM_THRESHOLD, (1 << 31) - 1)))
