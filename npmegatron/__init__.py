@@ -11,6 +11,10 @@ import os as _os
 # cycles (the GEMM alone unchanged, 29 ms). OpenBLAS reads this once, when NumPy loads it: it
 # works where npmegatron is imported before NumPy (the CLI, scripts/train.py, mpirun ranks).
 _os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "12")
+# numba's kernels (LayerNorm, the dropout hash) run on OpenMP threads, which by default spin after
+# each kernel and so take a core from the GEMM that follows; the LayerNorm kernels last about a
+# millisecond, so sleeping costs them nothing (reference model, 4 alternating pairs: 3 faster).
+_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"
 
