@@ -14,6 +14,7 @@ from .ops import (
     sum, mean, max,
     exp, log, tanh, gelu, bias_gelu,
     softmax, layer_norm, dropout, dropout_add, embedding, cross_entropy, causal_attention,
+    causal_attention_packed,
 )
 from .gradcheck import gradcheck, numerical_grad
 
@@ -23,5 +24,5 @@ __all__ = [
     "reshape", "transpose", "split", "concatenate", "getitem",
     "sum", "mean", "max", "exp", "log", "tanh", "gelu", "bias_gelu",
     "softmax", "layer_norm", "dropout", "dropout_add", "embedding", "cross_entropy",
-    "causal_attention", "gradcheck", "numerical_grad",
+    "causal_attention", "causal_attention_packed", "gradcheck", "numerical_grad",
 ]

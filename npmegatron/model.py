@@ -55,13 +55,15 @@ class ParallelAttention(Module):
         b, t, _ = qkv.shape
         heads, d = self.local_heads, self.cfg.head_dim
         qkv = qkv.reshape(b, t, heads, 3, d)
-        q, k, v = (part.reshape(b, t, heads, d).transpose(0, 2, 1, 3) for part in ag.split(qkv, 3, axis=3))
-        if cache is not None:      # generation: attend to every earlier position, computed once
-            k, v = cache.extend(k.data, v.data)
         # Blockwise: the (t, t) probabilities are never kept. The dropout position is frozen
         # now, because backward draws the masks again.
-        y = ag.causal_attention(q, k, v, 1.0 / math.sqrt(d), self.cfg.attention_dropout,
-                                self.probs_dropout.frozen(), self.training)
+        scale, p, site = 1.0 / math.sqrt(d), self.cfg.attention_dropout, self.probs_dropout.frozen()
+        if cache is None:          # training: q, k, v stay packed, and so does their gradient
+            y = ag.causal_attention_packed(qkv, scale, p, site, self.training)
+        else:                      # generation: attend to every earlier position, computed once
+            q, k, v = (part.reshape(b, t, heads, d).transpose(0, 2, 1, 3) for part in ag.split(qkv, 3, axis=3))
+            k, v = cache.extend(k.data, v.data)
+            y = ag.causal_attention(q, k, v, scale, p, site, self.training)
         y = y.transpose(0, 2, 1, 3).reshape(b, t, heads * d)
         return self.proj(y)
 

@@ -4,7 +4,7 @@ from .shape import reshape, transpose, split, concatenate, getitem
 from .reduce import sum, mean, max
 from .elementwise import exp, log, tanh, gelu, bias_gelu
 from .nn import softmax, layer_norm, dropout, dropout_add, embedding, cross_entropy
-from .attention import causal_attention
+from .attention import causal_attention, causal_attention_packed
 from ..tensor import Tensor
 
 

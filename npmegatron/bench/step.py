@@ -59,7 +59,8 @@ def gemm_ceiling(cfg, batch, seq, repeats=5):
 
 # Functions by kind, for --profile; anything else is "other ops" (embeddings, reshapes, the
 # tensor-parallel mappings).
-OP_KINDS = {"matmul": ("MatMul", "Linear"), "attention": ("Softmax", "CausalAttention"),
+OP_KINDS = {"matmul": ("MatMul", "Linear"),
+            "attention": ("Softmax", "CausalAttention", "PackedCausalAttention"),
             "layernorm": ("LayerNorm",),
             "loss": ("CrossEntropy", "_VocabParallelCrossEntropy"),
             "elementwise": ("Add", "Sub", "Mul", "Div", "Neg", "Pow", "Exp", "Log", "Tanh", "GeluTanh",

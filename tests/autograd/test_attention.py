@@ -143,3 +143,21 @@ def test_heads_shared_among_threads_give_the_one_thread_results_bitwise(threads,
             set_cpu_threads(previous)
     for got, want in zip(results[threads], results[1]):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_packed_qkv_gives_the_split_path_values_and_one_gradient(p):
+    """causal_attention_packed on (b, t, heads, 3, d) equals splitting q, k, v and calling
+    causal_attention, values and gradient, bitwise; the gradient is one array of the packed shape."""
+    qkv = Tensor(RNG.standard_normal((2, 11, 3, 3, 4)), requires_grad=True)
+    weights = RNG.standard_normal((2, 3, 11, 4))
+    packed = ag.causal_attention_packed(qkv, SCALE, p, site().frozen(), block_size=4)
+    ag.backward([packed], [weights])
+    packed_grad, qkv.grad = qkv.grad.copy(), None
+    q, k, v = (part.reshape(2, 11, 3, 4).transpose(0, 2, 1, 3) for part in ag.split(qkv, 3, axis=3))
+    split = ag.causal_attention(q, k, v, SCALE, p, site().frozen(), block_size=4)
+    ag.backward([split], [weights])
+    np.testing.assert_array_equal(packed.data, split.data)
+    np.testing.assert_array_equal(packed_grad, qkv.grad)
+    with pytest.raises(InputError, match="packed attention needs qkv"):
+        ag.causal_attention_packed(Tensor(np.zeros((2, 11, 3, 4))), SCALE, p, None)

@@ -184,7 +184,7 @@ def dropout_masks(world, grid):
         seen.add(id(node))
         if node.name in ("Dropout", "DropoutAdd"):        # DropoutAdd: residual + dropout
             masks["hidden"].append(node.ctx.saved[0])
-        if node.name == "CausalAttention":      # keeps no mask: it draws it again in backward
+        if node.name in ("CausalAttention", "PackedCausalAttention"):   # no mask kept: drawn again
             q, k = node.ctx.saved[:2]
             shape = q.shape[:3] + k.shape[2:3]
             masks["attention"].append(node.ctx.generator.random(shape, q.dtype) >= node.ctx.p)
