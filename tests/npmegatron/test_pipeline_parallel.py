@@ -22,6 +22,7 @@ def test_two_stages_every_schedule_layout_and_variable_lengths(mpirun):
     assert check(mpirun, 2, pipeline_cases(2)) < 1e-10
 
 
+@pytest.mark.slow       # 5 s; the 2-rank layouts above keep the quick loop's pipeline check
 def test_four_ranks_pp4_pp2xtp2_pp2xdp2(mpirun):
     assert check(mpirun, 4, pipeline_cases(4)) < 1e-10
 
