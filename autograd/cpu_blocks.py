@@ -123,7 +123,7 @@ def as_rows(array, rows):
 
 
 def split_rows(args):
-    """How to cut a chain's arguments into row blocks: (rows, cols, [slicer per argument]) or None.
+    """How to cut a chain's arguments into row blocks: (full shape, [slicer per argument]) or None.
 
     Arrays of the chain's full shape are cut by rows; arrays broadcast over the rows (a bias of
     shape (cols,)) are passed whole; arrays of one number per row (shape (..., 1)) are cut too."""
@@ -145,19 +145,21 @@ def split_rows(args):
         if view is None:
             return None
         slicers.append(view)
-    return rows, cols, slicers
+    return full, slicers
 
 
 def run_chain(body, xp, args):
     """body(xp, *args) evaluated block by block on the budget's threads; WHOLE when the arrays are
     small or cannot be cut by rows (the caller then runs the body once on the whole arrays)."""
+    if max((a.size for a in args if isinstance(a, numpy.ndarray)), default=0) < MIN_BLOCKED_ELEMENTS:
+        return WHOLE                      # the test that decides almost every small call, first
     plan = split_rows(args)
     if plan is None:
         return WHOLE
-    rows, cols, slicers = plan
+    full, slicers = plan
+    rows, cols = int(numpy.prod(full[:-1])), full[-1]
     if rows * cols < MIN_BLOCKED_ELEMENTS:
         return WHOLE
-    full = numpy.broadcast_shapes(*(a.shape for a in args if isinstance(a, numpy.ndarray)))
 
     def block_args(start, stop):
         return [a if view is None else view[start:stop] for a, view in zip(args, slicers)]

@@ -103,13 +103,18 @@ def _timed_steps(model, inputs, targets, optimizer, xp, warmup, iters, profile):
 
 def bench_step(cfg: GPTConfig, batch, seq, warmup=2, iters=5, threads=None, profile=False):
     """threads: BLAS threads for this run (threadpoolctl; default: the library's own), which are
-    also the CPU engine's (autograd/threads.py); profile:
-    also report seconds per step by kind of op, the optimizer, and the autograd's own overhead
-    (the step minus both)."""
-    from threadpoolctl import threadpool_limits
-
+    also the CPU engine's (autograd/threads.py); profile: also report seconds per step by kind
+    of op, the optimizer, and the autograd's own overhead (the step minus both)."""
     from ..autograd.threads import set_cpu_threads
     previous = set_cpu_threads(threads)
+    try:
+        return _bench_step(cfg, batch, seq, warmup, iters, threads, profile)
+    finally:
+        set_cpu_threads(previous)
+
+
+def _bench_step(cfg, batch, seq, warmup, iters, threads, profile):
+    from threadpoolctl import threadpool_limits
     with threadpool_limits(limits=threads) if threads else contextlib.nullcontext():
         model = GPT(cfg)
         xp = model.xp
@@ -119,7 +124,6 @@ def bench_step(cfg: GPTConfig, batch, seq, warmup=2, iters=5, threads=None, prof
         optimizer = AdamW(model.parameters(), lr=1e-4)
         times, optimizer_s, table = _timed_steps(model, inputs, targets, optimizer, xp, warmup, iters, profile)
         gemm = gemm_ceiling(cfg, batch, seq)
-    set_cpu_threads(previous)
     step_s = statistics.median(times)
     flops = model_flops(cfg, model.num_parameters(), batch, seq)
     result = {
