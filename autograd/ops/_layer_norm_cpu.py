@@ -1,7 +1,9 @@
 """LayerNorm on the CPU, compiled by numba: one pass over each row forward, one backward, rows
 shared among the CPU budget's threads (autograd/threads.py). NumPy needs about ten passes with
-temporaries and one thread for the same work: measured 2048 x 512 float32, forward 1.2 ms against
-2.4 ms and backward 0.7 ms against 5.3 ms on 2 cores. Row sums accumulate in float64.
+temporaries and one thread for the same work: measured 2048 x 512 float32 on 2 cores, forward
+0.37 ms against NumPy's 2.4 ms, backward 0.52 ms against 5.3 ms. Row sums accumulate in float64,
+in vector lanes ("reassoc": the order of a row's additions is the compiler's, as in NumPy's
+pairwise sums; without it, forward 1.36 ms and backward 1.15 ms).
 
 The formulas are those of the fused chains in nn.py (normalize_affine_, layer_norm_backward_),
 which the GPU and small arrays run; tests hold the two to round-off in float64."""
@@ -16,7 +18,7 @@ from ..threads import cpu_threads
 _CHUNKS = 16
 
 
-@numba.njit(parallel=True, cache=True)
+@numba.njit(parallel=True, cache=True, error_model="numpy", fastmath={"contract", "reassoc"})
 def _forward(x, weight, bias, eps, out, xhat, rstd):
     n = x.shape[1]
     for r in numba.prange(x.shape[0]):
@@ -37,7 +39,7 @@ def _forward(x, weight, bias, eps, out, xhat, rstd):
             out[r, c] = h * weight[c] + bias[c]
 
 
-@numba.njit(parallel=True, cache=True)
+@numba.njit(parallel=True, cache=True, error_model="numpy", fastmath={"contract", "reassoc"})
 def _backward(g, weight, xhat, rstd, gx, gw_parts, gb_parts):
     rows, n = g.shape
     chunks = gw_parts.shape[0]

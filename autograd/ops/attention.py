@@ -48,27 +48,46 @@ def _blocks(t_q, t_k, block_size):
             for a in range(0, t_q, block_size)]
 
 
-def _probabilities(xp, q_blk, k_seen, shift, biases):
+def _probabilities(xp, q_blk, k_seen, lse, biases):
     """exp(scale q k^T - shift) of one block, the causal part masked: only the last rows x rows
-    square of keys has masked entries. q_blk is pre-scaled; shift None: the row max (returned)."""
+    square of keys has masked entries. q_blk is pre-scaled; lse None: the shift is the row max,
+    returned with the row sums (the forward), else lse (backward's recomputation).
+    biases: the causal biases by block height, or None for the compiled float32 kernels."""
     z = q_blk @ k_seen.swapaxes(-1, -2)
-    rows = q_blk.shape[-2]
+    rows, keys = z.shape[-2:]
+    if biases is None:
+        from . import _attention_cpu
+        scores = z.reshape(-1, rows, keys)
+        if lse is not None:
+            _attention_cpu.probabilities_(scores, keys - rows, lse.reshape(-1, rows))
+            return z, None, None
+        shift, total = xp.empty(z.shape[:-1] + (1,), z.dtype), xp.empty(z.shape[:-1] + (1,), z.dtype)
+        _attention_cpu.softmax_numerators_(scores, keys - rows, shift.reshape(-1, rows), total.reshape(-1, rows))
+        return z, shift, total
     if rows not in biases:
         biases[rows] = _causal_bias(xp, rows, rows, z.dtype)
     z[..., -rows:] += biases[rows]
-    if shift is None:
-        shift = z.max(axis=-1, keepdims=True)
+    if lse is not None:
+        exp_shifted_(z, lse)
+        return z, None, None
+    shift = z.max(axis=-1, keepdims=True)
     exp_shifted_(z, shift)
-    return z, shift
+    return z, shift, z.sum(axis=-1, keepdims=True)
 
 
-def _forward_share(xp, q, k, v, out, lse, scale, p, draw, block_size):
+def _compiled(q):
+    """Whether the softmax parts run the numba kernels (_attention_cpu.py): float32 on the CPU,
+    large enough that importing numba pays (a test's tiny model never does)."""
+    b, h, t_q, _ = q.shape
+    return get_array_module(q).__name__ == "numpy" and q.dtype == "float32" and b * h * t_q * t_q >= MIN_SHARED_SCORES
+
+
+def _forward_share(xp, q, k, v, out, lse, scale, p, draw, block_size, compiled):
     """Forward of some heads: out and lse (views of the whole op's arrays) filled in place."""
     t_q, t_k = q.shape[2], k.shape[2]
-    dropout_scale, biases = 1.0 / (1.0 - p), {}
+    dropout_scale, biases = 1.0 / (1.0 - p), None if compiled else {}
     for a, e, seen in _blocks(t_q, t_k, block_size):
-        z, zmax = _probabilities(xp, q[..., a:e, :] * q.dtype.type(scale), k[..., :seen, :], None, biases)
-        total = z.sum(axis=-1, keepdims=True)
+        z, zmax, total = _probabilities(xp, q[..., a:e, :] * q.dtype.type(scale), k[..., :seen, :], None, biases)
         lse[..., a:e] = (zmax + xp.log(total))[..., 0]
         if draw is not None:
             dropout_(z, draw(a, e, seen), p, dropout_scale)
@@ -77,20 +96,26 @@ def _forward_share(xp, q, k, v, out, lse, scale, p, draw, block_size):
         out[..., a:e, :] = y
 
 
-def _backward_share(xp, g, q, k, v, out, lse, dq, dk, dv, scale, p, draw, block_size):
+def _backward_share(xp, g, q, k, v, out, lse, dq, dk, dv, scale, p, draw, block_size, compiled):
     """Backward of some heads: dq, dk, dv (views of the whole op's gradients) filled in place."""
     t_q, t_k = q.shape[2], k.shape[2]
     dot = (g * out).sum(axis=-1, keepdims=True)       # <dO, O> = <dP, P> per query row
-    dropout_scale, biases = 1.0 / (1.0 - p), {}
+    dropout_scale, biases = 1.0 / (1.0 - p), None if compiled else {}
     for a, e, seen in _blocks(t_q, t_k, block_size):
         q_blk, g_blk = q[..., a:e, :], g[..., a:e, :]
         k_seen, v_seen = k[..., :seen, :], v[..., :seen, :]
         # Per-row values copied contiguous (tiny), so the CPU engine can cut chains by rows.
         lse_blk = xp.ascontiguousarray(lse[..., a:e, None])
         dot_blk = xp.ascontiguousarray(dot[..., a:e, :])
-        probs, _ = _probabilities(xp, q_blk * q.dtype.type(scale), k_seen, lse_blk, biases)
+        probs = _probabilities(xp, q_blk * q.dtype.type(scale), k_seen, lse_blk, biases)[0]
         dprobs = g_blk @ v_seen.swapaxes(-1, -2)
-        if draw is None:
+        if draw is None and compiled:
+            from . import _attention_cpu
+            rows, keys = dprobs.shape[-2:]
+            _attention_cpu.softmax_backward_(dprobs.reshape(-1, rows, keys), probs.reshape(-1, rows, keys),
+                                             dot_blk.reshape(-1, rows), scale)
+            dz = dprobs
+        elif draw is None:
             dz = softmax_backward(dprobs, probs, dot_blk, scale)
         else:
             uniform = draw(a, e, seen)
@@ -132,7 +157,7 @@ class CausalAttention(Function):
 
         def share(bs, hs):
             _forward_share(xp, q[bs, hs], k[bs, hs], v[bs, hs], out[bs, hs], lse[bs, hs], scale, p,
-                           _draws(generator, q, k, bs, hs), block_size)
+                           _draws(generator, q, k, bs, hs), block_size, _compiled(q))
 
         _by_heads(xp, q.shape, share)
         ctx.scale, ctx.p, ctx.generator, ctx.block_size = scale, p, generator, block_size
@@ -156,7 +181,7 @@ def _backward_into(ctx, g, dq, dk, dv):
     def share(bs, hs):
         _backward_share(xp, g[bs, hs], q[bs, hs], k[bs, hs], v[bs, hs], out[bs, hs], lse[bs, hs],
                         dq[bs, hs], dk[bs, hs], dv[bs, hs], ctx.scale, ctx.p,
-                        _draws(ctx.generator, q, k, bs, hs), ctx.block_size)
+                        _draws(ctx.generator, q, k, bs, hs), ctx.block_size, _compiled(q))
 
     _by_heads(xp, q.shape, share)
 

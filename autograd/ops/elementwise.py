@@ -1,6 +1,8 @@
 """Pointwise functions: exp, log, tanh and GeLU (tanh approximation as GPT-2, and exact erf)."""
 import math
 
+import numpy
+
 from ..backend import get_array_module
 from ..errors import InputError
 from ..function import Function
@@ -178,12 +180,24 @@ _BIAS_GELU = {"tanh": (bias_gelu_tanh, bias_gelu_tanh_backward),
               "none": (bias_gelu_erf, bias_gelu_erf_backward)}
 
 
+#: float32 tanh-GeLU inputs at least this large run the numba kernels on the CPU (_gelu_cpu.py);
+#: below that, importing numba costs more than it saves (a test's tiny model never does).
+COMPILED_GELU_SIZE = 1 << 16
+
+
 class BiasGelu(Function):
     """gelu(y + b) in one pass each way (Megatron's fused bias_gelu): y + b is never stored;
-    backward recomputes it from the saved y and b inside the chain."""
+    backward recomputes it from the saved y and b inside the chain, or, for large float32 arrays
+    on the CPU, inside a compiled kernel that also recomputes tanh (_gelu_cpu.py)."""
 
     @staticmethod
     def forward(ctx, y, b, approximate):
+        ctx.compiled = (approximate == "tanh" and y.dtype == numpy.float32 and y.size >= COMPILED_GELU_SIZE
+                        and get_array_module(y) is numpy)
+        if ctx.compiled:
+            from . import _gelu_cpu                 # numba is imported for large arrays only
+            ctx.save_for_backward(y, b)
+            return _gelu_cpu.forward(y, b)
         chain, ctx.backward_chain = _BIAS_GELU[approximate]
         out, kept = chain(y, b)
         ctx.save_for_backward(y, b, kept)
@@ -191,6 +205,10 @@ class BiasGelu(Function):
 
     @staticmethod
     def backward(ctx, g):
+        if ctx.compiled:
+            from . import _gelu_cpu
+            gy, gb = _gelu_cpu.backward(g, *ctx.saved)
+            return gy, (gb if ctx.needs_input_grad[1] else None)
         y, b, kept = ctx.saved
         gy = ctx.backward_chain(g, y, b, kept)
         gb = bias_grad(gy) if ctx.needs_input_grad[1] else None

@@ -31,6 +31,20 @@ def adamw_update_(xp, p, g, m, v, decay, beta1, one_minus_beta1, beta2, one_minu
     p -= t
 
 
+#: float32 parameters at least this large are updated by the numba kernel on the CPU
+#: (_adamw_cpu.py); below that, importing numba costs more than it saves.
+COMPILED_UPDATE_SIZE = 1 << 16
+
+
+def _update_for(p, g):
+    """The AdamW update to run on this parameter: the chain, or the compiled CPU kernel."""
+    if (get_array_module(p) is numpy and p.dtype == numpy.float32 and g.dtype == numpy.float32
+            and p.size >= COMPILED_UPDATE_SIZE and p.flags.c_contiguous and g.flags.c_contiguous):
+        from ._adamw_cpu import adamw_update_ as compiled   # numba is imported for large arrays only
+        return compiled
+    return adamw_update_
+
+
 class AdamW:
     """Adam with decoupled weight decay. Biases and LayerNorm parameters (the 1-D ones) are not
     decayed, as in Megatron and nanoGPT."""
@@ -66,8 +80,8 @@ class AdamW:
             if p.grad is None:
                 continue
             decay = 1 - lr * self.weight_decay if self.weight_decay and p.ndim >= 2 else 1.0
-            adamw_update_(p.data, p.grad, m, v, decay, beta1, 1 - beta1, beta2, 1 - beta2,
-                          1 / math.sqrt(bias2), self.eps, lr / bias1)
+            _update_for(p.data, p.grad)(p.data, p.grad, m, v, decay, beta1, 1 - beta1, beta2, 1 - beta2,
+                                        1 / math.sqrt(bias2), self.eps, lr / bias1)
 
 
 def learning_rate(step, lr, min_lr, warmup_iters, decay_iters, style="cosine"):

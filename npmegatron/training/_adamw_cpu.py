@@ -1,0 +1,31 @@
+"""The AdamW update on the CPU for large float32 parameters, compiled by numba: one pass over
+p, g, m and v, shared among the CPU budget's threads, where the chain (optimizer.adamw_update_)
+makes eleven NumPy passes on one thread. The arithmetic is the chain's, in float32 as NumPy
+does it with Python scalars; the compiler may fuse a multiply and an add (one rounding fewer).
+Measured on the reference model's 12.9 M parameters (`bench step --profile`, 2 cores)."""
+import numba
+import numpy
+
+from ..autograd.threads import cpu_threads
+
+#: Elements per piece of work: each thread takes whole pieces.
+_PIECE = 1 << 14
+
+
+@numba.njit(parallel=True, cache=True, error_model="numpy", fastmath={"contract"})
+def _update(p, g, m, v, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, rsqrt_bias2, eps, step_size):
+    n = p.size
+    for piece in numba.prange((n + _PIECE - 1) // _PIECE):
+        for i in range(piece * _PIECE, min(n, (piece + 1) * _PIECE)):
+            gi = g[i]
+            mi = beta1 * m[i] + one_minus_beta1 * gi
+            vi = beta2 * v[i] + one_minus_beta2 * (gi * gi)
+            m[i] = mi
+            v[i] = vi
+            p[i] = decay * p[i] - step_size * (mi / (numpy.sqrt(vi) * rsqrt_bias2 + eps))
+
+
+def adamw_update_(p, g, m, v, *scalars):
+    """optimizer.adamw_update_'s step on contiguous float32 arrays, in place on p, m and v."""
+    numba.set_num_threads(min(cpu_threads(), numba.config.NUMBA_NUM_THREADS))
+    _update(p.reshape(-1), g.reshape(-1), m.reshape(-1), v.reshape(-1), *map(numpy.float32, scalars))

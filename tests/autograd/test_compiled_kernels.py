@@ -1,0 +1,154 @@
+"""The numba kernels of the float32 CPU path (bias + GeLU, attention's softmax parts, AdamW)
+against the chains they replace, in float64 where the kernel is generic and to float32 round-off
+where it is not. LayerNorm's kernel is tested in test_fusion.py."""
+import numpy as np
+import pytest
+
+import npmegatron.autograd as ag
+from npmegatron.autograd import Tensor
+from npmegatron.autograd.ops import _attention_cpu, _gelu_cpu, attention, elementwise
+from npmegatron.autograd.ops.elementwise import bias_gelu_tanh, bias_gelu_tanh_backward
+from npmegatron.tensor_parallel.random import MODEL_PARALLEL, RNGTracker
+from npmegatron.training import _adamw_cpu
+from npmegatron.training.optimizer import AdamW, adamw_update_
+
+RNG = np.random.default_rng(11)
+
+
+def error_in_ulps(got, want, floor):
+    """|got - want| in float32 ulps of max(|want|, floor): a relative error that stays finite
+    where want is near 0 (there the absolute error counts, in ulps of the floor)."""
+    scale = np.maximum(np.abs(want), floor).astype(np.float32)
+    return (np.abs(got.astype(np.float64) - want) / np.spacing(scale)).max()
+
+
+def test_exp_is_within_one_float32_ulp_and_flushes_below_the_normal_range():
+    x = np.linspace(-87.3, 88.0, 1_000_003).astype(np.float32)
+    got = np.empty_like(x)
+    z = x.reshape(1, 1, -1).copy()
+    _attention_cpu.probabilities_(z, x.size, np.zeros((1, 1), np.float32))     # exp(x - 0)
+    got[:] = z.ravel()
+    assert error_in_ulps(got, np.exp(x.astype(np.float64)), 0.0) <= 1.0
+    z = np.array([[[-88.0, -200.0, -np.inf, 0.0]]], np.float32)
+    _attention_cpu.probabilities_(z, 4, np.zeros((1, 1), np.float32))
+    np.testing.assert_array_equal(z.ravel(), [0.0, 0.0, 0.0, 1.0])
+
+
+def causal_scores(heads, rows, keys):
+    z = RNG.standard_normal((heads, rows, keys)).astype(np.float32) * 4
+    keys_before = keys - rows
+    mask = np.arange(keys)[None, :] > keys_before + np.arange(rows)[:, None]
+    return z, keys_before, mask
+
+
+def test_softmax_numerators_equal_the_masked_exponentials():
+    z, keys_before, mask = causal_scores(3, 5, 12)
+    reference = np.where(mask, -np.inf, z.astype(np.float64))
+    shift = reference.max(axis=-1)
+    numerators = np.exp(reference - shift[..., None])
+    got, got_shift, got_total = z.copy(), np.empty((3, 5), np.float32), np.empty((3, 5), np.float32)
+    _attention_cpu.softmax_numerators_(got, keys_before, got_shift, got_total)
+    np.testing.assert_array_equal(got_shift, shift.astype(np.float32))
+    # z - max rounds in float32 before exp (as in NumPy's chain): a few ulps for scores near 10.
+    assert error_in_ulps(got, numerators, 1e-3) <= 8
+    assert np.all(got[np.broadcast_to(mask, got.shape)] == 0)
+    assert error_in_ulps(got_total, numerators.sum(axis=-1), 1.0) <= 4
+
+    lse = (shift + np.log(numerators.sum(axis=-1))).astype(np.float32)
+    probs = z.copy()
+    _attention_cpu.probabilities_(probs, keys_before, lse)
+    assert error_in_ulps(probs, numerators / numerators.sum(axis=-1, keepdims=True), 1e-3) <= 8
+
+
+def test_softmax_backward_kernel_equals_the_chain_in_float64():
+    g, y = RNG.standard_normal((2, 4, 3, 7))
+    dot = RNG.standard_normal((4, 3))
+    want = (g - dot[..., None]) * y * 0.3
+    _attention_cpu.softmax_backward_(g, y, dot, 0.3)
+    np.testing.assert_allclose(g, want, rtol=1e-14, atol=1e-15)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.2])
+def test_compiled_attention_equals_the_float64_path(p):
+    """float32 attention large enough for the kernels (b h t^2 = 2^16) against the NumPy path in
+    float64, with the same dropout masks."""
+    b, h, t, d = 2, 2, 128, 16
+    assert b * h * t * t >= attention.MIN_SHARED_SCORES
+    tracker = RNGTracker(seed=5, tp_rank=0, xp=np)
+    leaves64 = [RNG.standard_normal((b, h, t, d)) for _ in range(3)]
+    weights = RNG.standard_normal((b, h, t, d))
+    results = []
+    for dtype in (np.float32, np.float64):
+        leaves = [Tensor(x.astype(dtype), requires_grad=True) for x in leaves64]
+        out = ag.causal_attention(*leaves, 0.25, p, tracker.site(MODEL_PARALLEL, 4).frozen(), block_size=48)
+        out.backward(weights.astype(dtype))
+        results.append([out.data] + [x.grad for x in leaves])
+    for got, want in zip(*results):
+        assert got.dtype == np.float32
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5 * np.abs(want).max())
+
+
+def test_bias_gelu_kernels_are_within_float32_round_off_of_float64():
+    y = (RNG.standard_normal((64, 96)) * 3).astype(np.float32)
+    b, g = RNG.standard_normal(96).astype(np.float32), RNG.standard_normal((64, 96)).astype(np.float32)
+    x64 = (y + b).astype(np.float64)        # the float32 sum, as the chain and the kernel take it
+    want, t64 = bias_gelu_tanh(x64, np.zeros(96))
+    want_gy = bias_gelu_tanh_backward(g.astype(np.float64), x64, np.zeros(96), t64)
+    chain, t32 = bias_gelu_tanh(y, b)
+    chain_gy = bias_gelu_tanh_backward(g, y, b, t32)
+    got = _gelu_cpu.forward(y, b)
+    got_gy, got_gb = _gelu_cpu.backward(g, y, b)
+    # The kernel rounds once from float64; the float32 chain's 1 + tanh cancels where gelu is
+    # near 0, so it is the looser of the two.
+    assert error_in_ulps(got, want, 1e-2) <= 1
+    assert error_in_ulps(got_gy, want_gy, 1e-2) <= 2
+    assert error_in_ulps(chain, want, 1e-2) > 2
+    np.testing.assert_allclose(got_gb, want_gy.sum(axis=0), rtol=1e-5, atol=1e-5 * np.abs(want_gy).sum(axis=0).max())
+
+
+def test_bias_gelu_takes_the_kernels_for_large_float32_arrays(monkeypatch):
+    y = RNG.standard_normal((4, 8, 32)).astype(np.float32)
+    b, g = RNG.standard_normal(32).astype(np.float32), RNG.standard_normal((4, 8, 32)).astype(np.float32)
+    results = []
+    for size in (1, 1 << 62):
+        monkeypatch.setattr(elementwise, "COMPILED_GELU_SIZE", size)
+        leaves = [Tensor(a.copy(), requires_grad=True) for a in (y, b)]
+        out = ag.bias_gelu(*leaves)
+        out.backward(g)
+        results.append([out.data] + [t.grad for t in leaves])
+    for got, want in zip(*results):
+        assert got.dtype == np.float32
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def adamw_state(dtype, n=5000):
+    p, g, m = (RNG.standard_normal(n).astype(dtype) for _ in range(3))
+    return p, g, m, np.abs(RNG.standard_normal(n)).astype(dtype)
+
+
+SCALARS = (0.999, 0.9, 0.1, 0.99, 0.01, 1 / np.sqrt(0.0199), 1e-8, 1e-3 / 0.19)
+
+
+def test_adamw_kernel_is_the_chains_arithmetic_in_float64():
+    chain, kernel = adamw_state(np.float64), None
+    kernel = tuple(a.copy() for a in chain)
+    adamw_update_(*chain, *SCALARS)
+    _adamw_cpu._update(*kernel, *SCALARS)
+    for got, want in zip(kernel, chain):
+        np.testing.assert_allclose(got, want, rtol=1e-14, atol=1e-16)
+
+
+def test_adamw_takes_the_kernel_for_large_float32_parameters(monkeypatch):
+    from npmegatron.training import optimizer
+    results, (p, g, _, _) = [], adamw_state(np.float32, 3000)
+    for size in (1, 1 << 62):
+        monkeypatch.setattr(optimizer, "COMPILED_UPDATE_SIZE", size)
+        param = Tensor(p.reshape(30, 100).copy(), requires_grad=True)
+        param.grad = g.reshape(30, 100)
+        opt = AdamW([param], lr=1e-2, weight_decay=0.1)
+        for _ in range(3):
+            opt.step()
+        results.append([param.data, opt.exp_avg[0], opt.exp_avg_sq[0]])
+    for got, want in zip(*results):
+        assert got.dtype == np.float32
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
