@@ -185,11 +185,14 @@ def bench_pipeline_command(ranks, **options):
 @click.option("--threads-per-rank", type=POSITIVE, default=None,
               help="BLAS and CPU-engine threads per rank (default: the cores shared among the ranks; "
                    "1 gives the single-core serial baseline).")
+@click.option("--sequence-parallel", is_flag=True,
+              help="Sequence parallelism in the layouts with TP > 1 (LayerNorm, dropout and residual "
+                   "adds on sequence shards; reduce-scatter + all-gather instead of all-reduce).")
 @click.option("--output", default=None, help="Folder: results.jsonl, scaling.png, breakdown.png.")
 @click.option("--json", "as_json", is_flag=True, help="Print the records (JSON lines), not the table.")
 @user_errors
 def bench_scaling_command(mode, layouts, ranks, parallel, global_batch_size, warmup, iters, threads_per_rank,
-                          output, as_json, **options):
+                          sequence_parallel, output, as_json, **options):
     """Strong or weak scaling over TP x PP x DP layouts, each launched as its own mpiexec job, with
     each step split into phases (compute, TP, DP and pipeline communication, optimizer)."""
     from . import comm
@@ -203,7 +206,8 @@ def bench_scaling_command(mode, layouts, ranks, parallel, global_batch_size, war
     parsed = parse_layouts(layouts, ranks, parallel)
     try:
         records = bench_scaling(cfg, parsed, mode, options["micro_batch_size"], options["seq_length"],
-                                global_batch_size, warmup, iters, threads=threads_per_rank)
+                                global_batch_size, warmup, iters, threads=threads_per_rank,
+                                sequence_parallel=sequence_parallel)
     except ChildFailed as error:
         raise click.ClickException(str(error)) from None
     if output:

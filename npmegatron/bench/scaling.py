@@ -103,9 +103,10 @@ def layout_name(tp, pp, dp):
     return f"{tp}x{pp}x{dp}"
 
 
-def plan_runs(cfg, layouts, mode, micro_batch, seq, global_batch=None):
+def plan_runs(cfg, layouts, mode, micro_batch, seq, global_batch=None, sequence_parallel=False):
     """One spec per layout: its model config, global batch and micro-batches, checked here, in
-    the parent, so a bad layout is one sentence before anything is launched."""
+    the parent, so a bad layout is one sentence before anything is launched. sequence_parallel:
+    on for the layouts with TP > 1 (with TP = 1 there is nothing to shard)."""
     from ..model import gpt_num_parameters
     from ..pipeline import default_layout
     if mode == "strong" and global_batch is None:
@@ -119,7 +120,8 @@ def plan_runs(cfg, layouts, mode, micro_batch, seq, global_batch=None):
         if ranks > limit:
             raise InputError(f"layout {name} needs {ranks} ranks, more than {MAX_RANKS_PER_CORE} per core "
                              f"on this machine's {cores()} cores; use smaller layouts")
-        layout_cfg, batch = cfg, global_batch
+        layout_cfg, batch = dataclasses.replace(cfg, sequence_parallel=sequence_parallel and tp > 1), global_batch
+        name += "+sp" if layout_cfg.sequence_parallel else ""
         if mode == "weak":
             heads = -(-cfg.num_attention_heads // tp) * tp
             hidden = max(heads, round(cfg.hidden_size * math.sqrt(tp) / heads) * heads)
@@ -195,8 +197,8 @@ def add_efficiency(records, mode):
 
 
 def bench_scaling(cfg, layouts, mode, micro_batch, seq, global_batch=None, warmup=1, iters=3,
-                  on_record=None, threads=None):
-    specs = plan_runs(cfg, layouts, mode, micro_batch, seq, global_batch)
+                  on_record=None, threads=None, sequence_parallel=False):
+    specs = plan_runs(cfg, layouts, mode, micro_batch, seq, global_batch, sequence_parallel)
     records = []
     for spec in specs:
         records.append(run_layout(spec, warmup, iters, threads=threads))
@@ -218,13 +220,13 @@ def format_table(records, mode):
              "step: median [min-max] over the measured steps, slowest rank; phases: rank 0's ms per "
              "step (mean), compute excludes the TP communication inside it"]
     phases = list(PHASES) + ["other"]
-    head = (f"{'layout':>7} {'ranks':>5} {'thr':>3} {'params':>11} {'hidden':>6} {'lay':>3} {'GBS':>4} "
+    head = (f"{'layout':>8} {'ranks':>5} {'thr':>3} {'params':>11} {'hidden':>6} {'lay':>3} {'GBS':>4} "
             f"{'step s':>22} {'tokens/s':>9} {flop_unit + '/rank':>13} {'eff':>6} "
             + " ".join(f"{PHASE_LABELS[p]:>7}" for p in phases))
     lines.append(head)
     for r in records:
         spread = f"{r['step_s']:.3f} [{r['step_min_s']:.3f}-{r['step_max_s']:.3f}]"
-        lines.append(f"{r['layout']:>7} {r['ranks']:>5} {r['threads_per_rank']:>3} {r['parameters']:>11,} "
+        lines.append(f"{r['layout']:>8} {r['ranks']:>5} {r['threads_per_rank']:>3} {r['parameters']:>11,} "
                      f"{r['hidden_size']:>6} {r['num_layers']:>3} {r['global_batch']:>4} {spread:>22} "
                      f"{r['tokens_per_s']:>9.0f} {r['model_flops_per_s_per_rank'] / scale:>13.2f} "
                      f"{r['efficiency'] * 100:>5.0f}% "
@@ -370,9 +372,11 @@ def run_child(spec):
     from .. import comm
     from ..autograd.backend import to_numpy
     from ..model import model_flops
+    from ..training.step import setup_objects_frozen
     run = ChildRun(spec)
     grid, cfg, seq = run.grid, run.cfg, spec["seq"]
-    times, phases = run.measure()
+    with setup_objects_frozen():
+        times, phases = run.measure()
     # The slowest rank's step times (each step ends with collectives, so they are close).
     slowest = to_numpy(comm.all_reduce(numpy.asarray(times), grid.world, "max"))
     rank0_mean = statistics.fmean(times)

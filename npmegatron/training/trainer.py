@@ -23,7 +23,7 @@ from . import checkpoint
 from .log import TrainingLog
 from .optimizer import AdamW, learning_rate
 from .save_folder import SaveFolder
-from .step import clip_after_step, schedule_options, sum_losses, train_step
+from .step import clip_after_step, schedule_options, setup_objects_frozen, sum_losses, train_step
 from .timers import NO_TIMERS, OPTIMIZER
 
 
@@ -145,22 +145,28 @@ class Trainer:
         config, losses = self.config, []
         log = TrainingLog(self, echo if self.grid.rank == 0 else None)
         try:
-            while self.iteration < config.train_iters:
-                loss, norm, lr = self.step()
-                losses.append(loss)
-                log.iteration(loss)
-                done, last = self.iteration, self.iteration == config.train_iters
-                if done % config.log_interval == 0 or last:
-                    evaluate = done % config.eval_interval == 0 or last
-                    log.interval(done, lr, norm, self.evaluate() if evaluate else None)
-                if self._save_or_stop(log, exit_signal):
-                    break
+            with setup_objects_frozen():
+                self._iterate(losses, log, exit_signal)
         finally:
             log.close()
         log.summary(losses)
         if config.sample_tokens and self.iteration == config.train_iters:
             log.say(self.sample())
         return losses
+
+    def _iterate(self, losses, log, exit_signal):
+        """fit()'s loop: step, log, evaluate, save, until done or told to stop."""
+        config = self.config
+        while self.iteration < config.train_iters:
+            loss, norm, lr = self.step()
+            losses.append(loss)
+            log.iteration(loss)
+            done, last = self.iteration, self.iteration == config.train_iters
+            if done % config.log_interval == 0 or last:
+                evaluate = done % config.eval_interval == 0 or last
+                log.interval(done, lr, norm, self.evaluate() if evaluate else None)
+            if self._save_or_stop(log, exit_signal):
+                return
 
     def _save_or_stop(self, log, exit_signal):
         """Save when due; True when the run stops here (--exit-interval, or an exit signal)."""

@@ -99,6 +99,17 @@ def test_threads_per_rank_sets_the_budget_of_blas_and_the_cpu_engine():
     assert records[0]["environment"]["blas"][0]["num_threads"] == 1
 
 
+def test_sequence_parallel_applies_to_the_layouts_with_tp():
+    from npmegatron.bench.scaling import plan_runs
+    from npmegatron.config import GPTConfig
+    cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64)
+    specs = plan_runs(cfg, [(1, 1, 1), (2, 1, 1), (2, 1, 2)], "strong", 2, 16, sequence_parallel=True)
+    assert [s["layout"] for s in specs] == ["1x1x1", "2x1x1+sp", "2x1x2+sp"]
+    assert [s["cfg"]["sequence_parallel"] for s in specs] == [False, True, True]
+    records = records_of(run(["--layouts", "2x1x1", "--sequence-parallel", "--json"] + TINY))
+    assert records[0]["layout"] == "2x1x1+sp" and records[0]["phases_s"][TP_COMM] > 0
+
+
 def test_weak_scaling_over_tp_grows_the_model():
     records = records_of(run(["--mode", "weak", "--ranks", "1,2", "--parallel", "tp", "--json"] + TINY))
     one, two = records

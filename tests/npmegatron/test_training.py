@@ -44,3 +44,16 @@ def test_training_on_the_embedded_corpus_lowers_the_loss(tmp_path):
     assert np.mean(losses[-10:]) < 3.3
     records = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert len(records) == 3 and '"val_loss"' in records[-1]
+
+
+def test_setup_objects_are_frozen_while_steps_run_and_released_after():
+    import gc
+    from npmegatron.training.step import setup_objects_frozen
+    before = gc.get_freeze_count()
+    with setup_objects_frozen():
+        assert gc.get_freeze_count() > before
+        cycle = []
+        cycle.append(cycle)
+        del cycle
+        assert gc.collect() >= 1        # what the steps create is still collected
+    assert gc.get_freeze_count() == 0
