@@ -35,7 +35,9 @@ What this project's autograd keeps differs from that count, and the plan uses it
                                                                 second projection input (4h)
               + a*s*b * w / t                                   log-sum-exp per query and head
 
-and no a*s^2*b term: blockwise attention (autograd/ops/attention.py) recomputes the probabilities
+less the tanh (4 w / t) where the float32 CPU kernel runs bias-GeLU (autograd/ops/_gelu_cpu.py,
+inputs of COMPILED_GELU_SIZE elements or more): it recomputes tanh in backward. There is
+no a*s^2*b term: blockwise attention (autograd/ops/attention.py) recomputes the probabilities
 and draws their dropout masks again in backward, so selective recomputation changes nothing here.
 
 Activations are multiplied by the layers a rank holds and the peak number of its stage-chunks in
@@ -169,7 +171,8 @@ def layer_activation_bytes(cfg, layout, w, recompute=None, accounting="project")
     hidden_masks = 2 * layout.mask_bytes if cfg.hidden_dropout > 0 else 0
     if accounting != "korthikanti":
         log_sum_exp = a * s * b * w / t
-        return s * b * h * ((2 * w + hidden_masks) / sp_div + 2 * w + 16 * w / t) + log_sum_exp
+        per_head_share = (16 if _gelu_keeps_tanh(cfg, layout, w) else 12) * w / t
+        return s * b * h * ((2 * w + hidden_masks) / sp_div + 2 * w + per_head_share) + log_sum_exp
     per_sbh = (4 * w + hidden_masks) / sp_div + 12 * w / t
     attn_dropout = cfg.attention_dropout > 0
     scores = (w * (2 if attn_dropout else 1) + (layout.mask_bytes if attn_dropout else 0)) / t
@@ -177,6 +180,15 @@ def layer_activation_bytes(cfg, layout, w, recompute=None, accounting="project")
     if recompute == "none":
         total += a * s * s * b * scores
     return total
+
+
+def _gelu_keeps_tanh(cfg, layout, w):
+    """Whether bias-GeLU keeps tanh for backward: the chains do; the float32 CPU kernel does not."""
+    from ...autograd.ops.elementwise import COMPILED_GELU_SIZE
+    elements = layout.seq * layout.micro_batch * cfg.ffn_hidden_size // layout.tp
+    compiled = (cfg.device == "cpu" and cfg.dtype == "float32" and w == 4 and cfg.gelu == "tanh"
+                and elements >= COMPILED_GELU_SIZE)
+    return not compiled
 
 
 def korthikanti_bytes(s, b, h, a, t=1, sp=False, recompute="none"):
