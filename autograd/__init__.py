@@ -5,9 +5,10 @@ backward side by side on plain arrays), a reverse-topological `backward`, and th
 """
 from .backend import get_array_module
 from .errors import InputError
-from .tensor import Tensor, no_grad, is_grad_enabled
+from .tensor import Tensor, enable_grad, no_grad, is_grad_enabled
 from .function import Function, grad_accumulator
 from .engine import backward
+from .checkpoint import checkpoint
 from .ops import (
     add, sub, mul, div, neg, pow, matmul, linear,
     reshape, transpose, split, concatenate, getitem,
@@ -19,7 +20,8 @@ from .ops import (
 from .gradcheck import gradcheck, numerical_grad
 
 __all__ = [
-    "InputError", "get_array_module", "Tensor", "no_grad", "is_grad_enabled", "Function", "grad_accumulator", "backward",
+    "InputError", "get_array_module", "Tensor", "no_grad", "enable_grad", "is_grad_enabled", "Function",
+    "grad_accumulator", "backward", "checkpoint",
     "add", "sub", "mul", "div", "neg", "pow", "matmul", "linear",
     "reshape", "transpose", "split", "concatenate", "getitem",
     "sum", "mean", "max", "exp", "log", "tanh", "gelu", "bias_gelu",

@@ -9,9 +9,10 @@ def _arrays(ctx):
             yield v
 
 
-def saved_bytes_by_function(tensors):
-    """{Function name: bytes of distinct buffers its nodes keep for backward}."""
-    totals, seen_buffers, seen_nodes = {}, set(), set()
+def saved_bytes_by_function(tensors, exclude=()):
+    """{Function name: bytes of distinct buffers its nodes keep for backward}; `exclude`: arrays
+    not to count (e.g. the parameters, which the tape references but does not own)."""
+    totals, seen_buffers, seen_nodes = {}, {id(a) for a in exclude}, set()
     stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
     while stack:
         node = stack.pop()

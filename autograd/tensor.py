@@ -23,6 +23,18 @@ def no_grad():
         _grad_enabled = previous
 
 
+@contextlib.contextmanager
+def enable_grad():
+    """Inside this block ops record on the tape again, even within no_grad (a recomputation in
+    backward records the graph it then walks)."""
+    global _grad_enabled
+    previous, _grad_enabled = _grad_enabled, True
+    try:
+        yield
+    finally:
+        _grad_enabled = previous
+
+
 class Tensor:
     """An array of NumPy or CuPy with an optional gradient.
 

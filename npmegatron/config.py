@@ -48,6 +48,17 @@ class GPTConfig:
     init_method_std: float = 0.02          # paper §4.2
     gelu: str = "tanh"                     # GPT-2's approximation; 'none' for exact erf
     sequence_parallel: bool = option(False, "LayerNorm and dropout on sequence shards.")
+    recompute_granularity: Optional[str] = option(
+        None, "Activation recomputation. full: a layer keeps only its input and runs again in backward; "
+              "selective: only the attention core, which blockwise attention always recomputes.",
+        choices=("full", "selective"))
+    recompute_method: Optional[str] = option(
+        None, "With full: uniform (every chunk of --recompute-num-layers layers keeps only its input; "
+              "the default) or block (the first --recompute-num-layers layers of each stage).",
+        choices=("uniform", "block"))
+    recompute_num_layers: Optional[int] = option(
+        None, "With full: layers per recomputed chunk (uniform) or recomputed layers per stage "
+              "(block); default 1.", minimum=1)
     make_vocab_size_divisible_by: int = 128  # padding unit, times the TP size
     dtype: str = option("float32", "Parameter and activation precision.", choices=("float32", "float64"))
     device: str = option("cpu", "NumPy on the CPU or CuPy on the GPU.", choices=("cpu", "gpu"))
@@ -71,10 +82,24 @@ class GPTConfig:
             raise InputError(f"dtype {self.dtype!r} is not supported; use float32 or float64")
         if self.device not in ("cpu", "gpu"):
             raise InputError(f"device {self.device!r} is not supported; use cpu or gpu")
+        self._check_recompute()
         if self.tf32 and (self.device, self.dtype) != ("gpu", "float32"):
             raise InputError(f"tf32 is for float32 matmuls on the GPU, but this run has device "
                              f"{self.device} and dtype {self.dtype}; drop --tf32 or use --device gpu "
                              "--dtype float32")
+
+    def _check_recompute(self):
+        if self.recompute_granularity not in (None, "full", "selective"):
+            raise InputError(f"recompute granularity {self.recompute_granularity!r} is not known; use "
+                             "full or selective")
+        if self.recompute_method not in (None, "uniform", "block"):
+            raise InputError(f"recompute method {self.recompute_method!r} is not known; use uniform or block")
+        chosen = [name for name in ("recompute_method", "recompute_num_layers") if getattr(self, name) is not None]
+        if chosen and self.recompute_granularity != "full":
+            flag = "--" + chosen[0].replace("_", "-")
+            raise InputError(f"{flag} chooses the layers of full recomputation, but recompute "
+                             f"granularity is {self.recompute_granularity or 'not set'}; add "
+                             f"--recompute-granularity full or drop {flag}")
 
     @property
     def head_dim(self):
@@ -200,6 +225,14 @@ class RunPlan:
         self.micro_batches = self._micro_batches(config)
         self.global_batch = config.micro_batch_size * self.micro_batches * self.dp
         self.layout = self._layout(config)
+        self._check_recompute(config)
+
+    def _check_recompute(self, config):
+        """Recomputation's chunks fit every model chunk (one sentence here, before any rank builds)."""
+        from .pipeline import parse_layout
+        from .recompute import recompute_segments
+        for stage in parse_layout(self.layout):
+            recompute_segments(config.model, stage.count("t"))
 
     def _micro_batches(self, config):
         per_step = config.micro_batch_size * self.dp

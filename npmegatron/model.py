@@ -14,6 +14,7 @@ from .autograd.backend import array_module_for, enable_tf32
 from .autograd.ops.nn import check_ids
 from .config import GPTConfig
 from .module import Module, ParamSpec, parameter
+from .recompute import recompute_segments, run_layers
 from .tensor_parallel import (DEFAULT, MODEL_PARALLEL, ColumnParallelLinear, RNGTracker,
                               RowParallelLinear, VocabParallelEmbedding, pad_vocab_size,
                               vocab_parallel_cross_entropy)
@@ -151,6 +152,7 @@ class GPT(Module):
             self.specs["wpe"] = ParamSpec(cfg.init_method_std, tuple(self.wpe.shape), sp_partial=sp)
         layers = range(cfg.num_layers) if layers is None else layers
         self.blocks = {i: Block(cfg, xp, dtype, group, self.rng, i) for i in layers}
+        self.recompute_segments = recompute_segments(cfg, len(self.blocks))
         self.embedding_dropout = self.rng.site(hidden_dropout_stream(cfg), site_number())
         if post_process:
             self.ln_f = LayerNorm(xp, dtype, cfg.hidden_size, cfg.layernorm_epsilon, sp)
@@ -193,10 +195,16 @@ class GPT(Module):
             raise InputError("a key/value cache needs sequence parallelism off (one new token cannot "
                              "be split over ranks); build the model without it for generation")
         x = self.embed(ids, 0 if cache is None else cache.length) if self.pre_process else ids
-        for i, block in enumerate(self.blocks.values()):
-            x = block(x, None if cache is None else cache.layer(i))
+        blocks = list(self.blocks.values())
         if cache is not None:
+            for i, block in enumerate(blocks):
+                x = block(x, cache.layer(i))
             cache.length += x.shape[1]        # (no sequence parallelism with a cache)
+        elif self.training and ag.is_grad_enabled():
+            x = run_layers(blocks, x, self.recompute_segments, self.rng)   # recompute.py
+        else:
+            for block in blocks:
+                x = block(x)
         if not self.post_process:
             return x, None
         logits = self.wte.logits(self.ln_f(x))   # output layer tied to the token embedding

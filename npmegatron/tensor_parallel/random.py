@@ -11,6 +11,8 @@ stream's key with the iteration, the micro-batch and the site in turn. Integer a
 wraps the same way on NumPy and CuPy, so both draw bitwise the same masks; nothing depends on the
 order of calls, so a resumed run or a recomputed layer replays its masks exactly, and what a
 checkpoint needs is the iteration, which it already holds."""
+import contextlib
+
 import numpy
 
 from ..autograd import InputError
@@ -150,6 +152,22 @@ class RNGTracker:
 
     def site(self, stream, site):
         return DropoutSite(self, stream, site)
+
+    def replay(self):
+        """The position now, as a context-manager factory that puts it back for a while and then
+        restores whatever it is by then: activation recomputation runs a layer again in backward,
+        after the pipeline schedule has moved on to other micro-batches."""
+        saved = (self.iteration, self.micro_batch)
+
+        @contextlib.contextmanager
+        def restored():
+            now = (self.iteration, self.micro_batch)
+            self.iteration, self.micro_batch = saved
+            try:
+                yield
+            finally:
+                self.iteration, self.micro_batch = now
+        return restored
 
     def get_states(self):
         """The position, to save in a checkpoint (JSON integers)."""

@@ -64,12 +64,24 @@ class TrainingLog:
             self.file.close()
 
 
+def recompute_note(cfg):
+    """What activation recomputation the run does, for the header."""
+    if cfg.recompute_granularity == "selective":
+        return ", selective recomputation (the attention core)"
+    if cfg.recompute_granularity != "full":
+        return ""
+    count, method = cfg.recompute_num_layers or 1, cfg.recompute_method or "uniform"
+    if method == "block":
+        return f", full recomputation of the first {count} layer(s) of each stage"
+    return f", full recomputation: every {count} layer(s) keep only their input"
+
+
 def header(trainer):
     cfg, grid, plan, model, data = trainer.cfg, trainer.grid, trainer.plan, trainer.model, trainer.data
     pipeline = f", layout {plan.layout!r} ({trainer.schedule})" if grid.pp_size > 1 else ""
     return (f"GPT: {model.num_parameters():,} parameters, {cfg.num_layers} layers, hidden "
             f"{cfg.hidden_size}, {cfg.num_attention_heads} heads, {cfg.dtype} on {cfg.device}, {grid}"
-            f"{' sequence-parallel' if cfg.sequence_parallel else ''}{pipeline}; global batch "
+            f"{' sequence-parallel' if cfg.sequence_parallel else ''}{pipeline}{recompute_note(cfg)}; global batch "
             f"{plan.global_batch} = {trainer.config.micro_batch_size} x {plan.micro_batches} accumulation x "
             f"{grid.dp_size} DP; data {data.description}: {len(data.train):,} training / "
             f"{len(data.valid):,} validation tokens")

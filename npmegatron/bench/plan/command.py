@@ -77,7 +77,11 @@ def format_weak(rows):
 @config_options(ParallelConfig, only={"num_layers_per_virtual_pipeline_stage", "pipeline_schedule"})
 @click.option("--layout", default="1x1x1", show_default=True, help="TPxPPxDP, e.g. 2x1x4.")
 @click.option("--recompute", type=click.Choice(["none", "selective", "full"]), default="none",
-              show_default=True, help="Activation recomputation.")
+              show_default=True, help="Activation recomputation (training's --recompute-granularity).")
+@click.option("--recompute-method", type=click.Choice(["uniform", "block"]), default="uniform",
+              show_default=True, help="With --recompute full: as training's --recompute-method.")
+@click.option("--recompute-num-layers", type=click.IntRange(min=1), default=1, show_default=True,
+              help="With --recompute full: as training's --recompute-num-layers.")
 @click.option("--profile", default="dgx2h", show_default=True,
               help="Profile JSON file, or a shipped profile's name (dgx2h).")
 @click.option("--device-memory", type=float, default=None, help="GB per device (default: the profile's).")
@@ -88,7 +92,8 @@ def format_weak(rows):
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
 @user_errors
-def plan_command(ctx, layout, recompute, profile, device_memory, search_ranks, weak_scaling, as_json, **options):
+def plan_command(ctx, layout, recompute, recompute_method, recompute_num_layers, profile, device_memory,
+                 search_ranks, weak_scaling, as_json, **options):
     """Predict memory per rank and step time of a model on a layout from a machine profile."""
     if ctx.invoked_subcommand is not None:
         return
@@ -123,7 +128,8 @@ def plan_command(ctx, layout, recompute, profile, device_memory, search_ranks, w
         virtual = cfg.num_layers // (p * per_virtual)
     base = Layout(tp=t, pp=p, dp=d, virtual=virtual, micro_batch=micro_batch,
                   global_batch=global_batch or micro_batch * d, seq=seq,
-                  sequence_parallel=cfg.sequence_parallel, recompute=recompute, schedule=schedule)
+                  sequence_parallel=cfg.sequence_parallel, recompute=recompute, schedule=schedule,
+                  recompute_method=recompute_method, recompute_num_layers=recompute_num_layers)
     if search_ranks is not None:
         if global_batch is None:
             base.global_batch = micro_batch * search_ranks

@@ -51,6 +51,7 @@ import numpy
 from ...autograd import InputError
 from ...pipeline import default_layout, parse_layout, plan_stages
 from ...pipeline.schedules import BACKWARD, build_actions
+from ...recompute import recompute_segments
 from ...tensor_parallel import pad_vocab_size
 
 RECOMPUTE = ("none", "selective", "full")
@@ -68,6 +69,8 @@ class Layout:
     seq: int = 128
     sequence_parallel: bool = False
     recompute: str = "none"
+    recompute_method: str = "uniform"    # with full: as --recompute-method
+    recompute_num_layers: int = 1        # with full: as --recompute-num-layers
     schedule: str = None             # default: 1f1b, interleaved when virtual > 1
     element_bytes: int = None        # default: the model's dtype; 2 for the paper's fp16
     mask_bytes: int = 1
@@ -93,6 +96,9 @@ def check_layout(cfg, layout):
     t, p, v = layout.tp, layout.pp, layout.virtual
     if layout.recompute not in RECOMPUTE:
         raise InputError(f"recompute {layout.recompute!r} is unknown; use one of {', '.join(RECOMPUTE)}")
+    if layout.recompute == "full":
+        from ...recompute import recompute_segments
+        recompute_segments(_recompute_config(cfg, layout), cfg.num_layers // (p * v))
     if cfg.num_attention_heads % t:
         raise InputError(f"{cfg.num_attention_heads} attention heads are not divisible by TP {t}; "
                          "choose a TP size that divides the number of heads")
@@ -191,6 +197,25 @@ def _gelu_keeps_tanh(cfg, layout, w):
     return not compiled
 
 
+def _recompute_config(cfg, layout):
+    return replace(cfg, recompute_granularity="full", recompute_method=layout.recompute_method,
+                   recompute_num_layers=layout.recompute_num_layers)
+
+
+def chunk_activation_bytes(cfg, layout, w, layers):
+    """(bytes one model chunk of `layers` layers keeps for one micro-batch, bytes of the segment
+    being recomputed in backward, held once): full recomputation keeps one layer input per
+    recomputed segment (recompute.py: chunks of N layers, or the first N layers alone)."""
+    whole = layer_activation_bytes(cfg, layout, w, "none")
+    if layout.recompute != "full":
+        return layers * layer_activation_bytes(cfg, layout, w), 0
+    segments = recompute_segments(_recompute_config(cfg, layout), layers)
+    kept = sum(layer_activation_bytes(cfg, layout, w, "full") if again else (stop - first) * whole
+               for first, stop, again in segments)
+    workspace = max((stop - first) * whole for first, stop, again in segments if again)
+    return kept, workspace
+
+
 def korthikanti_bytes(s, b, h, a, t=1, sp=False, recompute="none"):
     """The paper's per-layer formulas in 16-bit, as printed (for the tests and the report)."""
     if recompute == "full":
@@ -212,9 +237,8 @@ def rank_memory(cfg, layout, pp_rank):
     stages = stages_of(cfg, layout)[pp_rank::layout.pp]
     layers_per_chunk = cfg.num_layers // (layout.pp * layout.virtual)
     chunks = in_flight_chunks(layout, pp_rank)
-    activations = chunks * layers_per_chunk * layer_activation_bytes(cfg, layout, w)
-    if layout.recompute == "full":      # the layer being recomputed holds everything once
-        activations += layer_activation_bytes(cfg, layout, w, "none")
+    kept, workspace = chunk_activation_bytes(cfg, layout, w, layers_per_chunk)
+    activations = chunks * kept + workspace
     result = {
         "pp_rank": pp_rank, "layers": sum(len(s.layers) for s in stages),
         "parameter_count": params, "parameters": params * w, "gradients": params * w,

@@ -80,6 +80,17 @@ def rank_flops(profile, layout):
     return rates[nearest] * min(1.0, cores / layout.ranks)
 
 
+def recomputed_share(cfg, layout):
+    """The share of layers whose forward runs twice (recompute.py's segments of one model chunk)."""
+    if layout.recompute != "full":
+        return 0.0
+    from .memory import _recompute_config
+    from ...recompute import recompute_segments
+    layers = cfg.num_layers // (layout.pp * layout.virtual)
+    segments = recompute_segments(_recompute_config(cfg, layout), layers)
+    return sum(stop - first for first, stop, again in segments if again) / layers
+
+
 def step_time(cfg, layout, profile):
     """{'compute', 'tp_comm', 'pp_comm', 'bubble', 'dp_comm_exposed', 'total', ...} in seconds."""
     check_layout(cfg, layout)
@@ -88,14 +99,14 @@ def step_time(cfg, layout, profile):
     s, b, h = layout.seq, layout.micro_batch, cfg.hidden_size
     place = placement(layout, profile)
     flops = model_flops(cfg, gpt_num_parameters(cfg), layout.global_batch, s)
-    factor = RECOMPUTE_COST[layout.recompute] / RECOMPUTE_COST[profile["flops_recompute"]]
+    again = recomputed_share(cfg, layout)
+    factor = (1 + (RECOMPUTE_COST["full"] - 1) * again) / RECOMPUTE_COST[profile["flops_recompute"]]
     compute = flops / layout.ranks / rank_flops(profile, layout) * factor
 
     sbh = s * b * h * w
     tp_comm = 0.0
     if t > 1:
-        forwards = 3 if layout.recompute == "full" else 2
-        per_layer_count = forwards + 2
+        per_layer_count = 2 + again + 2           # forward's two, the recomputation's, backward's two
         if layout.sequence_parallel:
             ag = all_gather_time(t, sbh, *group_links(profile, "all_gather", *place["tp"]))
             rs = reduce_scatter_time(t, sbh, *group_links(profile, "reduce_scatter", *place["tp"]))
