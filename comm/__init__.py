@@ -6,7 +6,8 @@
     grid = comm.ProcessGrid(tp=2, pp=1, dp=2)
     y = comm.all_reduce(x, grid.tp_group)
 """
-from .collectives import all_gather, all_reduce, all_reduce_async, barrier, broadcast, reduce_scatter
+from .collectives import (all_gather, all_reduce, all_reduce_async, barrier, broadcast, reduce_scatter,
+                          reduce_scatter_async)
 from .debug import CommMismatchError
 from .grid import ProcessGrid, grid_coordinates, grid_ranks
 from .group import Group
@@ -21,7 +22,8 @@ __all__ = [
     "init", "launched_by_mpi", "launch_rank", "launch_size", "local_rank", "local_size",
     "blas_threads", "blas_thread_environment", "mpiexec_path", "device_index", "report_and_abort", "reports_input_error", "ExitSignal",
     "Group", "ProcessGrid", "grid_ranks", "grid_coordinates",
-    "all_reduce", "all_reduce_async", "all_gather", "reduce_scatter", "broadcast", "barrier",
+    "all_reduce", "all_reduce_async", "all_gather", "reduce_scatter", "reduce_scatter_async", "broadcast",
+    "barrier",
     "send", "recv", "isend", "irecv", "sendrecv", "batch_isend_irecv", "P2POp", "Request", "wait_all",
     "stats", "reset_stats", "Stats", "CommMismatchError",
 ]

@@ -63,6 +63,13 @@ class MPIBackend:
         request = group.mpi.Iallreduce(_mpi().IN_PLACE, host, op=self._ops()[op])
         return MPIRequest(request, result=host, xp=get_array_module(x))
 
+    def ireduce_scatter(self, group, x, op):
+        """Non-blocking; x is kept until the request completes (GPU arrays staged through host)."""
+        host = self._host(x)
+        out = numpy.empty(host.size // group.size, host.dtype)
+        request = group.mpi.Ireduce_scatter_block(host, out, op=self._ops()[op])
+        return MPIRequest(request, result=out, keep=host, xp=get_array_module(x))
+
     def broadcast(self, group, x, root):
         host = numpy.array(self._host(x), copy=True)
         group.mpi.Bcast(host, root=root)
@@ -197,6 +204,14 @@ class NCCLBackend:
         communicator, stream = self._begin(group)
         communicator.allReduce(x.data.ptr, x.data.ptr, x.size, self.types[x.dtype], self.ops[op], stream.ptr)
         return self._end(stream, StreamRequest(result=x, cuda=self.cuda))
+
+    def ireduce_scatter(self, group, x, op):
+        """On the group's stream, as iall_reduce: x (kept alive) reduced into this rank's block."""
+        out = get_array_module(x).empty(x.size // group.size, x.dtype)
+        communicator, stream = self._begin(group)
+        communicator.reduceScatter(x.data.ptr, out.data.ptr, out.size, self.types[x.dtype],
+                                   self.ops[op], stream.ptr)
+        return self._end(stream, StreamRequest(result=out, keep=x, cuda=self.cuda))
 
     def broadcast(self, group, x, root):
         out = x.copy()

@@ -59,6 +59,22 @@ def all_reduce_async(x, group, op="sum"):
     return Request(backend_for(x).iall_reduce(group, x, op), "all_reduce_async", group, x.nbytes)
 
 
+def reduce_scatter_async(x, group, op="sum"):
+    """Start the reduction of all ranks' contiguous 1-D x, split evenly: rank i gets block i.
+    Returns a Request whose wait() gives this rank's block (the distributed optimizer's
+    gradient buckets, reduced while backward runs)."""
+    from .p2p import Request
+    _check_op(op)
+    if group.size == 1:
+        return _Done(x)
+    if x.ndim != 1 or x.size % group.size or not x.flags.c_contiguous:
+        raise InputError(f"reduce_scatter_async needs a contiguous 1-D array whose length is a multiple "
+                         f"of the group size {group.size}, got shape {tuple(x.shape)}; pad it")
+    if debug.enabled():
+        debug.check_agreement(group, f"reduce_scatter_async(shape={tuple(x.shape)}, dtype={x.dtype}, op={op})")
+    return Request(backend_for(x).ireduce_scatter(group, x, op), "reduce_scatter_async", group, x.nbytes)
+
+
 class _Done:
     def __init__(self, value):
         self.value = value

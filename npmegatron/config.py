@@ -128,6 +128,9 @@ class ParallelConfig:
     overlap_p2p_communication: bool = option(True, "Post the next receive before the current compute.",
                                              negatable=True)
     ddp_bucket_size: int = option(2 ** 20, "Parameters per data-parallel gradient all-reduce.", minimum=1)
+    use_distributed_optimizer: bool = option(
+        False, "Shard AdamW's state over the data-parallel ranks (ZeRO-1): gradients reduce-scattered, "
+               "parameters all-gathered after the step.")
 
     def __post_init__(self):
         check_minimums(self)

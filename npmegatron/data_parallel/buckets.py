@@ -13,9 +13,12 @@ from ..autograd import grad_accumulator
 
 
 class Bucket:
-    def __init__(self, params, xp, dtype):
+    def __init__(self, params, xp, dtype, multiple_of=1):
+        """multiple_of: the buffer is padded to a multiple of it (the distributed optimizer's
+        reduce-scatter splits it evenly over the DP ranks)."""
         self.params = params
-        self.buffer = xp.zeros(sum(p.data.size for p in params), dtype)
+        size = sum(p.data.size for p in params)
+        self.buffer = xp.zeros(-(-size // multiple_of) * multiple_of, dtype)
         self.views, offset = {}, 0
         for p in params:
             self.views[id(p)] = self.buffer[offset:offset + p.data.size].reshape(p.shape)
@@ -24,25 +27,38 @@ class Bucket:
         self.request = None
 
 
+def group_params(params, bucket_size, alone=()):
+    """Parameters in reverse order, cut into buckets of at least bucket_size elements; each
+    parameter in `alone` gets a bucket of its own."""
+    groups, current, count = [], [], 0
+    alone = {id(p) for p in alone}
+    for p in reversed(params):
+        if id(p) in alone:
+            groups.append([p])
+            continue
+        current.append(p)
+        count += p.data.size
+        if count >= bucket_size:
+            groups.append(current)
+            current, count = [], 0
+    return groups + ([current] if current else [])
+
+
 class GradientBuckets:
-    def __init__(self, params, group, bucket_size=2 ** 20):
+    #: The distributed optimizer's subclass sets it: gradients are reduce-scattered, so every
+    #: bucket is padded to a multiple of the DP size, and buckets exist even at DP = 1.
+    shards = False
+
+    def __init__(self, params, group, bucket_size=2 ** 20, alone=()):
         """bucket_size: parameters (elements) per bucket, Megatron's --ddp-bucket-size."""
         self.group, self.params = group, list(params)
         self.active = False
         self.buckets = []
-        if group.size == 1:
+        if group.size == 1 and not self.shards:
             return
-        current, count = [], 0
-        for p in reversed(self.params):
-            current.append(p)
-            count += p.data.size
-            if count >= bucket_size:
-                self.buckets.append(current)
-                current, count = [], 0
-        if current:
-            self.buckets.append(current)
         first = self.params[0]
-        self.buckets = [Bucket(ps, first.xp, first.dtype) for ps in self.buckets]
+        self.buckets = [Bucket(ps, first.xp, first.dtype, group.size if self.shards else 1)
+                        for ps in group_params(self.params, bucket_size, alone)]
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         for p in self.params:
             grad_accumulator(p).hooks.append(self._on_grad_ready)
@@ -81,8 +97,15 @@ class GradientBuckets:
             if b.remaining and not force:
                 return
             b.buffer *= b.buffer.dtype.type(1.0 / self.group.size)
-            b.request = comm.all_reduce_async(b.buffer, self.group)
+            b.request = self._launch(b)
             self.next_launch += 1
+
+    def _launch(self, bucket):
+        return comm.all_reduce_async(bucket.buffer, self.group)
+
+    def _finish(self, bucket, result):
+        if result is not bucket.buffer:            # GPU arrays staged through the host come back new
+            bucket.buffer[...] = result
 
     def finish_sync(self, timers=None):
         """After the last backward: launch what is left (parameters that got no gradient
@@ -95,9 +118,7 @@ class GradientBuckets:
             timer.start()
         self._launch_ready(force=True)
         for b in self.buckets:
-            result = b.request.wait()
-            if result is not b.buffer:            # GPU arrays staged through the host come back new
-                b.buffer[...] = result
+            self._finish(b, b.request.wait())
         if timer is not None:
             timer.stop()
         for b in self.buckets:

@@ -71,12 +71,12 @@ def raise_if_any(error, group):
         raise InputError(errors[0])
 
 
-def _state_tensors(model, optimizer):
-    """{'model.NAME' | 'exp_avg.NAME' | 'exp_avg_sq.NAME': host array}. The optimizer is the one
-    built over model.parameters(), so its moment lists follow named_parameters' order."""
+def _state_tensors(model, state):
+    """{'model.NAME' | 'exp_avg.NAME' | 'exp_avg_sq.NAME': host array}. `state` is the state_dict
+    of the optimizer built over model.parameters(), so its moment lists follow named_parameters'
+    order."""
     named = list(model.named_parameters())
     tensors = {f"model.{name}": to_numpy(param.data) for name, param in named}
-    state = optimizer.state_dict()
     for kind in MOMENTS:
         tensors.update((f"{kind}.{name}", to_numpy(moment)) for (name, _), moment in zip(named, state[kind]))
     return tensors
@@ -98,7 +98,8 @@ def save(root, iteration, model, optimizer, grid, extra, files=None):
         except OSError as e:
             error = f"cannot write checkpoint folder {root} ({e.strerror}); choose a writable --save"
     raise_if_any(error, world)
-    blob, record = _serialize_shard(model, optimizer, grid)
+    state = optimizer.state_dict()     # collective under the distributed optimizer (gathered whole)
+    blob, record = _serialize_shard(model, state, grid)
     records = gather_json(record, world)
     needed = sum(r["shard"]["bytes"] for r in records if "shard" in r)
     if world.rank == 0:
@@ -111,7 +112,7 @@ def save(root, iteration, model, optimizer, grid, extra, files=None):
     if world.rank == 0:
         manifest = {"format": FORMAT, "iteration": iteration, "model": dict(vars(model.cfg)),
                     "layout": {"tp": grid.tp_size, "pp": grid.pp_size, "dp": grid.dp_size},
-                    "optimizer": optimizer.state_dict()["hyperparameters"],
+                    "optimizer": state["hyperparameters"],
                     "ranks": [{k: r[k] for k in ("rank", "tp", "pp", "dp", "rng")} for r in records],
                     "shards": {r["shard"]["file"]: {k: r["shard"][k] for k in ("bytes", "sha256")}
                                for r in records if "shard" in r},
@@ -121,7 +122,7 @@ def save(root, iteration, model, optimizer, grid, extra, files=None):
     return final
 
 
-def _serialize_shard(model, optimizer, grid):
+def _serialize_shard(model, state, grid):
     """(safetensors bytes or None, this rank's manifest record): DP rank 0 of each (TP, PP)
     position writes the shard; data-parallel replicas hold the same state."""
     from safetensors.numpy import save as to_safetensors
@@ -129,7 +130,7 @@ def _serialize_shard(model, optimizer, grid):
               "rng": model.rng.get_states()}
     if grid.dp_rank != 0:
         return None, record
-    blob = to_safetensors(_state_tensors(model, optimizer))
+    blob = to_safetensors(_state_tensors(model, state))
     record["shard"] = {"file": shard_name(grid.tp_rank, grid.pp_rank), "bytes": len(blob),
                        "sha256": hashlib.sha256(blob).hexdigest()}
     return blob, record

@@ -56,12 +56,15 @@ class AdamW:
         self.exp_avg = [p.xp.zeros_like(p.data) for p in self.params]
         self.exp_avg_sq = [p.xp.zeros_like(p.data) for p in self.params]
 
+    def hyperparameters(self):
+        """Step count and settings, JSON-able (the checkpoint manifest's "optimizer")."""
+        return {"step": self.step_count, "betas": list(self.betas), "eps": self.eps,
+                "weight_decay": self.weight_decay}
+
     def state_dict(self):
-        """The state a checkpoint keeps: hyperparameters and step count (JSON-able), and the two
-        moments, each a list in the order of the parameters the optimizer was given."""
-        return {"hyperparameters": {"step": self.step_count, "betas": list(self.betas),
-                                    "eps": self.eps, "weight_decay": self.weight_decay},
-                "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        """The state a checkpoint keeps: the hyperparameters and the two moments, each a list in
+        the order of the parameters the optimizer was given."""
+        return {"hyperparameters": self.hyperparameters(), "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
 
     def load_state_dict(self, state):
         """Restore a state_dict (moments copied in place, onto this optimizer's device)."""

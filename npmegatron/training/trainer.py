@@ -27,6 +27,18 @@ from .step import clip_after_step, schedule_options, setup_objects_frozen, sum_l
 from .timers import NO_TIMERS, OPTIMIZER
 
 
+def build_optimizer(model, params, grid, config):
+    """(gradient buckets, optimizer): AdamW over DP all-reduced buckets, or with
+    --use-distributed-optimizer each DP rank's share of AdamW over reduce-scattered buckets."""
+    bucket_size, lr, decay = config.parallel.ddp_bucket_size, config.lr, config.weight_decay
+    if not config.parallel.use_distributed_optimizer:
+        return GradientBuckets(params, grid.dp_group, bucket_size), AdamW(params, lr=lr, weight_decay=decay)
+    from ..data_parallel.distributed_optimizer import DistributedAdamW, ShardedGradientBuckets
+    tied = getattr(model, "tied", None)
+    buckets = ShardedGradientBuckets(params, grid.dp_group, bucket_size, alone=[tied.weight] if tied else [])
+    return buckets, DistributedAdamW(buckets, lr=lr, weight_decay=decay)
+
+
 class TrainingDiverged(InputError):
     """The loss or gradient norm stopped being finite; nothing of that step was applied or saved."""
 
@@ -50,8 +62,7 @@ class Trainer:
         self.valid_sampler = WindowSampler(self.data.validation_or_train(config.seq_length),
                                            config.seq_length, seed + 1)
         self.params = self.model.parameters()
-        self.optimizer = AdamW(self.params, lr=config.lr, weight_decay=config.weight_decay)
-        self.buckets = GradientBuckets(self.params, grid.dp_group, config.parallel.ddp_bucket_size)
+        self.buckets, self.optimizer = build_optimizer(self.model, self.params, grid, config)
         self.norm_skip = self.model.norm_skip()    # what counts once in the global norm
         self.iteration, self.last_saved = 0, None
         self.run_id = uuid.uuid4().hex      # rank 0's is the one recorded; a resumed run keeps its own
@@ -90,7 +101,7 @@ class Trainer:
                               self.buckets, self.schedule, self.timers, **schedule_options(self.config.parallel))
         with self.timers(OPTIMIZER):        # the norm's reduction and clipping, as Megatron times them
             loss_total, norm = clip_after_step(self.model, self.params, loss_sum, self.norm_skip,
-                                               self.config.clip_grad)
+                                               self.config.clip_grad, self.optimizer)
         return loss_total / (self.plan.micro_batches * self.grid.dp_size), norm
 
     def step(self):

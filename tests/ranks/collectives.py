@@ -62,6 +62,12 @@ def check_group(world, group):
                 assert np.array_equal(y, expect), (axis, dtype, y, expect)
                 assert np.array_equal(comm.reduce_scatter(x, group, axis, op="max"),
                                       np.split((base + max(ranks)).astype(dtype), group.size, axis)[group.rank])
+            # the non-blocking form of the distributed optimizer's buckets: 1-D, in even blocks
+            flat = (np.arange(group.size * 5) % 7 + me).astype(dtype)
+            request = comm.reduce_scatter_async(flat, group)
+            expect = np.split((group.size * (np.arange(group.size * 5) % 7) + sum(ranks)).astype(dtype),
+                              group.size)[group.rank]
+            assert np.array_equal(request.wait(), expect), (dtype, expect)
     comm.barrier(group)
 
 

@@ -19,6 +19,7 @@ def nccl_one_rank():
     assert cupy.array_equal(nccl.all_gather(world, x), x[None])
     assert cupy.array_equal(nccl.reduce_scatter(world, x[None], "max"), x)
     assert cupy.array_equal(nccl.broadcast(world, x, 0), x)
+    assert cupy.array_equal(nccl.ireduce_scatter(world, x.reshape(-1), "sum").wait(), x.reshape(-1))
 
 
 def shared_gpu():
