@@ -3,7 +3,6 @@ parallelism in float64 over 20 iterations at DP = 2 and 4 (and with the tied emb
 PP = 2), 1/DP of AdamW's state per rank, and checkpoints that resume bitwise, also at another DP
 size and without it."""
 import json
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
