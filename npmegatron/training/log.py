@@ -76,6 +76,25 @@ def recompute_note(cfg):
     return f", full recomputation: every {count} layer(s) keep only their input"
 
 
+def memory_note(trainer):
+    """Bytes per parameter on this rank and activation bytes kept per layer and micro-batch, as
+    the run's precision, optimizer and recomputation imply (bench/plan/memory.py's formulas)."""
+    from ..bench.plan.memory import Layout, chunk_activation_bytes
+    cfg, grid, config = trainer.cfg, trainer.grid, trainer.config
+    w = numpy.dtype(cfg.dtype).itemsize
+    shard = grid.dp_size if config.parallel.use_distributed_optimizer else 1
+    granularity = cfg.recompute_granularity or "none"
+    layout = Layout(tp=grid.tp_size, seq=config.seq_length, micro_batch=config.micro_batch_size,
+                    sequence_parallel=cfg.sequence_parallel, recompute=granularity,
+                    recompute_method=cfg.recompute_method or "uniform",
+                    recompute_num_layers=cfg.recompute_num_layers or 1)
+    layers = cfg.num_layers // (grid.pp_size * trainer.model.virtual_size)
+    per_layer = chunk_activation_bytes(cfg, layout, w, layers)[0] / layers
+    optimizer = f"{2 * w / shard:g} B AdamW state" + (f" (1/{shard}: distributed)" if shard > 1 else "")
+    return (f"memory: {w} B weight + {w} B gradient + {optimizer} per parameter; "
+            f"{per_layer / 2 ** 20:.2f} MiB of activations kept per layer and micro-batch")
+
+
 def header(trainer):
     cfg, grid, plan, model, data = trainer.cfg, trainer.grid, trainer.plan, trainer.model, trainer.data
     pipeline = f", layout {plan.layout!r} ({trainer.schedule})" if grid.pp_size > 1 else ""
@@ -84,7 +103,7 @@ def header(trainer):
             f"{' sequence-parallel' if cfg.sequence_parallel else ''}{pipeline}{recompute_note(cfg)}; global batch "
             f"{plan.global_batch} = {trainer.config.micro_batch_size} x {plan.micro_batches} accumulation x "
             f"{grid.dp_size} DP; data {data.description}: {len(data.train):,} training / "
-            f"{len(data.valid):,} validation tokens")
+            f"{len(data.valid):,} validation tokens\n{memory_note(trainer)}")
 
 
 def open_log(path, append):

@@ -31,7 +31,8 @@ def format_plan(result, cfg, profile):
     mem = result["memory"]
     head = f"{'pp rank':>7} {'layers':>6} {'params':>12} {'param':>11} {'grad':>11} {'AdamW m,v':>11} " \
            f"{'activations':>12} {'total':>11}   {'mixed precision':>15}"
-    lines += ["memory per rank (this project's dtype; mixed precision = 16 B/param + fp16 activations):", head]
+    lines += ["memory per rank (this project's dtype; mixed precision = 16-bit parameters and gradients, fp32 "
+              "master weights and AdamW state (sharded with --use-distributed-optimizer), 16-bit activations):", head]
     for r in mem["ranks"]:
         lines.append(f"{r['pp_rank']:>7} {r['layers']:>6} {r['parameter_count']:>12,} {gb(r['parameters']):>11} "
                      f"{gb(r['gradients']):>11} {gb(r['optimizer']):>11} {gb(r['activations']):>12} "
@@ -82,6 +83,8 @@ def format_weak(rows):
               show_default=True, help="With --recompute full: as training's --recompute-method.")
 @click.option("--recompute-num-layers", type=click.IntRange(min=1), default=1, show_default=True,
               help="With --recompute full: as training's --recompute-num-layers.")
+@click.option("--use-distributed-optimizer", "distributed_optimizer", is_flag=True,
+              help="Optimizer state sharded over the DP ranks, as training's flag.")
 @click.option("--profile", default="dgx2h", show_default=True,
               help="Profile JSON file, or a shipped profile's name (dgx2h).")
 @click.option("--device-memory", type=float, default=None, help="GB per device (default: the profile's).")
@@ -92,8 +95,8 @@ def format_weak(rows):
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
 @user_errors
-def plan_command(ctx, layout, recompute, recompute_method, recompute_num_layers, profile, device_memory,
-                 search_ranks, weak_scaling, as_json, **options):
+def plan_command(ctx, layout, recompute, recompute_method, recompute_num_layers, distributed_optimizer, profile,
+                 device_memory, search_ranks, weak_scaling, as_json, **options):
     """Predict memory per rank and step time of a model on a layout from a machine profile."""
     if ctx.invoked_subcommand is not None:
         return
@@ -129,7 +132,8 @@ def plan_command(ctx, layout, recompute, recompute_method, recompute_num_layers,
     base = Layout(tp=t, pp=p, dp=d, virtual=virtual, micro_batch=micro_batch,
                   global_batch=global_batch or micro_batch * d, seq=seq,
                   sequence_parallel=cfg.sequence_parallel, recompute=recompute, schedule=schedule,
-                  recompute_method=recompute_method, recompute_num_layers=recompute_num_layers)
+                  recompute_method=recompute_method, recompute_num_layers=recompute_num_layers,
+                  distributed_optimizer=distributed_optimizer)
     if search_ranks is not None:
         if global_batch is None:
             base.global_batch = micro_batch * search_ranks

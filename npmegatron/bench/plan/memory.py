@@ -71,6 +71,7 @@ class Layout:
     recompute: str = "none"
     recompute_method: str = "uniform"    # with full: as --recompute-method
     recompute_num_layers: int = 1        # with full: as --recompute-num-layers
+    distributed_optimizer: bool = False  # optimizer state sharded over DP (--use-distributed-optimizer)
     schedule: str = None             # default: 1f1b, interleaved when virtual > 1
     element_bytes: int = None        # default: the model's dtype; 2 for the paper's fp16
     mask_bytes: int = 1
@@ -242,11 +243,15 @@ def rank_memory(cfg, layout, pp_rank):
     result = {
         "pp_rank": pp_rank, "layers": sum(len(s.layers) for s in stages),
         "parameter_count": params, "parameters": params * w, "gradients": params * w,
-        "optimizer": 2 * params * w,       # AdamW's m and v, in the parameters' dtype here
+        # AdamW's m and v, in the parameters' dtype here; 1/DP of them with the distributed optimizer
+        "optimizer": 2 * params * w / (layout.dp if layout.distributed_optimizer else 1),
         "chunks_in_flight": chunks, "activations": activations,
     }
     result["total"] = result["parameters"] + result["gradients"] + result["optimizer"] + activations
-    result["mixed_precision_states"] = params * MIXED_PRECISION_BYTES_PER_PARAM
+    # 16-bit parameter and gradient (4 B), fp32 master weights, m and v (12 B, sharded over DP by
+    # the distributed optimizer)
+    shard = layout.dp if layout.distributed_optimizer else 1
+    result["mixed_precision_states"] = params * (4 + (MIXED_PRECISION_BYTES_PER_PARAM - 4) / shard)
     result["mixed_precision_total"] = result["mixed_precision_states"] + activations * 2 / w
     return result
 
