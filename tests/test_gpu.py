@@ -62,8 +62,8 @@ def test_four_and_eight_rank_pipeline_layouts_on_gpu(mpirun, overlap):
     check_pipeline(mpirun, 2, pipeline_cases(2, device="gpu", overlap=overlap))
 
 
-def train_on_gpu(mpirun, tmp_path, n, tp, pp):
-    result = mpirun(n, "ranks/gpu_training.py", args=[tp, pp, tmp_path / "ck"], timeout=600)
+def train_on_gpu(mpirun, tmp_path, n, tp, pp, **extra):
+    result = mpirun(n, "ranks/gpu_training.py", args=[tp, pp, tmp_path / "ck", json.dumps(extra)], timeout=600)
     record = json.loads(result.stdout.strip().splitlines()[-1])
     print(f"TP {tp} x PP {pp} x DP {n // (tp * pp)}: host syncs per step {record['syncs_per_step']}")
     if STRICT:
@@ -76,6 +76,13 @@ def train_on_gpu(mpirun, tmp_path, n, tp, pp):
 def test_training_path_tp2_with_sp_checkpoint_and_generation(mpirun, tmp_path):
     record = train_on_gpu(mpirun, tmp_path, 2, 2, 1)
     assert record["sample"].startswith("sample")
+
+
+def test_training_path_dp2_with_recomputation_and_the_distributed_optimizer(mpirun, tmp_path):
+    """Full recomputation and the distributed optimizer's reduce-scatter, sharded AdamW and
+    parameter all-gather on CuPy arrays: the NumPy run's losses, norms and parameters, no more
+    host synchronisations, and a bitwise resume."""
+    train_on_gpu(mpirun, tmp_path, 2, 1, 1, recompute_granularity="full", use_distributed_optimizer=True)
 
 
 @pytest.mark.slow

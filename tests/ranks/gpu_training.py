@@ -2,7 +2,7 @@
 machine (tests/test_gpu.py) or on the CPU with the strict CuPy stand-in of tests/fakes/strict_cupy
 first on PYTHONPATH (tests/test_strict_gpu.py).
 
-    mpiexec -n N python tests/ranks/gpu_training.py TP PP FOLDER
+    mpiexec -n N python tests/ranks/gpu_training.py TP PP FOLDER ['{"extra": "config fields"}']
 
 Per rank: losses and gradient norms of 4 steps equal the NumPy run's to 1e-10 (sequence
 parallelism and dropout on), and so do the parameters after them; a run resumed from the
@@ -60,11 +60,12 @@ def parameters(trainer):
 
 def main():
     tp, pp, folder = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    extra = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
     world = comm.init()
-    cpu = Trainer(config("cpu", tp, pp))
+    cpu = Trainer(config("cpu", tp, pp, **extra))
     cpu_losses, cpu_norms, _ = run_steps(cpu, 4)
 
-    gpu = Trainer(config("gpu", tp, pp, save=folder))
+    gpu = Trainer(config("gpu", tp, pp, save=folder, **extra))
     import cupy
     assert gpu.model.xp is cupy
     assert cupy.cuda.Device().id == comm.device_index(), "this rank computes on another rank's GPU"
@@ -81,7 +82,7 @@ def main():
     assert text[0] == text[1], text
     gpu.close()
 
-    resumed = Trainer(config("gpu", tp, pp, load=os.path.join(folder, "iter_0000002")))
+    resumed = Trainer(config("gpu", tp, pp, load=os.path.join(folder, "iter_0000002"), **extra))
     again, _, _ = run_steps(resumed, 2)
     assert again == losses[2:], (again, losses[2:])
     from npmegatron.comm.backends import backend_for
