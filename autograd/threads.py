@@ -29,3 +29,9 @@ def set_cpu_threads(count):
     global _threads
     previous, _threads = _threads, (None if count is None else max(1, int(count)))
     return previous
+
+
+def use_numba_threads():
+    """Give numba's parallel kernels this budget (numba is imported by the caller's kernels)."""
+    import numba
+    numba.set_num_threads(min(cpu_threads(), numba.config.NUMBA_NUM_THREADS))

@@ -15,7 +15,7 @@ the reference.
 import numba
 import numpy
 
-from ..threads import cpu_threads
+from ..threads import use_numba_threads
 from ._vector_math import FAST, exp32
 
 _F32 = numpy.float32
@@ -60,10 +60,6 @@ def _backward(g, y, b, gy, gb_parts):
                 gb_parts[chunk, c] += grad
 
 
-def _threads():
-    numba.set_num_threads(min(cpu_threads(), numba.config.NUMBA_NUM_THREADS))
-
-
 def _rows(a):
     return numpy.ascontiguousarray(a).reshape(-1, a.shape[-1])
 
@@ -71,7 +67,7 @@ def _rows(a):
 def forward(y, b):
     """gelu(y + b) of float32 y (..., n) and b (n,)."""
     out = numpy.empty(y.shape, numpy.float32)
-    _threads()
+    use_numba_threads()
     _forward(_rows(y), b, out.reshape(-1, y.shape[-1]))
     return out
 
@@ -80,6 +76,6 @@ def backward(g, y, b):
     """(dy, db) of gelu(y + b) given the output gradient g."""
     gy = numpy.empty(y.shape, numpy.float32)
     parts = numpy.zeros((_CHUNKS, y.shape[-1]), numpy.float64)
-    _threads()
+    use_numba_threads()
     _backward(_rows(g), _rows(y), b, gy.reshape(-1, y.shape[-1]), parts)
     return gy, parts.sum(axis=0).astype(numpy.float32)

@@ -12,7 +12,7 @@ import math
 import numba
 import numpy
 
-from ..threads import cpu_threads
+from ..threads import use_numba_threads
 
 #: Partial sums of the weight and bias gradients: one row of them per chunk of rows.
 _CHUNKS = 16
@@ -59,15 +59,11 @@ def _backward(g, weight, xhat, rstd, gx, gw_parts, gb_parts):
                 gx[r, c] = (gx[r, c] - mean_gh - xhat[r, c] * mean_ghx) * inv
 
 
-def _threads():
-    numba.set_num_threads(min(cpu_threads(), numba.config.NUMBA_NUM_THREADS))
-
-
 def forward(x2, weight, bias, eps):
     """(out, xhat, rstd) of 2-D rows."""
     out, xhat = numpy.empty_like(x2), numpy.empty_like(x2)
     rstd = numpy.empty((x2.shape[0], 1), x2.dtype)
-    _threads()
+    use_numba_threads()
     _forward(numpy.ascontiguousarray(x2), weight, bias, eps, out, xhat, rstd)
     return out, xhat, rstd
 
@@ -76,7 +72,7 @@ def backward(g2, weight, xhat, rstd):
     """(dx, dweight, dbias) of 2-D rows."""
     gx = numpy.empty_like(xhat)
     parts = numpy.zeros((2, _CHUNKS, xhat.shape[1]), numpy.float64)
-    _threads()
+    use_numba_threads()
     _backward(numpy.ascontiguousarray(g2), weight, xhat, rstd, gx, parts[0], parts[1])
     gw, gb = parts.sum(axis=1).astype(xhat.dtype)
     return gx, gw, gb

@@ -185,6 +185,12 @@ _BIAS_GELU = {"tanh": (bias_gelu_tanh, bias_gelu_tanh_backward),
 COMPILED_GELU_SIZE = 1 << 16
 
 
+def compiled_gelu(approximate, dtype, size, on_cpu):
+    """Whether bias-GeLU runs the float32 CPU kernel (which keeps no tanh for backward); also what
+    the memory plan (bench/plan/memory.py) counts."""
+    return approximate == "tanh" and numpy.dtype(dtype) == numpy.float32 and size >= COMPILED_GELU_SIZE and on_cpu
+
+
 class BiasGelu(Function):
     """gelu(y + b) in one pass each way (Megatron's fused bias_gelu): y + b is never stored;
     backward recomputes it from the saved y and b inside the chain, or, for large float32 arrays
@@ -192,8 +198,7 @@ class BiasGelu(Function):
 
     @staticmethod
     def forward(ctx, y, b, approximate):
-        ctx.compiled = (approximate == "tanh" and y.dtype == numpy.float32 and y.size >= COMPILED_GELU_SIZE
-                        and get_array_module(y) is numpy)
+        ctx.compiled = compiled_gelu(approximate, y.dtype, y.size, get_array_module(y) is numpy)
         if ctx.compiled:
             from . import _gelu_cpu                 # numba is imported for large arrays only
             ctx.save_for_backward(y, b)

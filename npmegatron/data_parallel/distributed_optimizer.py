@@ -16,12 +16,10 @@ parameters only.
 State saved in a checkpoint is gathered whole per parameter (state_dict, collective over DP), so
 a checkpoint loads at any DP size, with or without this optimizer.
 """
-import math
-
 import numpy
 
 from .. import comm
-from ..training.optimizer import AdamW, _update_for
+from ..training.optimizer import AdamW
 from .buckets import GradientBuckets
 
 
@@ -81,8 +79,7 @@ class DistributedAdamW(AdamW):
 
     def __init__(self, buckets, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
         self.params, self.buckets = buckets.params, buckets
-        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
-        self.step_count = 0
+        self._settings(lr, betas, eps, weight_decay)
         self.segments, size = buckets.segments()
         first = self.params[0]
         self.exp_avg = [first.xp.zeros(size, first.dtype)]
@@ -92,18 +89,11 @@ class DistributedAdamW(AdamW):
         return array.reshape(-1)[where]
 
     def step(self, lr=None):
-        lr = self.lr if lr is None else lr
-        beta1, beta2 = self.betas
-        self.step_count += 1
-        bias1, bias2 = 1 - beta1 ** self.step_count, 1 - beta2 ** self.step_count
+        lr = self._advance(lr)
         m, v = self.exp_avg[0], self.exp_avg_sq[0]
         for p, mine, state in self.segments:
-            if p.grad is None:
-                continue
-            decay = 1 - lr * self.weight_decay if self.weight_decay and p.ndim >= 2 else 1.0
-            data, grad = self._flat(p.data, mine), self._flat(p.grad, mine)
-            _update_for(data, grad)(data, grad, m[state], v[state], decay, beta1, 1 - beta1, beta2,
-                                    1 - beta2, 1 / math.sqrt(bias2), self.eps, lr / bias1)
+            if p.grad is not None:
+                self._update(p, self._flat(p.data, mine), self._flat(p.grad, mine), m[state], v[state], lr)
         self.buckets.gather_parameters()
 
     def grad_norm_squared(self, grid, skip=()):

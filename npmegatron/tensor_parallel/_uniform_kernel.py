@@ -6,7 +6,7 @@ import threading
 import numba
 import numpy
 
-from ..autograd.threads import cpu_threads
+from ..autograd.threads import use_numba_threads
 
 _GOLDEN = numpy.uint64(0x9E3779B97F4A7C15)
 _MIX_1, _MIX_2 = numpy.uint64(0xBF58476D1CE4E5B9), numpy.uint64(0x94D049BB133111EB)
@@ -45,7 +45,7 @@ def fill(out, key, starts, mantissa):
     from two threads at once, so a call from another thread (a share of blockwise attention's
     heads, already one of the budget's threads) runs serially, without the GIL."""
     if threading.current_thread() is threading.main_thread():
-        numba.set_num_threads(min(cpu_threads(), numba.config.NUMBA_NUM_THREADS))
+        use_numba_threads()
         _fill_parallel(out, key, starts, numpy.int64(mantissa))
     else:
         _fill_serial(out, key, starts, numpy.int64(mantissa))

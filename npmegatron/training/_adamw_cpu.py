@@ -6,7 +6,7 @@ Measured on the reference model's 12.9 M parameters (`bench step --profile`, 2 c
 import numba
 import numpy
 
-from ..autograd.threads import cpu_threads
+from ..autograd.threads import use_numba_threads
 
 #: Elements per piece of work: each thread takes whole pieces.
 _PIECE = 1 << 14
@@ -27,5 +27,5 @@ def _update(p, g, m, v, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, r
 
 def adamw_update_(p, g, m, v, *scalars):
     """optimizer.adamw_update_'s step on contiguous float32 arrays, in place on p, m and v."""
-    numba.set_num_threads(min(cpu_threads(), numba.config.NUMBA_NUM_THREADS))
+    use_numba_threads()
     _update(p.reshape(-1), g.reshape(-1), m.reshape(-1), v.reshape(-1), *map(numpy.float32, scalars))

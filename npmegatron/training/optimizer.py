@@ -51,10 +51,13 @@ class AdamW:
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
         self.params = list(params)
-        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
-        self.step_count = 0
+        self._settings(lr, betas, eps, weight_decay)
         self.exp_avg = [p.xp.zeros_like(p.data) for p in self.params]
         self.exp_avg_sq = [p.xp.zeros_like(p.data) for p in self.params]
+
+    def _settings(self, lr, betas, eps, weight_decay):
+        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        self.step_count = 0
 
     def hyperparameters(self):
         """Step count and settings, JSON-able (the checkpoint manifest's "optimizer")."""
@@ -74,17 +77,23 @@ class AdamW:
                 mine[...] = get_array_module(mine).asarray(saved)
 
     def step(self, lr=None):
-        lr = self.lr if lr is None else lr
-        beta1, beta2 = self.betas
-        self.step_count += 1
-        bias1 = 1 - beta1 ** self.step_count
-        bias2 = 1 - beta2 ** self.step_count
+        lr = self._advance(lr)
         for p, m, v in zip(self.params, self.exp_avg, self.exp_avg_sq):
-            if p.grad is None:
-                continue
-            decay = 1 - lr * self.weight_decay if self.weight_decay and p.ndim >= 2 else 1.0
-            _update_for(p.data, p.grad)(p.data, p.grad, m, v, decay, beta1, 1 - beta1, beta2, 1 - beta2,
-                                        1 / math.sqrt(bias2), self.eps, lr / bias1)
+            if p.grad is not None:
+                self._update(p, p.data, p.grad, m, v, lr)
+
+    def _advance(self, lr):
+        """Count the step; the learning rate it uses."""
+        self.step_count += 1
+        return self.lr if lr is None else lr
+
+    def _update(self, p, data, grad, m, v, lr):
+        """The update of `data` (all of parameter p, or a block of it) from grad, in place on m, v."""
+        beta1, beta2 = self.betas
+        bias1, bias2 = 1 - beta1 ** self.step_count, 1 - beta2 ** self.step_count
+        decay = 1 - lr * self.weight_decay if self.weight_decay and p.ndim >= 2 else 1.0
+        _update_for(data, grad)(data, grad, m, v, decay, beta1, 1 - beta1, beta2, 1 - beta2,
+                                1 / math.sqrt(bias2), self.eps, lr / bias1)
 
 
 def learning_rate(step, lr, min_lr, warmup_iters, decay_iters, style="cosine"):

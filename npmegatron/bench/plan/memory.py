@@ -191,11 +191,9 @@ def layer_activation_bytes(cfg, layout, w, recompute=None, accounting="project")
 
 def _gelu_keeps_tanh(cfg, layout, w):
     """Whether bias-GeLU keeps tanh for backward: the chains do; the float32 CPU kernel does not."""
-    from ...autograd.ops.elementwise import COMPILED_GELU_SIZE
+    from ...autograd.ops.elementwise import compiled_gelu
     elements = layout.seq * layout.micro_batch * cfg.ffn_hidden_size // layout.tp
-    compiled = (cfg.device == "cpu" and cfg.dtype == "float32" and w == 4 and cfg.gelu == "tanh"
-                and elements >= COMPILED_GELU_SIZE)
-    return not compiled
+    return not (w == 4 and compiled_gelu(cfg.gelu, cfg.dtype, elements, cfg.device == "cpu"))
 
 
 def _recompute_config(cfg, layout):
