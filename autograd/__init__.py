@@ -9,6 +9,7 @@ from .tensor import Tensor, enable_grad, no_grad, is_grad_enabled
 from .function import Function, grad_accumulator
 from .engine import backward
 from .checkpoint import checkpoint
+from . import precision
 from .ops import (
     add, sub, mul, div, neg, pow, matmul, linear,
     reshape, transpose, split, concatenate, getitem,
@@ -21,7 +22,7 @@ from .gradcheck import gradcheck, numerical_grad
 
 __all__ = [
     "InputError", "get_array_module", "Tensor", "no_grad", "enable_grad", "is_grad_enabled", "Function",
-    "grad_accumulator", "backward", "checkpoint",
+    "grad_accumulator", "backward", "checkpoint", "precision",
     "add", "sub", "mul", "div", "neg", "pow", "matmul", "linear",
     "reshape", "transpose", "split", "concatenate", "getitem",
     "sum", "mean", "max", "exp", "log", "tanh", "gelu", "bias_gelu",

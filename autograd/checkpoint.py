@@ -8,6 +8,7 @@ on by the time this backward runs) is captured at forward and restored around th
 """
 import contextlib
 
+from . import precision
 from .engine import backward
 from .function import Function
 from .tensor import Tensor, enable_grad, no_grad
@@ -16,7 +17,7 @@ from .tensor import Tensor, enable_grad, no_grad
 class Recompute(Function):
     @staticmethod
     def forward(ctx, x, run, replay):
-        ctx.run, ctx.restore = run, replay()
+        ctx.run, ctx.restore, ctx.storage = run, replay(), precision.active()
         ctx.save_for_backward(x)
         with no_grad():
             return run(Tensor(x)).data
@@ -25,7 +26,7 @@ class Recompute(Function):
     def backward(ctx, g):
         (x,) = ctx.saved
         leaf = Tensor(x, requires_grad=True)
-        with enable_grad(), ctx.restore():
+        with enable_grad(), ctx.restore(), precision.storage(ctx.storage):
             out = ctx.run(leaf)
             # The parameters `run` uses get their gradients here, from this inner backward.
             backward([out], [g])

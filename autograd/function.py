@@ -3,6 +3,7 @@
 As in Chainer and PyTorch, a Function saves only what it asks for (`ctx.save_for_backward`) and
 reads `ctx.needs_input_grad` so it never computes a gradient nobody wants.
 """
+from . import precision as _precision
 from . import profile as _profile
 from . import tensor as _tensor
 from .tensor import Tensor
@@ -53,6 +54,7 @@ class Node:
         self.edges = edges          # per input: (node, output_index) or None
         self.n_outputs = n_outputs
         self.name = function.__name__
+        self.storage = None         # the 16-bit format its input gradients are rounded to
 
     def run(self, grads):
         if self.ctx is None:
@@ -63,7 +65,10 @@ class Node:
         else:
             result = self.function.backward(self.ctx, *grads)
         self.ctx = None     # drop saved arrays as soon as they are used
-        return result if isinstance(result, tuple) else (result,)
+        result = result if isinstance(result, tuple) else (result,)
+        if self.storage is not None:    # gradients of 16-bit activations are 16-bit (precision.py)
+            result = tuple(_precision.round_(g, self.storage) for g in result)
+        return result
 
 
 def grad_accumulator(leaf):
@@ -87,7 +92,10 @@ class Function:
 
     `backward` returns one gradient per positional input of forward (None where not needed).
     Call through `apply`, which unwraps tensors and records a node when a gradient may be needed.
+    Under 16-bit storage (precision.py) outputs are rounded unless `float32_output` is set.
     """
+
+    float32_output = False
 
     @staticmethod
     def forward(ctx, *arrays, **params):
@@ -108,9 +116,13 @@ class Function:
             out = cls.forward(ctx, *arrays, **params)
         record = _tensor.is_grad_enabled() and any(needs)
         outs = out if isinstance(out, tuple) else (out,)
+        storage = _precision.active()
+        if storage is not None and not cls.float32_output:
+            outs = tuple(_precision.round_(o, storage) for o in outs)
         tensors = tuple(Tensor(o, requires_grad=record) for o in outs)
         if record:
             node = Node(cls, ctx, tuple(_edge(x) for x in inputs), len(outs))
+            node.storage = storage
             for i, t in enumerate(tensors):
                 t.grad_fn, t.output_index = node, i
         return tensors if isinstance(out, tuple) else tensors[0]

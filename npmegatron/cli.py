@@ -11,7 +11,7 @@ from .config import TRAIN_MODEL_DEFAULTS, GPTConfig, ParallelConfig, TrainConfig
 
 POSITIVE = click.IntRange(min=1)
 BENCH_MODEL_FIELDS = {"num_layers", "hidden_size", "num_attention_heads", "vocab_size", "dtype", "device",
-                      "tf32"}
+                      "tf32", "fp16", "bf16"}
 BENCH_BATCH_FIELDS = {"seq_length", "micro_batch_size"}
 
 

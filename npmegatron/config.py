@@ -61,6 +61,9 @@ class GPTConfig:
               "(block); default 1.", minimum=1)
     make_vocab_size_divisible_by: int = 128  # padding unit, times the TP size
     dtype: str = option("float32", "Parameter and activation precision.", choices=("float32", "float64"))
+    fp16: bool = option(False, "Mixed precision: parameters, activations and their gradients on the "
+                               "float16 grid, float32 arithmetic and master weights, dynamic loss scaling.")
+    bf16: bool = option(False, "Mixed precision with bfloat16 values (no loss scaling unless --loss-scale).")
     device: str = option("cpu", "NumPy on the CPU or CuPy on the GPU.", choices=("cpu", "gpu"))
     tf32: bool = option(False, "TF32 tensor cores for float32 matmuls (GPU, float32 only).")
     seed: int = option(1234, "Seed of weights, data and dropout.", minimum=0)
@@ -83,6 +86,7 @@ class GPTConfig:
         if self.device not in ("cpu", "gpu"):
             raise InputError(f"device {self.device!r} is not supported; use cpu or gpu")
         self._check_recompute()
+        self._check_mixed_precision()
         if self.tf32 and (self.device, self.dtype) != ("gpu", "float32"):
             raise InputError(f"tf32 is for float32 matmuls on the GPU, but this run has device "
                              f"{self.device} and dtype {self.dtype}; drop --tf32 or use --device gpu "
@@ -100,6 +104,18 @@ class GPTConfig:
             raise InputError(f"{flag} chooses the layers of full recomputation, but recompute "
                              f"granularity is {self.recompute_granularity or 'not set'}; add "
                              f"--recompute-granularity full or drop {flag}")
+
+    def _check_mixed_precision(self):
+        if self.fp16 and self.bf16:
+            raise InputError("--fp16 and --bf16 were both given; choose one 16-bit format")
+        if self.storage_format and self.dtype != "float32":
+            raise InputError(f"--{self.storage_format} computes in float32 on 16-bit values, but dtype "
+                             f"is {self.dtype}; drop --dtype {self.dtype} or drop --{self.storage_format}")
+
+    @property
+    def storage_format(self):
+        """'fp16' or 'bf16' under mixed precision (autograd/precision.py), else None."""
+        return "fp16" if self.fp16 else "bf16" if self.bf16 else None
 
     @property
     def head_dim(self):
@@ -175,6 +191,12 @@ class TrainConfig:
     exit_interval: Optional[int] = option(None, "Save (with --save) and stop when the iteration is a "
                                                 "multiple of this.", minimum=1)
     sample_tokens: int = option(200, "Tokens to generate at the end (0: none).", minimum=0)
+    loss_scale: Optional[float] = option(None, "A fixed loss scale for --fp16 or --bf16 (default with "
+                                               "--fp16: dynamic).", minimum=0)
+    initial_loss_scale: float = option(2.0 ** 32, "Dynamic loss scaling's first scale.", minimum=0)
+    min_loss_scale: float = option(1.0, "Dynamic loss scaling never goes below this.", minimum=0)
+    loss_scale_window: int = option(1000, "Steps without overflow before the scale doubles.", minimum=1)
+    hysteresis: int = option(2, "Overflowing steps before the scale halves.", minimum=1)
 
     @classmethod
     def from_flat(cls, **options):
@@ -201,10 +223,24 @@ class TrainConfig:
             raise InputError(f"--seq-length {self.seq_length} is longer than the position table "
                              f"(--max-position-embeddings {self.model.max_position_embeddings}); raise "
                              "--max-position-embeddings or shorten --seq-length")
+        self._check_loss_scale()
         log_folder = os.path.dirname(os.path.abspath(self.log_file or "."))
         if self.log_file and (not os.path.isdir(log_folder) or os.path.isdir(self.log_file)):
             raise InputError(f"--log-file {self.log_file}: the folder {log_folder} must exist and "
                              f"{self.log_file} must not be a folder; choose another file")
+
+    def _check_loss_scale(self):
+        given = [name for name in LOSS_SCALE_FIELDS if getattr(self, name) != field_default(TrainConfig, name)]
+        if given and not self.model.storage_format:
+            flag = "--" + given[0].replace("_", "-")
+            raise InputError(f"{flag} sets loss scaling, which only --fp16 or --bf16 training uses; "
+                             f"add --fp16 or drop {flag}")
+        for name in ("loss_scale", "initial_loss_scale", "min_loss_scale"):
+            if getattr(self, name) == 0:
+                raise InputError(f"--{name.replace('_', '-')} is 0; a loss scale must be positive")
+        if self.min_loss_scale > self.initial_loss_scale:
+            raise InputError(f"--min-loss-scale {self.min_loss_scale:g} is above --initial-loss-scale "
+                             f"{self.initial_loss_scale:g}; lower it or raise the initial scale")
 
     def plan(self, world_size):
         """The run's shape on `world_size` ranks (1 without mpirun); see RunPlan."""
@@ -266,6 +302,9 @@ class RunPlan:
                                  "divisor of num-layers / PP")
             virtual = num_layers // (self.pp * per_virtual)
         return default_layout(num_layers, self.pp, virtual)
+
+
+LOSS_SCALE_FIELDS = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
 
 
 def field_default(config_class, name):

@@ -156,7 +156,7 @@ class GPT(Module):
         self.embedding_dropout = self.rng.site(hidden_dropout_stream(cfg), site_number())
         if post_process:
             self.ln_f = LayerNorm(xp, dtype, cfg.hidden_size, cfg.layernorm_epsilon, sp)
-        self.initialize(cfg.seed)
+        self.initialize(cfg.seed, cfg.storage_format)
 
     def _check(self, ids, offset=0):
         if ids.ndim != 2:
@@ -194,6 +194,10 @@ class GPT(Module):
         if cache is not None and self.cfg.sequence_parallel:
             raise InputError("a key/value cache needs sequence parallelism off (one new token cannot "
                              "be split over ranks); build the model without it for generation")
+        with ag.precision.storage(self.cfg.storage_format):     # --fp16/--bf16: 16-bit values
+            return self._forward(ids, targets, cache)
+
+    def _forward(self, ids, targets, cache):
         x = self.embed(ids, 0 if cache is None else cache.length) if self.pre_process else ids
         blocks = list(self.blocks.values())
         if cache is not None:

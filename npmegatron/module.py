@@ -10,7 +10,7 @@ from typing import Optional
 
 import numpy
 
-from .autograd import Tensor
+from .autograd import Tensor, precision
 
 
 @dataclass
@@ -96,11 +96,13 @@ class Module:
     def eval(self):
         return self.train(False)
 
-    def initialize(self, seed):
-        """Fill every parameter with its slice of its master weight, drawn in float64."""
+    def initialize(self, seed, storage=None):
+        """Fill every parameter with its slice of its master weight, drawn in float64, and
+        rounded to the 16-bit `storage` format under mixed precision."""
         for name, param, spec in self.named_specs():
             host = spec.master(seed, name)[spec.index]
             param.data[...] = param.xp.asarray(host.astype(param.dtype))
+            precision.round_(param.data, storage)
 
 
 def parameter(xp, shape, dtype):

@@ -85,6 +85,15 @@ def test_training_path_dp2_with_recomputation_and_the_distributed_optimizer(mpir
     train_on_gpu(mpirun, tmp_path, 2, 1, 1, recompute_granularity="full", use_distributed_optimizer=True)
 
 
+def test_training_path_fp16_and_bf16(mpirun, tmp_path):
+    """--fp16 (dynamic loss scaling) and --bf16 on CuPy arrays: the 16-bit rounding runs on the
+    device (float16 casts; bfloat16 with integer ops, as CuPy has no bfloat16 type), with no more
+    host synchronisations than float32, the NumPy run's figures, and a bitwise resume."""
+    for fmt in ("fp16", "bf16"):
+        train_on_gpu(mpirun, tmp_path / fmt, 2, 2, 1, dtype="float32", initial_loss_scale=1024.0, rtol=1e-3,
+                     **{fmt: True}, **({"loss_scale": 512.0} if fmt == "bf16" else {}))
+
+
 @pytest.mark.slow
 def test_training_path_tp2_pp2_dp2(mpirun, tmp_path):
     train_on_gpu(mpirun, tmp_path, 8, 2, 2)

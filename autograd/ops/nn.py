@@ -233,6 +233,8 @@ class CrossEntropy(Function):
     Backward is (softmax - one_hot) / n, computed in the saved softmax buffer itself.
     """
 
+    float32_output = True       # the loss stays in float32 under 16-bit storage (precision.py)
+
     @staticmethod
     def forward(ctx, logits, targets, ignore_index):
         xp = get_array_module(logits)

@@ -122,7 +122,7 @@ def _bench_step(cfg, batch, seq, warmup, iters, threads, profile):
         rng = numpy.random.default_rng(cfg.seed)
         ids = rng.integers(0, cfg.vocab_size, (batch, seq + 1))
         inputs, targets = xp.asarray(ids[:, :-1]), xp.asarray(ids[:, 1:])
-        optimizer = AdamW(model.parameters(), lr=1e-4)
+        optimizer = AdamW(model.parameters(), lr=1e-4, storage=cfg.storage_format)
         with setup_objects_frozen():
             times, optimizer_s, table = _timed_steps(model, inputs, targets, optimizer, xp, warmup, iters, profile)
         gemm = gemm_ceiling(cfg, batch, seq)

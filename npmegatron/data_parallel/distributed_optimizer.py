@@ -19,7 +19,8 @@ a checkpoint loads at any DP size, with or without this optimizer.
 import numpy
 
 from .. import comm
-from ..training.optimizer import AdamW
+from ..autograd import precision
+from ..training.optimizer import AdamW, gradient_factor, publish_rounded
 from .buckets import GradientBuckets
 
 
@@ -77,13 +78,21 @@ class DistributedAdamW(AdamW):
     """AdamW over this DP rank's blocks of a ShardedGradientBuckets: moments of 1/DP of the
     parameters; step() updates the blocks and all-gathers the parameters."""
 
-    def __init__(self, buckets, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+    def __init__(self, buckets, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, storage=None):
         self.params, self.buckets = buckets.params, buckets
-        self._settings(lr, betas, eps, weight_decay)
+        self._settings(lr, betas, eps, weight_decay, storage)
         self.segments, size = buckets.segments()
         first = self.params[0]
         self.exp_avg = [first.xp.zeros(size, first.dtype)]
         self.exp_avg_sq = [first.xp.zeros(size, first.dtype)]
+        self.master = None
+        if storage:     # float32 master weights of this rank's blocks only (ZeRO-1 shards them too)
+            self.master = [first.xp.zeros(size, first.dtype)]
+            self._master_from_parameters()
+
+    def _master_from_parameters(self):
+        for p, mine, where in self.segments:
+            self.master[0][where] = self._flat(p.data, mine)
 
     def _flat(self, array, where):
         return array.reshape(-1)[where]
@@ -92,8 +101,15 @@ class DistributedAdamW(AdamW):
         lr = self._advance(lr)
         m, v = self.exp_avg[0], self.exp_avg_sq[0]
         for p, mine, state in self.segments:
-            if p.grad is not None:
-                self._update(p, self._flat(p.data, mine), self._flat(p.grad, mine), m[state], v[state], lr)
+            if p.grad is None:
+                continue
+            data, grad = self._flat(p.data, mine), self._flat(p.grad, mine)
+            if self.master is None:
+                self._update(p, data, grad, m[state], v[state], lr)
+            else:
+                master = self.master[0][state]
+                self._update(p, master, grad, m[state], v[state], lr)
+                publish_rounded(data, master, self.storage)
         self.buckets.gather_parameters()
 
     def grad_norm_squared(self, grid, skip=()):
@@ -108,19 +124,20 @@ class DistributedAdamW(AdamW):
                 total = comm.all_reduce(total, group)
         return total
 
-    def clip(self, norm, max_norm):
-        """Scale this rank's blocks of the gradients by max_norm / norm when norm exceeds it."""
-        if max_norm and norm > max_norm:
-            scale = max_norm / (norm + 1e-6)
+    def clip(self, norm, max_norm, loss_scale=1.0):
+        """Unscale this rank's blocks of the gradients and clip them to max_norm (norm: unscaled)."""
+        factor = gradient_factor(norm, max_norm, loss_scale)
+        if factor is not None:
             for p, mine, _ in self.segments:
                 if p.grad is not None:
-                    self._flat(p.grad, mine)[...] *= p.dtype.type(scale)
+                    self._flat(p.grad, mine)[...] *= p.dtype.type(factor)
 
     def state_dict(self):
         """Collective over DP: the moments gathered whole, one array per parameter in the order of
         `params` (AdamW's layout), so checkpoints do not depend on the DP size."""
-        state = {"hyperparameters": self.hyperparameters(), "exp_avg": [], "exp_avg_sq": []}
-        for kind in ("exp_avg", "exp_avg_sq"):
+        kinds = ("exp_avg", "exp_avg_sq") + (("master",) if self.master is not None else ())
+        state = {"hyperparameters": self.hyperparameters()}
+        for kind in kinds:
             whole, offset = {}, 0
             flat = getattr(self, kind)[0]
             for b in self.buckets.buckets:
@@ -143,3 +160,7 @@ class DistributedAdamW(AdamW):
             for p, mine, where in self.segments:
                 saved = p.xp.asarray(state[kind][index[id(p)]])
                 flat[where] = saved.reshape(-1)[mine]
+        if self.master is not None:     # the loaded weights, at full precision (AdamW's rule)
+            self._master_from_parameters()
+            for p in self.params:
+                precision.round_(p.data, self.storage)

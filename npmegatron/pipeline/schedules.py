@@ -80,7 +80,7 @@ class ScheduleRun:
     (kind, stage, micro-batch, shape) and posted at most once, keyed by its first three."""
 
     def __init__(self, model, exchange, batches, overlap, deallocate_outputs, forward_only, order,
-                 timers=None):
+                 timers=None, loss_scale=1.0):
         self.model, self.exchange, self.batches, self.order = model, exchange, batches, order
         self.timers = timers or no_timers()
         self.overlap, self.deallocate_outputs, self.forward_only = overlap, deallocate_outputs, forward_only
@@ -90,7 +90,8 @@ class ScheduleRun:
         # Summed on the device in float64 (as Python floats were): reading each micro-batch's
         # loss on the host would synchronise a GPU M times a step.
         self.loss_sum = model.xp.zeros((), numpy.float64)
-        self.loss_scale = None  # 1 / M, made once in the loss's dtype
+        self.loss_scale = loss_scale    # --fp16's loss scaling multiplies the loss gradient
+        self.loss_seed = None           # loss_scale / M, made once in the loss's dtype
 
     def stage_of(self, chunk):
         """The global stage number of this rank's virtual stage `chunk`."""
@@ -200,15 +201,16 @@ class ScheduleRun:
                 deallocate(out)
 
     def backward_step(self, chunk, micro_batch, then_receive=None):
-        """Virtual stage `chunk` backward on one micro-batch, from its loss scaled by 1/M or from
+        """Virtual stage `chunk` backward on one micro-batch, from its loss scaled by 1/M (times the
+        loss scale) or from
         the gradient received for its output; the gradient of its input is sent back."""
         spec = self.model.stage_specs[chunk]
         result = self.outputs.pop((chunk, micro_batch))
         if spec.post_process:
-            if self.loss_scale is None:
-                self.loss_scale = self.model.xp.asarray(1.0 / len(self.batches), dtype=result.dtype)
+            if self.loss_seed is None:
+                self.loss_seed = self.model.xp.asarray(self.loss_scale / len(self.batches), dtype=result.dtype)
             with self.timers(BACKWARD_COMPUTE, exclude_comm=True):
-                ag.backward(result, self.loss_scale)
+                ag.backward(result, self.loss_seed)
         else:
             grad = self.take(self.receive_for((BACKWARD, chunk, micro_batch)))
             with self.timers(BACKWARD_COMPUTE, exclude_comm=True):
@@ -219,14 +221,15 @@ class ScheduleRun:
 
 
 def run_schedule(model, exchange, batches, schedule="1f1b", on_last_backward=None,
-                 deallocate_outputs=True, overlap=True, forward_only=False, memory=None, timers=None):
+                 deallocate_outputs=True, overlap=True, forward_only=False, memory=None, timers=None,
+                 loss_scale=1.0):
     """Forward (and backward) every micro-batch through this rank's stages. `batches` is the
     list of M (inputs, targets) for this data-parallel rank; every pipeline rank passes the same.
     `on_last_backward` is called right before this rank's last backward (data parallelism
     starts its gradient sync there). `timers` (training/timers.py) splits the time into forward
     and backward compute, TP communication inside them, and pipeline waits. Returns the sum of
     the micro-batch losses on the rank holding the loss, else zero: a float64 array of shape ()
-    on the model's device."""
+    on the model's device. `loss_scale` multiplies the gradient backward starts from (--fp16)."""
     grid, virtual, num_micro_batches = model.grid, model.virtual_size, len(batches)
     timers = timers or no_timers()
 
@@ -238,7 +241,8 @@ def run_schedule(model, exchange, batches, schedule="1f1b", on_last_backward=Non
     actions = actions_of(grid.pp_rank)
     last_backward = max((k for k, action in enumerate(actions) if action[0] == BACKWARD), default=None)
     order = ReceiveOrder(actions_of, grid.pp_rank, grid.pp_size, virtual)
-    run = ScheduleRun(model, exchange, batches, overlap, deallocate_outputs, forward_only, order, timers)
+    run = ScheduleRun(model, exchange, batches, overlap, deallocate_outputs, forward_only, order, timers,
+                      loss_scale)
     for k, (kind, chunk, micro_batch) in enumerate(actions):
         following = actions[k + 1] if k + 1 < len(actions) else None
         with timers(PIPELINE_WAIT):

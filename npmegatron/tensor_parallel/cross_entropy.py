@@ -12,6 +12,7 @@ from npmegatron.autograd.ops.nn import check_ids
 
 
 class _VocabParallelCrossEntropy(Function):
+    float32_output = True       # the loss stays in float32 under --fp16/--bf16, as Megatron's
     @staticmethod
     def forward(ctx, logits, targets, group, vocab_start, vocab_size, reduction):
         xp = get_array_module(logits)

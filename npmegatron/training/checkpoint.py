@@ -76,7 +76,10 @@ def _state_tensors(model, state):
     of the optimizer built over model.parameters(), so its moment lists follow named_parameters'
     order."""
     named = list(model.named_parameters())
-    tensors = {f"model.{name}": to_numpy(param.data) for name, param in named}
+    # Under mixed precision the weights saved are the float32 masters (the parameters are their
+    # 16-bit rounding): a checkpoint loads the same with or without --fp16/--bf16.
+    weights = state.get("master") or [param.data for _, param in named]
+    tensors = {f"model.{name}": to_numpy(w) for (name, _), w in zip(named, weights)}
     for kind in MOMENTS:
         tensors.update((f"{kind}.{name}", to_numpy(moment)) for (name, _), moment in zip(named, state[kind]))
     return tensors

@@ -39,14 +39,16 @@ class TrainingLog:
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{loss:.3f}")
 
-    def interval(self, done, lr, grad_norm, val_loss=None):
-        """The line (and JSON record) for the iterations since the last one."""
+    def interval(self, done, lr, grad_norm, val_loss=None, scaling=None):
+        """The line (and JSON record) for the iterations since the last one; `scaling`: the loss
+        scale and the steps skipped so far (--fp16)."""
         elapsed = time.perf_counter() - self.window_start
         record = {"iteration": done, "loss": float(numpy.mean(self.window)), "lr": lr, "grad_norm": grad_norm,
                   "tokens_per_s": len(self.window) * self.tokens_per_step / elapsed,
                   "tflops": len(self.window) * self.flops_per_step / elapsed / 1e12}
         if val_loss is not None:
             record["val_loss"] = val_loss
+        record.update(scaling or {})
         self.say(format_record(record, self.total))
         if self.file:
             self.file.write(json.dumps(record) + "\n")
@@ -76,6 +78,12 @@ def recompute_note(cfg):
     return f", full recomputation: every {count} layer(s) keep only their input"
 
 
+def precision_note(cfg):
+    if cfg.storage_format:
+        return f"{cfg.storage_format} values with float32 arithmetic and master weights"
+    return cfg.dtype
+
+
 def memory_note(trainer):
     """Bytes per parameter on this rank and activation bytes kept per layer and micro-batch, as
     the run's precision, optimizer and recomputation imply (bench/plan/memory.py's formulas)."""
@@ -89,17 +97,24 @@ def memory_note(trainer):
                     recompute_method=cfg.recompute_method or "uniform",
                     recompute_num_layers=cfg.recompute_num_layers or 1)
     layers = cfg.num_layers // (grid.pp_size * trainer.model.virtual_size)
-    per_layer = chunk_activation_bytes(cfg, layout, w, layers)[0] / layers
-    optimizer = f"{2 * w / shard:g} B AdamW state" + (f" (1/{shard}: distributed)" if shard > 1 else "")
-    return (f"memory: {w} B weight + {w} B gradient + {optimizer} per parameter; "
-            f"{per_layer / 2 ** 20:.2f} MiB of activations kept per layer and micro-batch")
+    # --fp16/--bf16: 16-bit weights and activations, float32 gradients, masters and moments.
+    # This project holds the 16-bit values in float32 arrays (autograd/precision.py), so these are
+    # the bytes 16-bit storage implies, not what NumPy allocates here.
+    stored = 2 if cfg.storage_format else w
+    per_layer = chunk_activation_bytes(cfg, layout, stored, layers)[0] / layers
+    kept = "2 moments" + (" + float32 master" if cfg.storage_format else "")
+    optimizer = (f"{(3 if cfg.storage_format else 2) * w / shard:g} B AdamW state ({kept}"
+                 + (f", 1/{shard}: distributed)" if shard > 1 else ")"))
+    implied = f" ({cfg.storage_format} as stored by a 16-bit backend; float32 arrays here)" if stored != w else ""
+    return (f"memory: {stored} B weight + {w} B gradient + {optimizer} per parameter; "
+            f"{per_layer / 2 ** 20:.2f} MiB of activations kept per layer and micro-batch{implied}")
 
 
 def header(trainer):
     cfg, grid, plan, model, data = trainer.cfg, trainer.grid, trainer.plan, trainer.model, trainer.data
     pipeline = f", layout {plan.layout!r} ({trainer.schedule})" if grid.pp_size > 1 else ""
     return (f"GPT: {model.num_parameters():,} parameters, {cfg.num_layers} layers, hidden "
-            f"{cfg.hidden_size}, {cfg.num_attention_heads} heads, {cfg.dtype} on {cfg.device}, {grid}"
+            f"{cfg.hidden_size}, {cfg.num_attention_heads} heads, {precision_note(cfg)} on {cfg.device}, {grid}"
             f"{' sequence-parallel' if cfg.sequence_parallel else ''}{pipeline}{recompute_note(cfg)}; global batch "
             f"{plan.global_batch} = {trainer.config.micro_batch_size} x {plan.micro_batches} accumulation x "
             f"{grid.dp_size} DP; data {data.description}: {len(data.train):,} training / "
@@ -117,4 +132,6 @@ def format_record(r, total):
     line = (f"iter {r['iteration']:>5}/{total} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
             f"grad norm {r['grad_norm']:.3f} | {r['tokens_per_s']:,.0f} tok/s | "
             f"{r['tflops']:.4f} TFLOP/s")
+    if "loss_scale" in r:
+        line += f" | loss scale {r['loss_scale']:g} | skipped {r['skipped_iterations']}"
     return line + (f" | val loss {r['val_loss']:.4f}" if "val_loss" in r else "")

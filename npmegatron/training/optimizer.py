@@ -4,7 +4,7 @@ import math
 
 import numpy
 
-from ..autograd import get_array_module
+from ..autograd import get_array_module, precision
 from ..autograd.backend import to_numpy
 from ..autograd.fusion import fused
 
@@ -47,16 +47,22 @@ def _update_for(p, g):
 
 class AdamW:
     """Adam with decoupled weight decay. Biases and LayerNorm parameters (the 1-D ones) are not
-    decayed, as in Megatron and nanoGPT."""
+    decayed, as in Megatron and nanoGPT.
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+    Under mixed precision (`storage` 'fp16' or 'bf16', autograd/precision.py) the parameters hold
+    16-bit values and the optimizer keeps float32 master weights (`master`): each step updates the
+    master and writes it back rounded, so updates smaller than a 16-bit step still accumulate."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, storage=None):
         self.params = list(params)
-        self._settings(lr, betas, eps, weight_decay)
+        self._settings(lr, betas, eps, weight_decay, storage)
         self.exp_avg = [p.xp.zeros_like(p.data) for p in self.params]
         self.exp_avg_sq = [p.xp.zeros_like(p.data) for p in self.params]
+        self.master = [p.data.copy() for p in self.params] if storage else None
 
-    def _settings(self, lr, betas, eps, weight_decay):
+    def _settings(self, lr, betas, eps, weight_decay, storage=None):
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        self.storage = storage
         self.step_count = 0
 
     def hyperparameters(self):
@@ -66,21 +72,36 @@ class AdamW:
 
     def state_dict(self):
         """The state a checkpoint keeps: the hyperparameters and the two moments, each a list in
-        the order of the parameters the optimizer was given."""
-        return {"hyperparameters": self.hyperparameters(), "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        the order of the parameters the optimizer was given; under mixed precision also the
+        master weights ("master"), which the checkpoint stores as the model's weights."""
+        state = {"hyperparameters": self.hyperparameters(), "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        if self.master is not None:
+            state["master"] = self.master
+        return state
 
     def load_state_dict(self, state):
-        """Restore a state_dict (moments copied in place, onto this optimizer's device)."""
+        """Restore a state_dict (moments copied in place, onto this optimizer's device). Under
+        mixed precision the parameters hold the loaded weights at full precision: they become the
+        master weights, and the parameters their 16-bit rounding."""
         self.step_count = state["hyperparameters"]["step"]
         for kind in ("exp_avg", "exp_avg_sq"):
             for mine, saved in zip(getattr(self, kind), state[kind]):
                 mine[...] = get_array_module(mine).asarray(saved)
+        if self.master is not None:
+            for p, master in zip(self.params, self.master):
+                master[...] = p.data
+                precision.round_(p.data, self.storage)
 
     def step(self, lr=None):
         lr = self._advance(lr)
-        for p, m, v in zip(self.params, self.exp_avg, self.exp_avg_sq):
-            if p.grad is not None:
+        for i, (p, m, v) in enumerate(zip(self.params, self.exp_avg, self.exp_avg_sq)):
+            if p.grad is None:
+                continue
+            if self.master is None:
                 self._update(p, p.data, p.grad, m, v, lr)
+            else:
+                self._update(p, self.master[i], p.grad, m, v, lr)
+                publish_rounded(p.data, self.master[i], self.storage)
 
     def _advance(self, lr):
         """Count the step; the learning rate it uses."""
@@ -94,6 +115,12 @@ class AdamW:
         decay = 1 - lr * self.weight_decay if self.weight_decay and p.ndim >= 2 else 1.0
         _update_for(data, grad)(data, grad, m, v, decay, beta1, 1 - beta1, beta2, 1 - beta2,
                                 1 / math.sqrt(bias2), self.eps, lr / bias1)
+
+
+def publish_rounded(param, master, storage):
+    """The parameter becomes the master weight rounded to the 16-bit grid (in place)."""
+    param[...] = master
+    precision.round_(param, storage)
 
 
 def learning_rate(step, lr, min_lr, warmup_iters, decay_iters, style="cosine"):
@@ -125,13 +152,23 @@ def grad_norm_squared(params, group=None, skip=()):
     return total
 
 
-def clip_gradients(params, norm, max_norm):
-    """Scale all gradients by max_norm / norm when the norm (a host float) exceeds max_norm."""
+def gradient_factor(norm, max_norm, loss_scale=1.0):
+    """What to multiply the gradients by, or None for nothing: 1 / loss_scale to undo loss scaling
+    (norm is already the unscaled one), times max_norm / norm when norm exceeds max_norm. One pass
+    over the gradients does both."""
+    factor = 1.0 / loss_scale
     if max_norm and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
+        factor *= max_norm / (norm + 1e-6)
+    return None if factor == 1.0 else factor
+
+
+def clip_gradients(params, norm, max_norm, loss_scale=1.0):
+    """Unscale the gradients and clip them to max_norm (norm: their unscaled norm, a host float)."""
+    factor = gradient_factor(norm, max_norm, loss_scale)
+    if factor is not None:
         for p in params:
             if p.grad is not None:
-                p.grad *= p.dtype.type(scale)
+                p.grad *= p.dtype.type(factor)
 
 
 def clip_grad_norm(params, max_norm, group=None, skip=()):

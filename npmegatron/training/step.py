@@ -56,18 +56,22 @@ def sum_losses(model, loss_sum):
                            grid.dp_group)
 
 
-def clip_after_step(model, params, loss_sum, norm_skip, max_norm, optimizer=None):
-    """(summed loss, gradient norm before clipping) as host floats, the gradients clipped to
-    max_norm. Both numbers reach the host together: the step's one synchronisation. A
-    distributed optimizer (data_parallel/distributed_optimizer.py) measures and clips its blocks."""
+def clip_after_step(model, params, loss_sum, norm_skip, max_norm, optimizer=None, loss_scale=1.0):
+    """(summed loss, gradient norm before clipping) as host floats, the gradients unscaled (from
+    a loss scaled by `loss_scale`) and clipped to max_norm. Both numbers reach the host together:
+    the step's one synchronisation. A norm that is not finite (a 16-bit overflow) leaves the
+    gradients as they are. A distributed optimizer (data_parallel/distributed_optimizer.py)
+    measures and clips its blocks."""
     sharded = hasattr(optimizer, "grad_norm_squared")
     squared = (optimizer.grad_norm_squared(model.grid, norm_skip) if sharded
                else grad_norm_squared(params, model.grid.mp_group, norm_skip))
     both = model.xp.concatenate([sum_losses(model, loss_sum), squared])
     loss_total, norm_squared = (float(v) for v in to_numpy(both))
-    norm = math.sqrt(norm_squared)
+    norm = math.sqrt(norm_squared) / loss_scale
+    if not math.isfinite(norm):
+        return loss_total, norm
     if sharded:
-        optimizer.clip(norm, max_norm)
+        optimizer.clip(norm, max_norm, loss_scale)
     else:
-        clip_gradients(params, norm, max_norm)
+        clip_gradients(params, norm, max_norm, loss_scale)
     return loss_total, norm

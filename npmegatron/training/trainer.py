@@ -6,10 +6,13 @@ from a checkpoint), then `fit()` runs the iterations: the training step over the
 micro-batches x data-parallel size, and sample k of the run is the same whatever that split, so
 every layout follows the same trajectory.
 """
+import contextlib
 import dataclasses
 import math
 import os
 import uuid
+
+import numpy
 
 from .. import comm
 from ..autograd import InputError
@@ -21,6 +24,7 @@ from ..data_parallel import GradientBuckets
 from ..pipeline import StageExchange, run_schedule
 from . import checkpoint
 from .log import TrainingLog
+from .loss_scale import build_loss_scale
 from .optimizer import AdamW, learning_rate
 from .save_folder import SaveFolder
 from .step import clip_after_step, schedule_options, setup_objects_frozen, sum_losses, train_step
@@ -31,12 +35,14 @@ def build_optimizer(model, params, grid, config):
     """(gradient buckets, optimizer): AdamW over DP all-reduced buckets, or with
     --use-distributed-optimizer each DP rank's share of AdamW over reduce-scattered buckets."""
     bucket_size, lr, decay = config.parallel.ddp_bucket_size, config.lr, config.weight_decay
+    storage = config.model.storage_format     # --fp16/--bf16: float32 master weights
     if not config.parallel.use_distributed_optimizer:
-        return GradientBuckets(params, grid.dp_group, bucket_size), AdamW(params, lr=lr, weight_decay=decay)
+        return (GradientBuckets(params, grid.dp_group, bucket_size),
+                AdamW(params, lr=lr, weight_decay=decay, storage=storage))
     from ..data_parallel.distributed_optimizer import DistributedAdamW, ShardedGradientBuckets
     tied = getattr(model, "tied", None)
     buckets = ShardedGradientBuckets(params, grid.dp_group, bucket_size, alone=[tied.weight] if tied else [])
-    return buckets, DistributedAdamW(buckets, lr=lr, weight_decay=decay)
+    return buckets, DistributedAdamW(buckets, lr=lr, weight_decay=decay, storage=storage)
 
 
 class TrainingDiverged(InputError):
@@ -64,7 +70,8 @@ class Trainer:
         self.params = self.model.parameters()
         self.buckets, self.optimizer = build_optimizer(self.model, self.params, grid, config)
         self.norm_skip = self.model.norm_skip()    # what counts once in the global norm
-        self.iteration, self.last_saved = 0, None
+        self.loss_scale = build_loss_scale(config)  # --fp16 (loss_scale.py), else None
+        self.iteration, self.last_saved, self.skipped = 0, None, 0
         self.run_id = uuid.uuid4().hex      # rank 0's is the one recorded; a resumed run keeps its own
         if config.load:
             self._resume()
@@ -77,6 +84,9 @@ class Trainer:
         manifest = checkpoint.load(self.config.load, self.model, self.optimizer, self.grid, self.plan.layout)
         self.iteration = self.last_saved = manifest["iteration"]
         self.run_id = manifest.get("run_id", self.run_id)
+        self.skipped = manifest.get("skipped_iterations", 0)
+        if self.loss_scale is not None and manifest.get("loss_scale"):
+            self.loss_scale.load_state_dict(manifest["loss_scale"])
         saved_batch = manifest["data"]["global_batch_size"]
         if saved_batch != self.plan.global_batch:
             raise InputError(f"checkpoint {self.config.load} was trained with global batch {saved_batch}, "
@@ -94,28 +104,41 @@ class Trainer:
         return float(to_numpy(sum_losses(self.model, loss_sum))[0]) / (count * self.grid.dp_size)
 
     def train_step(self):
-        """Forward and backward over the micro-batches, DP average, clip. Returns (loss, norm).
-        The loss and the squared gradient norm reach the host together: one synchronisation."""
+        """Forward and backward over the micro-batches, DP average, unscale, clip. Returns (loss,
+        norm). The loss and the squared gradient norm reach the host together: one synchronisation."""
         self.model.rng.iteration = self.iteration           # dropout masks are keyed by it
-        loss_sum = train_step(self.model, self.exchange, self.micro_batches(self.sampler, self.iteration),
-                              self.buckets, self.schedule, self.timers, **schedule_options(self.config.parallel))
+        scale = self.loss_scale.scale if self.loss_scale else 1.0
+        # Under loss scaling an overflow is expected now and then (the step is skipped): NumPy's
+        # warnings about the inf and NaN it makes would be noise.
+        with numpy.errstate(over="ignore", invalid="ignore") if self.loss_scale else contextlib.nullcontext():
+            loss_sum = train_step(self.model, self.exchange, self.micro_batches(self.sampler, self.iteration),
+                                  self.buckets, self.schedule, self.timers, loss_scale=scale,
+                                  **schedule_options(self.config.parallel))
         with self.timers(OPTIMIZER):        # the norm's reduction and clipping, as Megatron times them
             loss_total, norm = clip_after_step(self.model, self.params, loss_sum, self.norm_skip,
-                                               self.config.clip_grad, self.optimizer)
+                                               self.config.clip_grad, self.optimizer, scale)
         return loss_total / (self.plan.micro_batches * self.grid.dp_size), norm
 
     def step(self):
         """One optimizer step; (loss, gradient norm, learning rate). Nothing is applied when the
-        loss or the norm is not finite."""
+        loss or the norm is not finite: under loss scaling, a step whose gradients overflowed is
+        skipped and counted (Megatron's rule), otherwise training stops. As in Megatron, the
+        learning-rate schedule counts applied steps only."""
         config = self.config
-        lr = learning_rate(self.iteration, config.lr, config.min_lr, config.lr_warmup_iters,
+        lr = learning_rate(self.iteration - self.skipped, config.lr, config.min_lr, config.lr_warmup_iters,
                            config.train_iters, config.lr_decay_style)
         loss, norm = self.train_step()
-        for what, value in (("loss", loss), ("gradient norm", norm)):
-            if not math.isfinite(value):
-                raise self.diverged(what, value)
-        with self.timers(OPTIMIZER):
-            self.optimizer.step(lr)
+        overflow = self.loss_scale is not None and not math.isfinite(norm)
+        if self.loss_scale is not None:
+            self.loss_scale.update(overflow)
+        if overflow:
+            self.skipped += 1
+        else:
+            for what, value in (("loss", loss), ("gradient norm", norm)):
+                if not math.isfinite(value):
+                    raise self.diverged(what, value)
+            with self.timers(OPTIMIZER):
+                self.optimizer.step(lr)
         self.iteration += 1
         return loss, norm, lr
 
@@ -134,6 +157,8 @@ class Trainer:
                  "data": {"consumed_samples": self.iteration * self.plan.global_batch,
                           "global_batch_size": self.plan.global_batch, "seed": self.cfg.seed,
                           "data_path": config.data_path},
+                 "skipped_iterations": self.skipped,
+                 "loss_scale": self.loss_scale.state_dict() if self.loss_scale else None,
                  "tokenizer": self.data.tokenizer.spec, "args": dataclasses.asdict(config)}
         files = {"tokenizer.json": self.data.tokenizer_file} if self.data.tokenizer_file else {}
         folder = checkpoint.save(config.save, self.iteration, self.model, self.optimizer, self.grid,
@@ -175,9 +200,15 @@ class Trainer:
             done, last = self.iteration, self.iteration == config.train_iters
             if done % config.log_interval == 0 or last:
                 evaluate = done % config.eval_interval == 0 or last
-                log.interval(done, lr, norm, self.evaluate() if evaluate else None)
+                log.interval(done, lr, norm, self.evaluate() if evaluate else None, self.scaling())
             if self._save_or_stop(log, exit_signal):
                 return
+
+    def scaling(self):
+        """The loss scale and the skipped steps so far, for the log (None without loss scaling)."""
+        if self.loss_scale is None:
+            return None
+        return {"loss_scale": self.loss_scale.scale, "skipped_iterations": self.skipped}
 
     def _save_or_stop(self, log, exit_signal):
         """Save when due; True when the run stops here (--exit-interval, or an exit signal)."""

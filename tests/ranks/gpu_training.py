@@ -4,7 +4,7 @@ first on PYTHONPATH (tests/test_strict_gpu.py).
 
     mpiexec -n N python tests/ranks/gpu_training.py TP PP FOLDER ['{"extra": "config fields"}']
 
-Per rank: losses and gradient norms of 4 steps equal the NumPy run's to 1e-10 (sequence
+Per rank: losses and gradient norms of 4 steps equal the NumPy run's to 1e-10 (or the extra's "rtol") (sequence
 parallelism and dropout on), and so do the parameters after them; a run resumed from the
 checkpoint of step 2 repeats steps 3 and 4 bitwise; at PP = 1 the generated text is the NumPy
 run's; each rank computes on the GPU of its local rank. Under the stand-in, every host
@@ -21,8 +21,9 @@ from npmegatron.training import TrainConfig, Trainer
 
 
 def config(device, tp, pp, **extra):
+    extra = {"dtype": "float64", **extra}
     return TrainConfig.from_flat(
-        device=device, dtype="float64", num_layers=4, hidden_size=32, num_attention_heads=4,
+        device=device, num_layers=4, hidden_size=32, num_attention_heads=4,
         seq_length=16, micro_batch_size=2, global_batch_size=8, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, sequence_parallel=tp > 1, hidden_dropout=0.1,
         attention_dropout=0.1, train_iters=4, lr=1e-3, lr_warmup_iters=1, log_interval=100,
@@ -48,10 +49,10 @@ def run_steps(trainer, n):
     return losses, norms, syncs
 
 
-def close(a, b, what):
+def close(a, b, what, rtol=1e-10):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     scale = max(float(np.abs(b).max()), 1e-300)
-    assert float(np.abs(a - b).max()) <= 1e-10 * scale, (what, a, b)
+    assert float(np.abs(a - b).max()) <= rtol * scale, (what, a, b)
 
 
 def parameters(trainer):
@@ -61,6 +62,9 @@ def parameters(trainer):
 def main():
     tp, pp, folder = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     extra = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
+    # float32 runs: NumPy takes the compiled CPU kernels where CuPy runs the chains, equal to
+    # round-off only (and 16-bit rounding can turn that into one 16-bit step)
+    rtol = extra.pop("rtol", 1e-10)
     world = comm.init()
     cpu = Trainer(config("cpu", tp, pp, **extra))
     cpu_losses, cpu_norms, _ = run_steps(cpu, 4)
@@ -73,11 +77,11 @@ def main():
     gpu.save()                                      # iter_0000002
     later = run_steps(gpu, 2)
     losses, norms, syncs = losses + later[0], norms + later[1], syncs + later[2]
-    close(losses, cpu_losses, "losses")
-    close(norms, cpu_norms, "gradient norms")
+    close(losses, cpu_losses, "losses", rtol)
+    close(norms, cpu_norms, "gradient norms", rtol)
     mine, reference = parameters(gpu), parameters(cpu)
     for name in reference:
-        close(mine[name], reference[name], name)
+        close(mine[name], reference[name], name, rtol)
     text = (gpu.sample(), cpu.sample()) if pp == 1 else (None, None)
     assert text[0] == text[1], text
     gpu.close()

@@ -7,7 +7,7 @@ from ...autograd import InputError
 from ...cli_support import Group, config_options, user_errors
 from ...config import GPTConfig, ParallelConfig, TrainConfig
 
-MODEL_FIELDS = {"num_layers", "hidden_size", "num_attention_heads", "vocab_size", "dtype",
+MODEL_FIELDS = {"num_layers", "hidden_size", "num_attention_heads", "vocab_size", "dtype", "fp16", "bf16",
                 "sequence_parallel", "hidden_dropout", "attention_dropout"}
 REFERENCE = {"num_layers": 4, "hidden_size": 512, "num_attention_heads": 8, "vocab_size": 256,
              "seq_length": 256, "micro_batch_size": 8, "hidden_dropout": 0.0, "attention_dropout": 0.0}
@@ -31,8 +31,9 @@ def format_plan(result, cfg, profile):
     mem = result["memory"]
     head = f"{'pp rank':>7} {'layers':>6} {'params':>12} {'param':>11} {'grad':>11} {'AdamW m,v':>11} " \
            f"{'activations':>12} {'total':>11}   {'mixed precision':>15}"
-    lines += ["memory per rank (this project's dtype; mixed precision = 16-bit parameters and gradients, fp32 "
-              "master weights and AdamW state (sharded with --use-distributed-optimizer), 16-bit activations):", head]
+    lines += ["memory per rank (this run's precision, where --fp16/--bf16 keep float32 gradients and master "
+              "weights; mixed precision = the paper's: 16-bit parameters and gradients, fp32 master weights and "
+              "AdamW state (sharded with --use-distributed-optimizer), 16-bit activations):", head]
     for r in mem["ranks"]:
         lines.append(f"{r['pp_rank']:>7} {r['layers']:>6} {r['parameter_count']:>12,} {gb(r['parameters']):>11} "
                      f"{gb(r['gradients']):>11} {gb(r['optimizer']):>11} {gb(r['activations']):>12} "

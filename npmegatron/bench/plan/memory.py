@@ -226,7 +226,8 @@ def korthikanti_bytes(s, b, h, a, t=1, sp=False, recompute="none"):
 
 
 def element_bytes(cfg, layout):
-    return layout.element_bytes or numpy.dtype(cfg.dtype).itemsize
+    """Bytes of a parameter or activation: 2 under --fp16/--bf16, else the model's dtype's."""
+    return layout.element_bytes or (2 if cfg.storage_format else numpy.dtype(cfg.dtype).itemsize)
 
 
 def rank_memory(cfg, layout, pp_rank):
@@ -238,11 +239,14 @@ def rank_memory(cfg, layout, pp_rank):
     chunks = in_flight_chunks(layout, pp_rank)
     kept, workspace = chunk_activation_bytes(cfg, layout, w, layers_per_chunk)
     activations = chunks * kept + workspace
+    # --fp16/--bf16: gradients accumulate in float32 (Megatron's main_grad), and the optimizer
+    # keeps float32 master weights beside m and v; else all in the parameters' dtype.
+    grad_w, optimizer_w = (4, 12) if cfg.storage_format else (w, 2 * w)
     result = {
         "pp_rank": pp_rank, "layers": sum(len(s.layers) for s in stages),
-        "parameter_count": params, "parameters": params * w, "gradients": params * w,
-        # AdamW's m and v, in the parameters' dtype here; 1/DP of them with the distributed optimizer
-        "optimizer": 2 * params * w / (layout.dp if layout.distributed_optimizer else 1),
+        "parameter_count": params, "parameters": params * w, "gradients": params * grad_w,
+        # 1/DP of the optimizer state with the distributed optimizer
+        "optimizer": params * optimizer_w / (layout.dp if layout.distributed_optimizer else 1),
         "chunks_in_flight": chunks, "activations": activations,
     }
     result["total"] = result["parameters"] + result["gradients"] + result["optimizer"] + activations

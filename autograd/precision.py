@@ -1,0 +1,92 @@
+"""16-bit storage by rounding (--fp16, --bf16): values on the 16-bit grid, arithmetic in float32.
+
+Inside `storage("fp16")` (or "bf16") every Function rounds its outputs to that format's grid, and
+the tape node it records rounds the gradients its backward returns: activations, weights and
+activation gradients then hold exactly the numbers a 16-bit run would store, overflow to inf
+included, while every op computes in float32 from them, as tensor cores accumulate matmuls in fp32
+and Megatron computes LayerNorm, softmax and the loss in fp32. A Function whose output stays in
+float32 (the loss) says so with `float32_output = True`. Parameter gradients are accumulated in
+float32 (AccumulateGrad does not round), as Megatron's main_grad buffers; the optimizer keeps
+float32 master weights (training/optimizer.py).
+
+Why rounding rather than 16-bit arrays: NumPy has no 16-bit matmul (float16 runs in a scalar loop,
+hundreds of times slower than float32 BLAS) and bfloat16 (ml_dtypes) has none at all, so every op
+would cast its inputs up and its outputs down anyway. The numbers are the same; the memory is not:
+arrays stay float32, so this saves no bytes (the plan and the training header report what 16-bit
+storage would hold).
+"""
+import contextlib
+
+import numpy
+
+from .backend import get_array_module
+
+FORMATS = ("fp16", "bf16")
+_active = None
+
+
+def active():
+    """The 16-bit format ops round to now, or None."""
+    return _active
+
+
+@contextlib.contextmanager
+def storage(fmt):
+    """Round every op's outputs (and, in backward, its input gradients) to `fmt` inside this
+    block; None leaves the current setting as it is."""
+    global _active
+    if fmt is None:
+        yield
+        return
+    if fmt not in FORMATS:
+        raise ValueError(f"16-bit format {fmt!r} is not known; use one of {FORMATS}")
+    previous, _active = _active, fmt
+    try:
+        yield
+    finally:
+        _active = previous
+
+
+#: float32 arrays at least this large are rounded by the numba kernels on the CPU.
+COMPILED_ROUND_SIZE = 1 << 14
+
+
+def round_(x, fmt):
+    """x rounded to fmt's grid, in place where x is writable (a rounded copy otherwise); arrays
+    that are not floating point are returned as they are."""
+    if fmt is None or not hasattr(x, "dtype") or x.dtype.kind != "f":
+        return x
+    xp = get_array_module(x)
+    if isinstance(x, numpy.generic) or not getattr(getattr(x, "flags", None), "writeable", True):
+        x = xp.array(x)         # a NumPy scalar (a reduction's result) or a read-only view
+    if (xp is numpy and x.dtype == numpy.float32 and x.size >= COMPILED_ROUND_SIZE
+            and x.flags.c_contiguous):
+        from . import _round_cpu
+        from .threads import use_numba_threads
+        use_numba_threads()
+        flat = x.reshape(-1)
+        if fmt == "fp16":
+            _round_cpu.fp16_(flat, flat.view(numpy.int32))
+        else:
+            _round_cpu.bf16_(flat.view(numpy.int32))
+        return x
+    if fmt == "fp16":
+        with numpy.errstate(over="ignore"):     # past 65504 is inf, as in float16
+            x[...] = x.astype(xp.float16)
+    else:
+        _round_bf16_(xp, x)
+    return x
+
+
+def _round_bf16_(xp, x):
+    """bfloat16 rounding of a float32 array with the array module's own integer ops (CuPy has no
+    bfloat16 type): nearest-even on the top 16 bits, NaN kept."""
+    if x.dtype != numpy.float32:
+        raise ValueError(f"bf16 rounding works on float32 arrays, not {x.dtype}")
+    if not x.flags.c_contiguous:
+        x[...] = _round_bf16_(xp, xp.ascontiguousarray(x))
+        return x
+    bits = x.view(xp.uint32)
+    rounded = (bits + xp.uint32(0x7FFF) + ((bits >> xp.uint32(16)) & xp.uint32(1))) & xp.uint32(0xFFFF0000)
+    bits[...] = xp.where((bits & xp.uint32(0x7FFFFFFF)) > xp.uint32(0x7F800000), bits, rounded)
+    return x
