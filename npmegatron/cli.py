@@ -33,17 +33,37 @@ def train(**options):
 
 
 @main.command()
-@click.argument("inputs", nargs=-1, required=True)
-@click.option("--output", "-o", required=True, help="PREFIX: writes PREFIX.bin and PREFIX.json.")
+@click.argument("inputs", nargs=-1)
+@click.option("--input", "input_files", multiple=True, help="Megatron's spelling of INPUTS (repeatable): "
+              "a .jsonl file, one JSON object per line, or text files and folders.")
+@click.option("--output", "--output-prefix", "-o", "output", required=True,
+              help="PREFIX: writes PREFIX.bin and PREFIX.json, or with --output-format megatron PREFIX.bin "
+                   "and PREFIX.idx; JSONL input writes PREFIX_KEY_document.bin/.idx per --json-keys key.")
 @click.option("--tokenizer", "tokenizer_file", default=None,
               help="A local Hugging Face tokenizer.json (default: byte-level, vocabulary 256).")
+@click.option("--output-format", type=click.Choice(["npmegatron", "megatron"]), default=None,
+              help="npmegatron (the default for text: PREFIX.json index) or megatron (always for JSONL: "
+                   "Megatron's PREFIX.idx, plus PREFIX.npmegatron.json with the vocabulary).")
+@click.option("--json-keys", multiple=True, help="JSON fields to tokenize, each its own dataset "
+              "(default: text); repeat the flag or separate keys with commas.")
+@click.option("--append-eod", is_flag=True, help="Append the tokenizer's <|endoftext|> to every document.")
 @user_errors
-def preprocess(inputs, output, tokenizer_file):
-    """Tokenize text files or folders into a memory-mapped token file for --data-path."""
-    from .data import preprocess as run_preprocess
-    index = run_preprocess(inputs, output, tokenizer_file)
-    click.echo(f"{output}.bin: {index['num_tokens']:,} tokens ({index['dtype']}) from "
-               f"{len(index['sources'])} documents, vocabulary {index['vocab_size']:,}")
+def preprocess(inputs, input_files, output, tokenizer_file, output_format, json_keys, append_eod):
+    """Tokenize text files or folders, or Megatron's JSONL, into a memory-mapped token file for
+    --data-path."""
+    from .data import choose_output_format, preprocess as run_preprocess, preprocess_megatron
+    inputs = list(inputs) + list(input_files)
+    if not inputs:
+        raise click.UsageError("Missing argument 'INPUTS...' (or --input FILE).")
+    keys = [key for value in json_keys for key in value.replace(",", " ").split()]
+    if choose_output_format(inputs, output_format, keys) == "npmegatron":
+        index = run_preprocess(inputs, output, tokenizer_file, append_eod)
+        click.echo(f"{output}.bin: {index['num_tokens']:,} tokens ({index['dtype']}) from "
+                   f"{len(index['sources'])} documents, vocabulary {index['vocab_size']:,}")
+        return
+    for made in preprocess_megatron(inputs, output, tokenizer_file, keys, append_eod):
+        click.echo(f"{made['prefix']}.bin/.idx: {made['num_tokens']:,} tokens ({made['dtype']}) from "
+                   f"{made['num_documents']} documents, vocabulary {made['vocab_size']:,}")
 
 
 @main.command()
@@ -53,17 +73,21 @@ def preprocess(inputs, output, tokenizer_file):
 @click.option("--temperature", type=float, default=0.8, show_default=True, help="0: greedy.")
 @click.option("--top-k", type=int, default=40, show_default=True, help="Sample among the k likeliest (0: all).")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Sampling seed.")
+@click.option("--tensor-model-parallel-size", "--tp", "tp", type=POSITIVE, default=None,
+              help="TP ranks (default: the launched ranks / PP).")
+@click.option("--pipeline-model-parallel-size", "--pp", "pp", type=POSITIVE, default=1, show_default=True,
+              help="Pipeline stages.")
 @config_options(GPTConfig, only={"device"})
 @user_errors
-def generate(load, prompt, max_tokens, temperature, top_k, seed, device):
-    """Continue a prompt from a checkpoint with a key/value cache; tensor-parallel under
-    mpirun -n TP (the checkpoint's TP size)."""
+def generate(load, prompt, max_tokens, temperature, top_k, seed, tp, pp, device):
+    """Continue a prompt from a checkpoint saved at any layout, resharded to the one launched
+    (mpirun -n TP x PP): a key/value cache on one stage, the stages in turn over several."""
     if max_tokens < 1:
         raise InputError(f"--max-tokens {max_tokens} must be a positive integer")
     from .data import utf8_bytes
     utf8_bytes(prompt, "--prompt")      # before the checkpoint loads: argv bytes need not be UTF-8
     from .generation import generate as run_generate, load_for_generation
-    model, tokenizer = load_for_generation(load, device)
+    model, tokenizer = load_for_generation(load, device, tp, pp)
     ids = run_generate(model, tokenizer.encode(prompt), max_tokens, temperature, top_k or None, seed)
     if model.grid.rank == 0:
         click.echo(tokenizer.decode(ids))

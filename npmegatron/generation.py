@@ -1,5 +1,6 @@
 """Text generation: a key/value cache, so each new token runs one position through the model,
-and temperature / top-k sampling over the full (TP-gathered) vocabulary.
+and temperature / top-k sampling over the full (TP-gathered) vocabulary. Over pipeline stages,
+each token runs the sequence through the stages (see _generate_pipelined).
 
 Under tensor parallelism every rank holds its heads' keys and values; the logits are gathered,
 and all ranks draw the same token from identically seeded generators on identical logits.
@@ -70,9 +71,8 @@ def without_sequence_parallel(model):
 
 def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, seed=0):
     """The prompt followed by up to max_new_tokens sampled ids (fewer if the position table
-    fills). Collective over the model's TP group."""
-    if model.cfg.sequence_parallel:
-        model = without_sequence_parallel(model)
+    fills). `model` is a GPT, or a PipelineModel of any layout. Collective over the model's
+    ranks; every rank returns the same ids."""
     if not (math.isfinite(temperature) and temperature >= 0):
         raise InputError(f"temperature {temperature} must be a finite number >= 0; use 0 for greedy "
                          "decoding or a positive value to sample")
@@ -80,49 +80,85 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, see
         raise InputError(f"top-k {top_k} must be a positive integer (or omitted)")
     if len(prompt_ids) == 0:
         raise InputError("the prompt is empty; give at least one character")
+    whole = getattr(model, "whole", model)      # a pipeline rank holding every layer is a GPT
     capacity = model.cfg.max_position_embeddings
     ids = list(prompt_ids)[-capacity:]      # keep the end of a prompt longer than the table
     rng = numpy.random.default_rng(seed)
+    draw = lambda row: sample_token(row.astype(numpy.float64), rng, temperature, top_k)
     was_training = model.training
     model.eval()
-    cache = KVCache(model)
-    out = list(ids)
-    with ag.no_grad():
-        logits, _ = model(numpy.array([ids]), cache=cache)
-        while len(out) - len(ids) < max_new_tokens:
-            last = to_numpy(model.full_logits(logits.data[:, -1:]))[0, -1].astype(numpy.float64)
-            token = sample_token(last, rng, temperature, top_k)
-            out.append(token)
-            if cache.length >= capacity or len(out) - len(ids) == max_new_tokens:
-                break
-            logits, _ = model(numpy.array([[token]]), cache=cache)
-    model.train(was_training)
+    try:
+        with ag.no_grad():
+            if whole is None:
+                return _generate_pipelined(model, ids, max_new_tokens, draw)
+            return _generate_cached(whole, ids, max_new_tokens, draw)
+    finally:
+        model.train(was_training)
+
+
+def _generate_cached(model, ids, max_new_tokens, draw):
+    """One stage: the prompt once, then one position per token through the key/value cache."""
+    if model.cfg.sequence_parallel:
+        model = without_sequence_parallel(model)
+    capacity, cache, out = model.cfg.max_position_embeddings, KVCache(model), list(ids)
+    logits, _ = model(numpy.array([ids]), cache=cache)
+    while len(out) - len(ids) < max_new_tokens:
+        out.append(draw(to_numpy(model.full_logits(logits.data[:, -1:]))[0, -1]))
+        if cache.length >= capacity or len(out) - len(ids) == max_new_tokens:
+            break
+        logits, _ = model(numpy.array([[out[-1]]]), cache=cache)
     return out
 
 
-def load_for_generation(path, device="cpu"):
-    """(model, tokenizer) from a checkpoint, on the TP layout it was saved with (mpirun -n TP,
-    or one process for TP 1); sequence parallelism and dropout off."""
+def _generate_pipelined(model, ids, max_new_tokens, draw):
+    """Several pipeline stages: each token runs the whole sequence through the stages (no key/
+    value cache crosses stages here, so a token costs the prefix again), the last stage draws it,
+    and the last pipeline rank broadcasts it to the others."""
+    from . import comm
+    from .pipeline import StageExchange, run_schedule
+    if model.cfg.sequence_parallel:
+        raise InputError("generation over pipeline stages needs sequence parallelism off (one new "
+                         "token cannot be split over ranks); build the model without it")
+    grid, capacity, out = model.grid, model.cfg.max_position_embeddings, list(ids)
+    exchange = StageExchange(grid, model.cfg.dtype, model.xp, 1, variable_seq_lengths=True)
+    last_stage = model.chunks[-1] if model.stage_specs[-1].post_process else None
+    while len(out) - len(ids) < max_new_tokens and len(out) <= capacity:
+        logits = []
+        run_schedule(model, exchange, [(numpy.array([out[-capacity:]]), None)], forward_only=True,
+                     outputs=logits)
+        token = numpy.zeros(1, numpy.int64)
+        if last_stage is not None:
+            token[0] = draw(to_numpy(last_stage.full_logits(logits[0][:, -1:]))[0, -1])
+        out.append(int(comm.broadcast(token, grid.pp_group, root=grid.pp_size - 1)[0]))
+    return out
+
+
+def load_for_generation(path, device="cpu", tp=None, pp=1):
+    """(model, tokenizer) from a checkpoint saved at any layout, resharded to TP x PP ranks (TP
+    default: the launched ranks / PP; one process without mpirun); sequence parallelism and
+    dropout off."""
     import dataclasses
     import os
 
     from . import comm
-    from .build import build_grid
+    from .build import build_grid, build_model
     from .data import tokenizer_from_spec
-    from .model import GPT, GPTConfig
+    from .model import GPTConfig
+    from .pipeline import default_layout
     from .training import checkpoint
     folder, manifest = checkpoint.read_manifest(path)
-    tp = manifest["layout"]["tp"]
-    if tp > 1 and not comm.launched_by_mpi():
-        raise InputError(f"checkpoint {folder} was saved with TP size {tp}; generate under "
-                         f"mpirun -n {tp}")
-    grid = build_grid(tp)
+    world = comm.launch_size()
+    tp = tp or max(1, world // pp)
+    if world != tp * pp:
+        raise InputError(f"generation with TP {tp} x PP {pp} needs {tp * pp} ranks but {world} were "
+                         f"launched; run it under mpirun -n {tp * pp}")
     fields = {f.name for f in dataclasses.fields(GPTConfig)}
     saved = {k: v for k, v in manifest["model"].items() if k in fields}
     cfg = GPTConfig(**{**saved, "sequence_parallel": False, "hidden_dropout": 0.0,
                        "attention_dropout": 0.0, "device": device,
                        "tf32": bool(saved.get("tf32")) and device == "gpu"})
-    model = GPT(cfg, grid)
+    grid = build_grid(tp, pp)
+    model = build_model(cfg, grid, default_layout(cfg.num_layers, pp, 1))
     checkpoint.load(folder, model, None, grid)
     tokenizer = tokenizer_from_spec(manifest["tokenizer"], os.path.join(folder, "tokenizer.json"))
     return model, tokenizer

@@ -105,6 +105,22 @@ class Module:
             precision.round_(param.data, storage)
 
 
+def pad_master(host, spec):
+    """A master tensor (spec.shape) with the padding rows its layout adds (the vocabulary's)."""
+    if spec.padded_rows is None or spec.padded_rows == host.shape[0]:
+        return host
+    return numpy.concatenate([host, numpy.zeros((spec.padded_rows - host.shape[0],) + host.shape[1:], host.dtype)])
+
+
+def load_masters(module, masters, storage=None):
+    """Set every parameter to its slice of a whole, unpadded master tensor: `masters` maps each
+    full parameter name (named_specs') to an array of its spec's shape."""
+    for name, param, spec in module.named_specs():
+        host = pad_master(numpy.asarray(masters[name]), spec)[spec.index]
+        param.data[...] = param.xp.asarray(host.astype(param.dtype))
+        precision.round_(param.data, storage)
+
+
 def parameter(xp, shape, dtype):
     """An uninitialised trainable tensor; Module.initialize gives it values."""
     return Tensor(xp.empty(shape, dtype=dtype), requires_grad=True)

@@ -80,7 +80,7 @@ class ScheduleRun:
     (kind, stage, micro-batch, shape) and posted at most once, keyed by its first three."""
 
     def __init__(self, model, exchange, batches, overlap, deallocate_outputs, forward_only, order,
-                 timers=None, loss_scale=1.0):
+                 timers=None, loss_scale=1.0, outputs=None):
         self.model, self.exchange, self.batches, self.order = model, exchange, batches, order
         self.timers = timers or no_timers()
         self.overlap, self.deallocate_outputs, self.forward_only = overlap, deallocate_outputs, forward_only
@@ -91,6 +91,7 @@ class ScheduleRun:
         # loss on the host would synchronise a GPU M times a step.
         self.loss_sum = model.xp.zeros((), numpy.float64)
         self.loss_scale = loss_scale    # --fp16's loss scaling multiplies the loss gradient
+        self.logits = outputs           # a list to collect the last stage's logits in, or None
         self.loss_seed = None           # loss_scale / M, made once in the loss's dtype
 
     def stage_of(self, chunk):
@@ -190,8 +191,10 @@ class ScheduleRun:
         with self.timers(FORWARD_COMPUTE, exclude_comm=True):
             with ag.no_grad() if self.forward_only else contextlib.nullcontext():
                 out, loss = module(x, targets if spec.post_process else None)
-            if spec.post_process:
+            if spec.post_process and loss is not None:
                 self.loss_sum += loss.data
+            if spec.post_process and self.logits is not None:
+                self.logits.append(out.data)
         if not self.forward_only:
             self.inputs[chunk, micro_batch] = None if spec.pre_process else x
             self.outputs[chunk, micro_batch] = loss if spec.post_process else out
@@ -222,14 +225,16 @@ class ScheduleRun:
 
 def run_schedule(model, exchange, batches, schedule="1f1b", on_last_backward=None,
                  deallocate_outputs=True, overlap=True, forward_only=False, memory=None, timers=None,
-                 loss_scale=1.0):
+                 loss_scale=1.0, outputs=None):
     """Forward (and backward) every micro-batch through this rank's stages. `batches` is the
     list of M (inputs, targets) for this data-parallel rank; every pipeline rank passes the same.
     `on_last_backward` is called right before this rank's last backward (data parallelism
     starts its gradient sync there). `timers` (training/timers.py) splits the time into forward
     and backward compute, TP communication inside them, and pipeline waits. Returns the sum of
     the micro-batch losses on the rank holding the loss, else zero: a float64 array of shape ()
-    on the model's device. `loss_scale` multiplies the gradient backward starts from (--fp16)."""
+    on the model's device. `loss_scale` multiplies the gradient backward starts from (--fp16).
+    `outputs`: a list the last stage appends each micro-batch's logits (this TP rank's vocabulary
+    shard) to; targets may then be None (no loss)."""
     grid, virtual, num_micro_batches = model.grid, model.virtual_size, len(batches)
     timers = timers or no_timers()
 
@@ -242,7 +247,7 @@ def run_schedule(model, exchange, batches, schedule="1f1b", on_last_backward=Non
     last_backward = max((k for k, action in enumerate(actions) if action[0] == BACKWARD), default=None)
     order = ReceiveOrder(actions_of, grid.pp_rank, grid.pp_size, virtual)
     run = ScheduleRun(model, exchange, batches, overlap, deallocate_outputs, forward_only, order, timers,
-                      loss_scale)
+                      loss_scale, outputs)
     for k, (kind, chunk, micro_batch) in enumerate(actions):
         following = actions[k + 1] if k + 1 < len(actions) else None
         with timers(PIPELINE_WAIT):

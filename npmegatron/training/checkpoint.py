@@ -22,8 +22,9 @@ import shutil
 import numpy
 
 from .. import comm
-from ..autograd import InputError
+from ..autograd import InputError, precision
 from ..autograd.backend import to_numpy
+from . import reshard
 
 FORMAT = "npmegatron-checkpoint-1"
 ITERATION_FOLDER = re.compile(r"iter_[0-9]{7}")
@@ -117,7 +118,7 @@ def save(root, iteration, model, optimizer, grid, extra, files=None):
                     "layout": {"tp": grid.tp_size, "pp": grid.pp_size, "dp": grid.dp_size},
                     "optimizer": state["hyperparameters"],
                     "ranks": [{k: r[k] for k in ("rank", "tp", "pp", "dp", "rng")} for r in records],
-                    "shards": {r["shard"]["file"]: {k: r["shard"][k] for k in ("bytes", "sha256")}
+                    "shards": {r["shard"]["file"]: {k: r["shard"][k] for k in ("bytes", "sha256", "places")}
                                for r in records if "shard" in r},
                     **extra}
         error = _publish(root, partial, final, manifest, files or {}, iteration, needed)
@@ -135,7 +136,7 @@ def _serialize_shard(model, state, grid):
         return None, record
     blob = to_safetensors(_state_tensors(model, state))
     record["shard"] = {"file": shard_name(grid.tp_rank, grid.pp_rank), "bytes": len(blob),
-                       "sha256": hashlib.sha256(blob).hexdigest()}
+                       "sha256": hashlib.sha256(blob).hexdigest(), "places": reshard.places(model)}
     return blob, record
 
 
@@ -234,76 +235,71 @@ def read_manifest(root):
     return folder, manifest
 
 
-def check_compatible(manifest, cfg, grid, folder, pipeline_layout=None):
-    """One sentence on the first way the saved model or layout differs from this run, or None."""
+def check_compatible(manifest, cfg, folder):
+    """One sentence on the first way the saved model differs from this run's, or None. The
+    layout may differ: loading reshards (reshard.py)."""
     saved = manifest["model"]
     for key in STRUCTURE:
         if saved.get(key) != getattr(cfg, key):
             return (f"checkpoint {folder} holds a model with {key} {saved.get(key)}, but this run "
-                    f"has {key} {getattr(cfg, key)}; pass the saved run's model flags")
-    layout = manifest["layout"]
-    for axis, size in (("tp", grid.tp_size), ("pp", grid.pp_size)):
-        if layout[axis] != size:
-            return (f"checkpoint {folder} was saved with {axis.upper()} size {layout[axis]}, but this "
-                    f"run has {size}; resume with the same tensor/pipeline-parallel sizes")
-    saved_layout = manifest.get("pipeline_layout")
-    if pipeline_layout is not None and saved_layout is not None and saved_layout != pipeline_layout:
-        return (f"checkpoint {folder} was saved with pipeline layout {saved_layout!r}, but this run "
-                f"has {pipeline_layout!r}; resume with the same layout")
+                    f"has {key} {getattr(cfg, key)}; pass the saved run's model flags (or "
+                    "--use-checkpoint-args)")
     return None
 
 
-def _read_shard(folder, manifest, name, expected):
-    """The shard's tensors, or raise InputError naming the file and what is wrong."""
-    from safetensors.numpy import load as from_safetensors
-    path = os.path.join(folder, name)
-    info = manifest["shards"].get(name)
-    if info is None or not os.path.isfile(path):
-        raise InputError(f"checkpoint shard {path} is missing; the checkpoint is incomplete")
-    with open(path, "rb") as f:
-        blob = f.read()
-    if len(blob) != info["bytes"]:
-        raise InputError(f"checkpoint shard {path} has {len(blob)} bytes but the manifest says "
-                         f"{info['bytes']}; it is truncated or corrupt, load an earlier checkpoint")
-    if hashlib.sha256(blob).hexdigest() != info["sha256"]:
-        raise InputError(f"checkpoint shard {path} fails its SHA-256 check; it is corrupt, load an "
-                         "earlier checkpoint")
-    tensors = from_safetensors(blob)
-    for key, shape in expected.items():
-        if key not in tensors:
-            raise InputError(f"checkpoint shard {path} lacks tensor {key}; it was saved from a "
-                             "different model")
-        if tuple(tensors[key].shape) != shape:
-            raise InputError(f"checkpoint shard {path}: tensor {key} has shape "
-                             f"{tuple(tensors[key].shape)}, this model expects {shape}")
-    return tensors
+def verify_shards(folder, manifest):
+    """One sentence on the first shard that is missing, truncated or fails its SHA-256, or None."""
+    for name, info in manifest["shards"].items():
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            return f"checkpoint shard {path} is missing; the checkpoint is incomplete"
+        if os.path.getsize(path) != info["bytes"]:
+            return (f"checkpoint shard {path} has {os.path.getsize(path)} bytes but the manifest says "
+                    f"{info['bytes']}; it is truncated or corrupt, load an earlier checkpoint")
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                digest.update(block)
+        if digest.hexdigest() != info["sha256"]:
+            return f"checkpoint shard {path} fails its SHA-256 check; it is corrupt, load an earlier checkpoint"
+    return None
+
+
+def same_layout(manifest, grid, pipeline_layout):
+    layout = manifest["layout"]
+    saved_layout = manifest.get("pipeline_layout")
+    return ((layout["tp"], layout["pp"]) == (grid.tp_size, grid.pp_size)
+            and (pipeline_layout is None or saved_layout is None or saved_layout == pipeline_layout))
 
 
 def load(root, model, optimizer, grid, pipeline_layout=None):
-    """Collective: restore parameters, AdamW state (unless optimizer is None) and RNG streams;
-    returns the manifest."""
+    """Collective: restore parameters, AdamW state (unless optimizer is None) and the dropout
+    position from a checkpoint saved at any layout; returns the manifest. Rank 0 checks every
+    shard's size and checksum; each rank then reads only the pieces of the shards it needs."""
     world = grid.world
-    folder = manifest = tensors = None
-    error = None
+    folder = manifest = tensors = error = None
     try:
         folder, manifest = read_manifest(root)
-        error = check_compatible(manifest, model.cfg, grid, folder, pipeline_layout)
-        if error is None:
-            kinds = ("model",) + (MOMENTS if optimizer else ())
-            expected = {f"{kind}.{name}": tuple(param.shape) for name, param in model.named_parameters()
-                        for kind in kinds}
-            tensors = _read_shard(folder, manifest, shard_name(grid.tp_rank, grid.pp_rank), expected)
+        error = check_compatible(manifest, model.cfg, folder)
+        if error is None and world.rank == 0:
+            error = verify_shards(folder, manifest)
     except InputError as e:
         error = str(e)
     raise_if_any(error, world)
-    named = list(model.named_parameters())
-    names = [name for name, _ in named]
-    for name, param in named:
+    try:
+        saved = reshard.saved_places(manifest, model, grid, same_layout(manifest, grid, pipeline_layout))
+        tensors = reshard.read_parameters(folder, saved, model, ("model",) + (MOMENTS if optimizer else ()))
+    except InputError as e:
+        error = str(e)
+    raise_if_any(error, world)
+    names = [name for name, _ in model.named_parameters()]
+    for name, param in model.named_parameters():
         param.data[...] = param.xp.asarray(tensors[f"model.{name}"])
+        if optimizer is None:     # else the optimizer keeps these as float32 masters, then rounds
+            precision.round_(param.data, model.cfg.storage_format)
     if optimizer is not None:
         optimizer.load_state_dict({"hyperparameters": manifest["optimizer"],
                                    **{kind: [tensors[f"{kind}.{name}"] for name in names] for kind in MOMENTS}})
-    mine = next(r for r in manifest["ranks"] if r["tp"] == grid.tp_rank and r["pp"] == grid.pp_rank
-                and r["dp"] == 0)
-    model.rng.set_states(mine["rng"])
+    # The dropout generator is a position (iteration, micro-batch), the same on every rank.
+    model.rng.set_states(manifest["ranks"][0]["rng"])
     return manifest

@@ -227,12 +227,12 @@ class Trainer:
         return stop or signalled
 
     def sample(self):
-        """Text generated from the first 32 validation tokens (one pipeline stage only)."""
-        if self.model.whole is None:
-            return "no sample: generation runs on one pipeline stage (PP = 1)"
+        """Text generated from the first 32 validation tokens (over the pipeline stages when PP > 1)."""
+        if self.model.whole is None and self.cfg.sequence_parallel:
+            return "no sample: generation over pipeline stages needs sequence parallelism off"
         from ..generation import generate
         prompt = [int(t) for t in self.valid_sampler.tokens[:32]]
-        ids = generate(self.model.whole, prompt, self.config.sample_tokens, temperature=0.8, top_k=40,
+        ids = generate(self.model, prompt, self.config.sample_tokens, temperature=0.8, top_k=40,
                        seed=self.cfg.seed)
         return "sample (the first 32 validation tokens, then generated):\n" + self.data.tokenizer.decode(ids)
 

@@ -1,0 +1,62 @@
+"""Resharding on load (training/reshard.py): a checkpoint saved at one layout resumes at another
+(TP, PP, DP, pipeline layout, distributed optimizer or not) on the losses of an uninterrupted run,
+to 1e-12 relative in float64 with dropout off; generation loads any checkpoint at any layout."""
+import json
+
+import numpy as np
+import pytest
+
+from helpers import launch
+
+RUN = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+       "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "20", "--log-interval", "1",
+       "--eval-interval", "20", "--eval-iters", "1", "--lr-warmup-iters", "2", "--dtype", "float64",
+       "--hidden-dropout", "0", "--attention-dropout", "0", "--sample-tokens", "0"]
+
+
+def losses(result, path):
+    assert result.returncode == 0, result.stdout + result.stderr
+    return np.array([json.loads(line)["loss"] for line in open(path)])
+
+
+def train(tmp_path, name, ranks, extra):
+    log = tmp_path / f"{name}.jsonl"
+    return losses(launch(ranks, RUN + extra + ["--log-file", str(log)], timeout=600), log)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("whole"), "whole", 0, [])
+
+
+def resumed(tmp_path, saved_ranks, saved, loaded_ranks, loaded):
+    first = train(tmp_path, "first", saved_ranks, saved + ["--save", str(tmp_path / "ck"), "--exit-interval", "10"])
+    second = train(tmp_path, "second", loaded_ranks, loaded + ["--load", str(tmp_path / "ck")])
+    return np.concatenate([first, second])
+
+
+def assert_close(got, want, rel=1e-12):
+    assert got.shape == want.shape == (20,)
+    assert np.abs(got - want).max() <= rel * np.abs(want).max(), np.abs(got - want).max()
+
+
+CASES = [
+    (2, ["--tp", "2"], 0, []),                                                        # TP 2 -> serial
+    (2, ["--pp", "2"], 2, ["--pp", "2", "--pipeline-model-parallel-layout", "Ettt|tL"]),  # another layout
+    (2, ["--use-distributed-optimizer"], 2, ["--tp", "2"]),                          # DP 2 ZeRO -> TP 2
+    pytest.param(8, ["--tp", "2", "--pp", "2"], 0, [], marks=pytest.mark.slow),
+    pytest.param(8, ["--tp", "2", "--pp", "2"], 8, ["--tp", "4"], marks=pytest.mark.slow),   # vocab padding 256 -> 512
+    pytest.param(8, ["--tp", "2", "--pp", "2"], 2, ["--pp", "2", "--pipeline-model-parallel-layout", "Et|tttL"],
+                 marks=pytest.mark.slow),
+    pytest.param(8, ["--tp", "2", "--pp", "2", "--use-distributed-optimizer"], 4,
+                 ["--tp", "2", "--use-distributed-optimizer"], marks=pytest.mark.slow),
+    pytest.param(4, ["--pp", "2", "--num-layers-per-virtual-pipeline-stage", "1"], 0, [], marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("saved_ranks, saved, loaded_ranks, loaded", CASES,
+                         ids=["tp2-to-serial", "pp2-to-other-layout", "zero-dp2-to-tp2", "tp2pp2dp2-to-serial",
+                              "tp2pp2dp2-to-tp4dp2", "tp2pp2dp2-to-pp2-layout", "zero-tp2pp2dp2-to-zero-tp2dp2",
+                              "interleaved-to-serial"])
+def test_a_checkpoint_resumes_at_another_layout(tmp_path, uninterrupted, saved_ranks, saved, loaded_ranks, loaded):
+    assert_close(resumed(tmp_path, saved_ranks, saved, loaded_ranks, loaded), uninterrupted)
