@@ -1,5 +1,5 @@
 """Generation: the key/value cache gives the full forward's logits while feeding one position
-per new token; tensor-parallel generation samples what the serial model samples."""
+per new token; tensor- and pipeline-parallel generation samples what the serial model samples."""
 import json
 
 import numpy as np
@@ -70,3 +70,8 @@ def test_a_tiny_temperature_is_greedy_not_nan():
 def test_tensor_parallel_generation_equals_serial(mpirun):
     result = mpirun(2, "ranks/generation.py", args=["tp-equals-serial", json.dumps(CFG)], timeout=120)
     assert result.stdout.count("same 18") == 2
+
+
+def test_pipeline_generation_equals_serial(mpirun):
+    result = mpirun(2, "ranks/generation.py", args=["pp-equals-serial", json.dumps(CFG)], timeout=120)
+    assert result.stdout.count("same 25") == 2       # 3 + 21: stopped by the 24-position table

@@ -1,8 +1,8 @@
-"""Rank program for tests/npmegatron/test_generation.py::test_tensor_parallel_generation_equals_serial:
-on 2 ranks, TP = 2 generation (with and without sequence parallelism) samples the tokens the
-serial model samples; each rank prints "same <number of tokens>".
+"""Rank program for tests/npmegatron/test_generation.py: on 2 ranks, TP = 2 generation (with and
+without sequence parallelism), or PP = 2 generation, samples the tokens the serial model samples;
+each rank prints "same <number of tokens>".
 
-    mpiexec -n 2 python tests/ranks/generation.py tp-equals-serial '<GPTConfig keywords as JSON>'
+    mpiexec -n 2 python tests/ranks/generation.py tp-equals-serial|pp-equals-serial '<GPTConfig keywords as JSON>'
 """
 import argparse
 import dataclasses
@@ -25,7 +25,20 @@ def tp_equals_serial(config):
     print("same " + str(len(serial)), flush=True)
 
 
-CASES = {"tp-equals-serial": tp_equals_serial}
+def pp_equals_serial(config):
+    """Two pipeline stages, one per rank (no key/value cache across stages), sample what the
+    serial model samples with its cache, also when the position table fills."""
+    from npmegatron.build import build_model
+    cfg = GPTConfig(**config)
+    comm.init()
+    staged = build_model(cfg, comm.ProcessGrid(pp=2))
+    for new_tokens in (15, 40):
+        serial = generate(GPT(cfg), [1, 2, 3], new_tokens, temperature=0.7, top_k=20, seed=4)
+        assert generate(staged, [1, 2, 3], new_tokens, temperature=0.7, top_k=20, seed=4) == serial
+    print("same " + str(len(serial)), flush=True)
+
+
+CASES = {"tp-equals-serial": tp_equals_serial, "pp-equals-serial": pp_equals_serial}
 
 
 def main(argv=None):
