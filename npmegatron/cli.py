@@ -1,4 +1,5 @@
-"""The `npmegatron` command line (click): train, preprocess, generate, bench step|comm|pipeline|scaling.
+"""The `npmegatron` command line (click): train, preprocess, generate, convert, bench
+step|comm|pipeline|scaling.
 Megatron-LM's flag names; the training and model flags are generated from config.py's fields."""
 import json
 import sys
@@ -91,6 +92,26 @@ def generate(load, prompt, max_tokens, temperature, top_k, seed, tp, pp, device)
     ids = run_generate(model, tokenizer.encode(prompt), max_tokens, temperature, top_k or None, seed)
     if model.grid.rank == 0:
         click.echo(tokenizer.decode(ids))
+
+
+@main.command()
+@click.option("--from-hf", "from_hf", default=None, help="A local Hugging Face GPT-2 folder (config.json, "
+              "model.safetensors, optionally tokenizer.json) to convert into a checkpoint in --save.")
+@click.option("--save", default=None, help="With --from-hf: the new checkpoint folder (loads at any layout).")
+@click.option("--to-hf", "to_hf", default=None, help="A folder to write the --load checkpoint into, as "
+              "GPT2LMHeadModel.from_pretrained reads it.")
+@click.option("--load", default=None, help="With --to-hf: a checkpoint saved at any layout.")
+@user_errors
+def convert(from_hf, save, to_hf, load):
+    """Hugging Face GPT-2 weights in (--from-hf DIR --save CK) or out (--load CK --to-hf DIR)."""
+    from .convert import export_hf, import_hf
+    if bool(from_hf) == bool(to_hf) or bool(from_hf) != bool(save) or bool(to_hf) != bool(load):
+        raise InputError("convert needs either --from-hf DIR --save CHECKPOINT or --load CHECKPOINT "
+                         "--to-hf DIR; give one of the two pairs")
+    if from_hf:
+        click.echo(f"wrote {import_hf(from_hf, save)}")
+    else:
+        click.echo(f"wrote {export_hf(load, to_hf)}")
 
 
 @main.group()

@@ -180,12 +180,18 @@ class TrainConfig:
     eval_interval: int = option(250, "Steps between validation losses.", minimum=1)
     eval_iters: int = option(10, "Validation batches.", minimum=1)
     log_file: Optional[str] = option(None, "Write metrics as JSON lines here.")
-    data_path: Optional[str] = option(None, "PREFIX written by `npmegatron preprocess` (default: the "
-                                            "embedded corpus).")
+    data_path: Optional[str] = option(None, "PREFIX written by `npmegatron preprocess` (either format) or "
+                                            "by Megatron's preprocess_data.py, or a weighted blend "
+                                            "'0.7 PREFIX_A 0.3 PREFIX_B' (default: the embedded corpus).")
+    split: Optional[str] = option(None, "Train, validation and test proportions of each --data-path "
+                                        "dataset's documents, in order, e.g. 949,50,1 (default: the last "
+                                        "documents, about 5 % of the tokens, validate).")
     save: Optional[str] = option(None, "Checkpoint folder to write (locked while the run lasts).")
     overwrite: bool = option(False, "Replace another run's checkpoints in --save (by default that is refused).")
     exit_signal_handler: bool = option(False, "On SIGTERM, finish the iteration, save (with --save) and exit 0.")
-    load: Optional[str] = option(None, "Checkpoint folder to resume from.")
+    load: Optional[str] = option(None, "Checkpoint folder to resume from (saved at any layout: it is resharded).")
+    use_checkpoint_args: bool = option(False, "Take the model's shape (layers, sizes, heads, positions, "
+                                              "--seq-length) from the --load checkpoint.")
     save_interval: Optional[int] = option(None, "Steps between checkpoints (default: at the end).",
                                           minimum=1)
     exit_interval: Optional[int] = option(None, "Save (with --save) and stop when the iteration is a "
@@ -224,10 +230,23 @@ class TrainConfig:
                              f"(--max-position-embeddings {self.model.max_position_embeddings}); raise "
                              "--max-position-embeddings or shorten --seq-length")
         self._check_loss_scale()
+        if self.use_checkpoint_args and not self.load:
+            raise InputError("--use-checkpoint-args reads the model's arguments from the checkpoint "
+                             "--load names, but no --load was given; add --load DIR")
+        self._check_split()
         log_folder = os.path.dirname(os.path.abspath(self.log_file or "."))
         if self.log_file and (not os.path.isdir(log_folder) or os.path.isdir(self.log_file)):
             raise InputError(f"--log-file {self.log_file}: the folder {log_folder} must exist and "
                              f"{self.log_file} must not be a folder; choose another file")
+
+    def _check_split(self):
+        if self.split is None:
+            return
+        from .data import parse_split
+        parse_split(self.split)
+        if self.data_path is None:
+            raise InputError(f"--split {self.split} divides --data-path datasets, but the run uses the "
+                             "embedded corpus; pass --data-path or drop --split")
 
     def _check_loss_scale(self):
         given = [name for name in LOSS_SCALE_FIELDS if getattr(self, name) != field_default(TrainConfig, name)]
@@ -241,6 +260,15 @@ class TrainConfig:
         if self.min_loss_scale > self.initial_loss_scale:
             raise InputError(f"--min-loss-scale {self.min_loss_scale:g} is above --initial-loss-scale "
                              f"{self.initial_loss_scale:g}; lower it or raise the initial scale")
+
+    def with_checkpoint_args(self, manifest):
+        """This configuration with the model's shape and --seq-length of a checkpoint's manifest
+        (--use-checkpoint-args: `--load DIR` alone resumes)."""
+        import dataclasses
+        saved = manifest["model"]
+        shape = {name: saved[name] for name in CHECKPOINT_MODEL_ARGS if name in saved}
+        seq_length = manifest.get("args", {}).get("seq_length", self.seq_length)
+        return dataclasses.replace(self, model=dataclasses.replace(self.model, **shape), seq_length=seq_length)
 
     def plan(self, world_size):
         """The run's shape on `world_size` ranks (1 without mpirun); see RunPlan."""
@@ -304,6 +332,10 @@ class RunPlan:
         return default_layout(num_layers, self.pp, virtual)
 
 
+# What --use-checkpoint-args takes from a checkpoint: the model's shape and numerics (Megatron
+# takes the same from its saved arguments); parallel layout and training settings stay this run's.
+CHECKPOINT_MODEL_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings",
+                         "ffn_hidden_size", "layernorm_epsilon", "gelu", "make_vocab_size_divisible_by")
 LOSS_SCALE_FIELDS = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
 
 

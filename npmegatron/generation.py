@@ -137,13 +137,11 @@ def load_for_generation(path, device="cpu", tp=None, pp=1):
     """(model, tokenizer) from a checkpoint saved at any layout, resharded to TP x PP ranks (TP
     default: the launched ranks / PP; one process without mpirun); sequence parallelism and
     dropout off."""
-    import dataclasses
     import os
 
     from . import comm
     from .build import build_grid, build_model
     from .data import tokenizer_from_spec
-    from .model import GPTConfig
     from .pipeline import default_layout
     from .training import checkpoint
     folder, manifest = checkpoint.read_manifest(path)
@@ -152,11 +150,8 @@ def load_for_generation(path, device="cpu", tp=None, pp=1):
     if world != tp * pp:
         raise InputError(f"generation with TP {tp} x PP {pp} needs {tp * pp} ranks but {world} were "
                          f"launched; run it under mpirun -n {tp * pp}")
-    fields = {f.name for f in dataclasses.fields(GPTConfig)}
-    saved = {k: v for k, v in manifest["model"].items() if k in fields}
-    cfg = GPTConfig(**{**saved, "sequence_parallel": False, "hidden_dropout": 0.0,
-                       "attention_dropout": 0.0, "device": device,
-                       "tf32": bool(saved.get("tf32")) and device == "gpu"})
+    cfg = checkpoint.saved_config(manifest, sequence_parallel=False, hidden_dropout=0.0, attention_dropout=0.0,
+                                  device=device, tf32=bool(manifest["model"].get("tf32")) and device == "gpu")
     grid = build_grid(tp, pp)
     model = build_model(cfg, grid, default_layout(cfg.num_layers, pp, 1))
     checkpoint.load(folder, model, None, grid)

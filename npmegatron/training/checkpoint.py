@@ -247,6 +247,15 @@ def check_compatible(manifest, cfg, folder):
     return None
 
 
+def saved_config(manifest, **overrides):
+    """The GPTConfig a checkpoint's model was trained with (fields this version does not know are
+    dropped), with `overrides` (e.g. dropout off for generation)."""
+    import dataclasses
+    from ..config import GPTConfig
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    return GPTConfig(**{**{k: v for k, v in manifest["model"].items() if k in fields}, **overrides})
+
+
 def verify_shards(folder, manifest):
     """One sentence on the first shard that is missing, truncated or fails its SHA-256, or None."""
     for name, info in manifest["shards"].items():

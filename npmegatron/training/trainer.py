@@ -19,7 +19,7 @@ from ..autograd import InputError
 from ..autograd.backend import to_numpy
 from ..build import build_grid, build_model
 from ..config import TrainConfig
-from ..data import TrainingData, WindowSampler
+from ..data import TrainingData
 from ..data_parallel import GradientBuckets
 from ..pipeline import StageExchange, run_schedule
 from . import checkpoint
@@ -53,10 +53,12 @@ class Trainer:
     """One training run on this rank: built from a TrainConfig, run by fit()."""
 
     def __init__(self, config: TrainConfig, timers=NO_TIMERS):
+        if config.use_checkpoint_args:
+            config = config.with_checkpoint_args(checkpoint.read_manifest(config.load)[1])
         self.config, self.timers = config, timers     # timers.py: off unless a Timers is passed
         self.plan = plan = config.plan(comm.launch_size())
         self.grid = grid = build_grid(plan.tp, plan.pp)
-        self.data = TrainingData(config.data_path)
+        self.data = TrainingData(config.data_path, config.split)
         self.cfg = dataclasses.replace(config.model, vocab_size=self.data.vocab_size)
         self.model = build_model(self.cfg, grid, plan.layout)
         self.schedule = config.parallel.pipeline_schedule or (
@@ -64,9 +66,8 @@ class Trainer:
         self.exchange = StageExchange(grid, self.cfg.dtype, self.model.xp, plan.micro_batches,
                                       config.parallel.variable_seq_lengths)
         seed = self.cfg.seed
-        self.sampler = WindowSampler(self.data.train, config.seq_length, seed)
-        self.valid_sampler = WindowSampler(self.data.validation_or_train(config.seq_length),
-                                           config.seq_length, seed + 1)
+        self.sampler = self.data.sampler("train", config.seq_length, seed)
+        self.valid_sampler = self.data.sampler("valid", config.seq_length, seed + 1)
         self.params = self.model.parameters()
         self.buckets, self.optimizer = build_optimizer(self.model, self.params, grid, config)
         self.norm_skip = self.model.norm_skip()    # what counts once in the global norm
@@ -88,7 +89,7 @@ class Trainer:
         if self.loss_scale is not None and manifest.get("loss_scale"):
             self.loss_scale.load_state_dict(manifest["loss_scale"])
         saved_batch = manifest["data"]["global_batch_size"]
-        if saved_batch != self.plan.global_batch:
+        if saved_batch is not None and saved_batch != self.plan.global_batch:   # None: converted weights
             raise InputError(f"checkpoint {self.config.load} was trained with global batch {saved_batch}, "
                              f"this run has {self.plan.global_batch}; pass --global-batch-size {saved_batch}")
 
@@ -156,7 +157,7 @@ class Trainer:
         extra = {"run_id": self.run_id, "pipeline_layout": self.plan.layout,
                  "data": {"consumed_samples": self.iteration * self.plan.global_batch,
                           "global_batch_size": self.plan.global_batch, "seed": self.cfg.seed,
-                          "data_path": config.data_path},
+                          "data_path": config.data_path, "split": config.split},
                  "skipped_iterations": self.skipped,
                  "loss_scale": self.loss_scale.state_dict() if self.loss_scale else None,
                  "tokenizer": self.data.tokenizer.spec, "args": dataclasses.asdict(config)}

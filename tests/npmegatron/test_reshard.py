@@ -60,3 +60,21 @@ CASES = [
                               "interleaved-to-serial"])
 def test_a_checkpoint_resumes_at_another_layout(tmp_path, uninterrupted, saved_ranks, saved, loaded_ranks, loaded):
     assert_close(resumed(tmp_path, saved_ranks, saved, loaded_ranks, loaded), uninterrupted)
+
+
+def test_use_checkpoint_args_resumes_from_load_alone(tmp_path, uninterrupted):
+    """The second run names no model flag (layers, hidden size, heads, --seq-length come from the
+    checkpoint), and resumes at another layout."""
+    shape, training = RUN[:8], RUN[8:]
+    assert shape[::2] == ["--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length"]
+    first = train(tmp_path, "first", 2, ["--tp", "2", "--save", str(tmp_path / "ck"), "--exit-interval", "10"])
+    log = tmp_path / "second.jsonl"
+    result = launch(0, training + ["--load", str(tmp_path / "ck"), "--use-checkpoint-args", "--log-file", str(log)])
+    assert_close(np.concatenate([first, losses(result, log)]), uninterrupted)
+
+
+def test_use_checkpoint_args_needs_load():
+    from npmegatron.autograd import InputError
+    from npmegatron.training import TrainConfig
+    with pytest.raises(InputError, match="--use-checkpoint-args reads the model's arguments from the checkpoint"):
+        TrainConfig.from_flat(use_checkpoint_args=True)
