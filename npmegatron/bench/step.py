@@ -132,7 +132,7 @@ def _bench_step(cfg, batch, seq, warmup, iters, threads, profile):
         "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
         "num_attention_heads": cfg.num_attention_heads, "seq_length": seq, "micro_batch_size": batch,
         "vocab_size": cfg.vocab_size, "dtype": cfg.dtype, "device": cfg.device,
-        "tf32": cfg.tf32, "threads": threads,
+        "tf32": cfg.tf32, "storage": cfg.storage_format, "threads": threads,
         "parameters": model.num_parameters(), "step_s": step_s,
         "model_flops_per_step": flops, "model_flops_per_s": flops / step_s,
         "gemm_flops_per_s": gemm, "ratio": flops / step_s / gemm,
