@@ -85,6 +85,7 @@ def test_training_path_dp2_with_recomputation_and_the_distributed_optimizer(mpir
     train_on_gpu(mpirun, tmp_path, 2, 1, 1, recompute_granularity="full", use_distributed_optimizer=True)
 
 
+@pytest.mark.slow
 def test_training_path_fp16_and_bf16(mpirun, tmp_path):
     """--fp16 (dynamic loss scaling) and --bf16 on CuPy arrays: the 16-bit rounding runs on the
     device (float16 casts; bfloat16 with integer ops, as CuPy has no bfloat16 type), with no more

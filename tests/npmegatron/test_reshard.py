@@ -42,7 +42,8 @@ def assert_close(got, want, rel=1e-12):
 
 CASES = [
     (2, ["--tp", "2"], 0, []),                                                        # TP 2 -> serial
-    (2, ["--pp", "2"], 2, ["--pp", "2", "--pipeline-model-parallel-layout", "Ettt|tL"]),  # another layout
+    pytest.param(2, ["--pp", "2"], 2, ["--pp", "2", "--pipeline-model-parallel-layout", "Ettt|tL"],
+                 marks=pytest.mark.slow),                                             # another layout
     (2, ["--use-distributed-optimizer"], 2, ["--tp", "2"]),                          # DP 2 ZeRO -> TP 2
     pytest.param(8, ["--tp", "2", "--pp", "2"], 0, [], marks=pytest.mark.slow),
     pytest.param(8, ["--tp", "2", "--pp", "2"], 8, ["--tp", "4"], marks=pytest.mark.slow),   # vocab padding 256 -> 512
