@@ -13,8 +13,8 @@ from npmegatron.cli import main
 from npmegatron.config import TrainConfig
 from npmegatron.data import (BlendedSampler, TrainingData, open_dataset, parse_blend, parse_split,
                              preprocess, split_boundaries)
-from npmegatron.indexed_dataset import (IndexedDataset, megatron_token_dtype, read_index,
-                                        write_indexed_dataset)
+from npmegatron.data.indexed import (IndexedDataset, megatron_token_dtype, read_index,
+                                     write_indexed_dataset)
 
 WORDS = ["[UNK]", "<|endoftext|>", "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog"]
 DOCUMENTS = [np.array([5, 1, 2]), np.array([7]), np.array([3, 3, 3, 3, 9]), np.array([], np.int64),

@@ -13,7 +13,7 @@ import struct
 
 import numpy
 
-from .autograd import InputError
+from ..autograd import InputError
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
