@@ -137,7 +137,8 @@ def run(tmp_path, name, ranks, extra):
     return losses(launch(ranks, RUN + extra + ["--log-file", str(log)], timeout=300), log)
 
 
-@pytest.mark.parametrize("fmt", ["--fp16", pytest.param("--bf16", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["--fp16", "--bf16"])
 def test_pipeline_stages_round_as_the_serial_model(tmp_path, fmt):
     serial = run(tmp_path, "serial", 0, [fmt])
     staged = run(tmp_path, "pp2", 2, [fmt, "--pp", "2"])
