@@ -31,9 +31,7 @@ class ParamSpec:
         else:
             rng = numpy.random.default_rng([seed, zlib.crc32(name.encode())])
             host = rng.normal(0.0, self.init, self.shape)
-        if self.padded_rows is not None:
-            host = numpy.concatenate([host, numpy.zeros((self.padded_rows - self.shape[0],) + self.shape[1:])])
-        return host
+        return pad_master(host, self)
 
 
 class Module:
@@ -100,9 +98,7 @@ class Module:
         """Fill every parameter with its slice of its master weight, drawn in float64, and
         rounded to the 16-bit `storage` format under mixed precision."""
         for name, param, spec in self.named_specs():
-            host = spec.master(seed, name)[spec.index]
-            param.data[...] = param.xp.asarray(host.astype(param.dtype))
-            precision.round_(param.data, storage)
+            set_slice(param, spec.master(seed, name)[spec.index], storage)
 
 
 def pad_master(host, spec):
@@ -116,9 +112,14 @@ def load_masters(module, masters, storage=None):
     """Set every parameter to its slice of a whole, unpadded master tensor: `masters` maps each
     full parameter name (named_specs') to an array of its spec's shape."""
     for name, param, spec in module.named_specs():
-        host = pad_master(numpy.asarray(masters[name]), spec)[spec.index]
-        param.data[...] = param.xp.asarray(host.astype(param.dtype))
-        precision.round_(param.data, storage)
+        set_slice(param, pad_master(numpy.asarray(masters[name]), spec)[spec.index], storage)
+
+
+def set_slice(param, host, storage=None):
+    """The parameter becomes its slice `host` of the master (a host array), in its dtype and on
+    its device, rounded to the 16-bit `storage` format under mixed precision."""
+    param.data[...] = param.xp.asarray(host.astype(param.dtype))
+    precision.round_(param.data, storage)
 
 
 def parameter(xp, shape, dtype):

@@ -3,6 +3,7 @@ sys.path because tests/conftest.py lives there): where mpiexec is, the environme
 runs in, running a tests/ranks/ module on N ranks, and launching scripts/train.py.
 
 No test module imports another test module: what several of them share lives here."""
+import json
 import os
 import shutil
 import signal
@@ -83,6 +84,15 @@ def launch(n, args, timeout=180):
     command = ([mpiexec_path(), "-n", str(n)] if n else []) + [sys.executable, "scripts/train.py"] + args
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                           env=rank_environment())
+
+
+def launch_logged(n, args, log, timeout=300):
+    """launch() with --log-file `log`; the records it wrote (one per logged iteration), after
+    checking the run succeeded (its output shown otherwise)."""
+    result = launch(n, list(args) + ["--log-file", str(log)], timeout)
+    assert result.returncode == 0, result.stdout + result.stderr
+    with open(log) as f:
+        return [json.loads(line) for line in f]
 
 
 SCHEDULES = [{"schedule": "afab"}, {"schedule": "1f1b"}, {"schedule": "interleaved", "virtual": 2, "layers": 8}]

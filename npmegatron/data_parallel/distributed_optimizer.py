@@ -19,7 +19,6 @@ a checkpoint loads at any DP size, with or without this optimizer.
 import numpy
 
 from .. import comm
-from ..autograd import precision
 from ..training.optimizer import AdamW, gradient_factor, publish_rounded
 from .buckets import GradientBuckets
 
@@ -160,7 +159,5 @@ class DistributedAdamW(AdamW):
             for p, mine, where in self.segments:
                 saved = p.xp.asarray(state[kind][index[id(p)]])
                 flat[where] = saved.reshape(-1)[mine]
-        if self.master is not None:     # the loaded weights, at full precision (AdamW's rule)
-            self._master_from_parameters()
-            for p in self.params:
-                precision.round_(p.data, self.storage)
+        if self.master is not None:
+            self._masters_from_loaded_weights()

@@ -88,9 +88,18 @@ class AdamW:
             for mine, saved in zip(getattr(self, kind), state[kind]):
                 mine[...] = get_array_module(mine).asarray(saved)
         if self.master is not None:
-            for p, master in zip(self.params, self.master):
-                master[...] = p.data
-                precision.round_(p.data, self.storage)
+            self._masters_from_loaded_weights()
+
+    def _masters_from_loaded_weights(self):
+        """The parameters hold loaded weights at full precision: they become the master weights,
+        and the parameters their 16-bit rounding."""
+        self._master_from_parameters()
+        for p in self.params:
+            precision.round_(p.data, self.storage)
+
+    def _master_from_parameters(self):
+        for p, master in zip(self.params, self.master):
+            master[...] = p.data
 
     def step(self, lr=None):
         lr = self._advance(lr)

@@ -87,11 +87,11 @@ def _piece(f, file, key, record, source):
     """One saved piece, after checking the tensor is there with the shape its place says."""
     if key not in f.keys():
         raise InputError(f"checkpoint shard {file} lacks tensor {key}; it was saved from a different model")
-    expected = [hi - lo for lo, hi in record]
-    if list(f.get_slice(key).get_shape()) != expected:
-        raise InputError(f"checkpoint shard {file}: tensor {key} has shape {f.get_slice(key).get_shape()}, "
+    saved, expected = f.get_slice(key), [hi - lo for lo, hi in record]
+    if list(saved.get_shape()) != expected:
+        raise InputError(f"checkpoint shard {file}: tensor {key} has shape {saved.get_shape()}, "
                          f"but the manifest places it as {expected}; the checkpoint is corrupt")
-    return f.get_slice(key)[source]
+    return saved[source]
 
 
 def _check_covered(folder, model, mine, covered):

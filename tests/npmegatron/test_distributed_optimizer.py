@@ -2,12 +2,11 @@
 parallelism in float64 over 20 iterations at DP = 2 and 4 (and with the tied embedding split over
 PP = 2), 1/DP of AdamW's state per rank, and checkpoints that resume bitwise, also at another DP
 size and without it."""
-import json
 
 import numpy as np
 import pytest
 
-from helpers import launch
+from helpers import launch_logged
 
 RUN = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
        "--micro-batch-size", "2", "--global-batch-size", "16", "--train-iters", "20", "--log-interval", "1",
@@ -16,14 +15,9 @@ RUN = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
 DISTRIBUTED = ["--use-distributed-optimizer"]
 
 
-def losses(result, path):
-    assert result.returncode == 0, result.stdout + result.stderr
-    return np.array([json.loads(line)["loss"] for line in open(path)])
-
-
 def train(tmp_path, name, ranks, extra=()):
-    log = tmp_path / f"{name}.jsonl"
-    return losses(launch(ranks, RUN + list(extra) + ["--log-file", str(log)], timeout=300), log)
+    records = launch_logged(ranks, RUN + list(extra), tmp_path / f"{name}.jsonl")
+    return np.array([r["loss"] for r in records])
 
 
 def assert_close(got, want, rel=1e-12):

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from helpers import launch, run_ranks
+from helpers import launch, launch_logged, run_ranks
 from npmegatron.autograd import precision
 from npmegatron.training import TrainConfig
 from npmegatron.training.loss_scale import DynamicLossScale, LossScale
@@ -126,15 +126,10 @@ RUN = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
        "--hidden-dropout", "0.1", "--initial-loss-scale", "1024", "--loss-scale-window", "3"]
 
 
-def losses(result, path):
-    assert result.returncode == 0, result.stdout + result.stderr
-    timing = ("tokens_per_s", "tflops")
-    return [{k: v for k, v in json.loads(line).items() if k not in timing} for line in open(path)]
-
-
 def run(tmp_path, name, ranks, extra):
-    log = tmp_path / f"{name}.jsonl"
-    return losses(launch(ranks, RUN + extra + ["--log-file", str(log)], timeout=300), log)
+    """The run's log records without their timings."""
+    records = launch_logged(ranks, RUN + extra, tmp_path / f"{name}.jsonl")
+    return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "tflops")} for r in records]
 
 
 @pytest.mark.slow

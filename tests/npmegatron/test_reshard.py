@@ -1,12 +1,11 @@
 """Resharding on load (training/reshard.py): a checkpoint saved at one layout resumes at another
 (TP, PP, DP, pipeline layout, distributed optimizer or not) on the losses of an uninterrupted run,
 to 1e-12 relative in float64 with dropout off; generation loads any checkpoint at any layout."""
-import json
 
 import numpy as np
 import pytest
 
-from helpers import launch
+from helpers import launch_logged
 
 RUN = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
        "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "20", "--log-interval", "1",
@@ -14,14 +13,8 @@ RUN = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
        "--hidden-dropout", "0", "--attention-dropout", "0", "--sample-tokens", "0"]
 
 
-def losses(result, path):
-    assert result.returncode == 0, result.stdout + result.stderr
-    return np.array([json.loads(line)["loss"] for line in open(path)])
-
-
 def train(tmp_path, name, ranks, extra):
-    log = tmp_path / f"{name}.jsonl"
-    return losses(launch(ranks, RUN + extra + ["--log-file", str(log)], timeout=600), log)
+    return np.array([r["loss"] for r in launch_logged(ranks, RUN + extra, tmp_path / f"{name}.jsonl", timeout=600)])
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +62,9 @@ def test_use_checkpoint_args_resumes_from_load_alone(tmp_path, uninterrupted):
     shape, training = RUN[:8], RUN[8:]
     assert shape[::2] == ["--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length"]
     first = train(tmp_path, "first", 0, ["--save", str(tmp_path / "ck"), "--exit-interval", "10"])
-    log = tmp_path / "second.jsonl"
-    result = launch(0, training + ["--load", str(tmp_path / "ck"), "--use-checkpoint-args", "--log-file", str(log)])
-    assert_close(np.concatenate([first, losses(result, log)]), uninterrupted)
+    second = launch_logged(0, training + ["--load", str(tmp_path / "ck"), "--use-checkpoint-args"],
+                           tmp_path / "second.jsonl")
+    assert_close(np.concatenate([first, [r["loss"] for r in second]]), uninterrupted)
 
 
 def test_use_checkpoint_args_needs_load():
