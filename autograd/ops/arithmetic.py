@@ -128,6 +128,15 @@ def bias_grad(g):
     return get_array_module(g).ones(g2.shape[0], g.dtype) @ g2
 
 
+def _rows_times(x, w):
+    """x (..., k) @ w (k, n) as one 2-D GEMM over all rows where x's rows are one contiguous
+    block: NumPy runs (b, t, k) @ (k, n) as b GEMMs of t rows, measured 3-5 % slower for the
+    model's four Linear shapes at b 8, t 256 on 2 cores."""
+    if x.ndim > 2 and x.flags.c_contiguous:
+        return (x.reshape(-1, x.shape[-1]) @ w).reshape(x.shape[:-1] + (w.shape[-1],))
+    return x @ w
+
+
 def _weight_grad(x, g):
     """x^T g summed over all leading dimensions in one GEMM (no per-batch temporaries)."""
     return x.reshape(-1, x.shape[-1]).T @ g.reshape(-1, g.shape[-1])
@@ -161,7 +170,7 @@ class Linear(Function):
     def forward(ctx, x, w, b=None):
         _check_matmul(x, w)
         ctx.save_for_backward(x, w)
-        out = x @ w
+        out = _rows_times(x, w)
         if b is not None:
             out += b
         return out
@@ -170,7 +179,7 @@ class Linear(Function):
     def backward(ctx, g):
         x, w = ctx.saved
         need = ctx.needs_input_grad
-        gx = g @ w.T if need[0] else None
+        gx = _rows_times(g, w.T) if need[0] else None
         gw = _weight_grad(x, g) if need[1] else None
         gb = bias_grad(g) if len(need) > 2 and need[2] else None
         return gx, gw, gb

@@ -21,6 +21,8 @@ from .nn import _causal_bias, exp_shifted_, softmax_backward
 BLOCK_SIZE = 128
 #: Attention with fewer scores than this runs on the calling thread (a thread hand-off costs more).
 MIN_SHARED_SCORES = 1 << 16
+#: Bytes of one block's scores per chunk of heads on the CPU (_by_heads): about a core's L2.
+CHUNK_SCORE_BYTES = 1 << 20
 
 
 @fused
@@ -127,20 +129,28 @@ def _backward_share(xp, g, q, k, v, out, lse, dq, dk, dv, scale, p, draw, block_
         dk[..., :seen, :] += dz.swapaxes(-1, -2) @ q_blk
 
 
-def _by_heads(xp, shape, work):
+def _by_heads(xp, q, t_k, block_size, work):
     """work(batch slice, head slice) over all (batch, head) pairs: once on a GPU; on the CPU in
-    one share per thread of the budget (split by batch when it is large enough, else by heads),
-    with BLAS held to one thread per share. Measured at b=8, heads=8, t=256, d=64, float32 on 2
-    cores: forward + backward 88 ms with 2 BLAS threads on all heads at once, 63 ms in 2 shares:
-    attention's GEMMs are small, and its elementwise work then runs on both cores too."""
-    b, h, t_q = shape[:3]
-    split_batch = b >= cpu_threads()
-    count = b if split_batch else h
-    parallel = xp.__name__ == "numpy" and b * h * t_q * t_q >= MIN_SHARED_SCORES
-    shares = share_ranges(count, cpu_threads() if parallel else 1)
-    whole = slice(None)
-    each_share([(lambda s=s: work(slice(*s), whole) if split_batch else work(whole, slice(*s)))
-                for s in shares])
+    chunks of one sample's heads shared among the threads of the budget, with BLAS held to one
+    thread each. Attention's GEMMs are small, and its elementwise work then runs on every core
+    too (measured at b=8, heads=8, t=256, d=64, float32 on 2 cores: forward + backward 88 ms with
+    2 BLAS threads on all heads at once, 63 ms in 2 shares). A chunk's block of scores is kept
+    under CHUNK_SCORE_BYTES, so that the GEMM writing them, the softmax kernel and the GEMMs
+    reading them back find them in cache: all 64 heads of a share at once took 43 ms (median of
+    16) for backward at the same shapes, one sample's 8 heads 31 ms."""
+    b, h, t_q = q.shape[:3]
+    if xp.__name__ != "numpy" or b * h * t_q * t_q < MIN_SHARED_SCORES:
+        work(slice(None), slice(None))
+        return
+    per_head = min(block_size, t_q) * t_k * q.dtype.itemsize
+    heads = max(1, min(h, CHUNK_SCORE_BYTES // per_head))
+    chunks = [(slice(i, i + 1), slice(j, min(j + heads, h))) for i in range(b) for j in range(0, h, heads)]
+
+    def run(start, stop):
+        for bs, hs in chunks[start:stop]:
+            work(bs, hs)
+
+    each_share([(lambda s=s: run(*s)) for s in share_ranges(len(chunks), cpu_threads())])
 
 
 class CausalAttention(Function):
@@ -159,7 +169,7 @@ class CausalAttention(Function):
             _forward_share(xp, q[bs, hs], k[bs, hs], v[bs, hs], out[bs, hs], lse[bs, hs], scale, p,
                            _draws(generator, q, k, bs, hs), block_size, _compiled(q))
 
-        _by_heads(xp, q.shape, share)
+        _by_heads(xp, q, k.shape[2], block_size, share)
         ctx.scale, ctx.p, ctx.generator, ctx.block_size = scale, p, generator, block_size
         ctx.save_for_backward(q, k, v, out, lse)
         return out
@@ -183,7 +193,7 @@ def _backward_into(ctx, g, dq, dk, dv):
                         dq[bs, hs], dk[bs, hs], dv[bs, hs], ctx.scale, ctx.p,
                         _draws(ctx.generator, q, k, bs, hs), ctx.block_size, _compiled(q))
 
-    _by_heads(xp, q.shape, share)
+    _by_heads(xp, q, k.shape[2], ctx.block_size, share)
 
 
 def _unpack(qkv):

@@ -28,34 +28,41 @@ def model_gemms(cfg, batch, seq):
     return [(c * cfg.num_layers, m, k, n) for c, m, k, n in per_layer] + [(1, tokens, h, cfg.vocab_size)]
 
 
-def _time_gemm(xp, dtype, m, k, n, batch, repeats):
-    rng = numpy.random.default_rng(0)
-    a = xp.asarray(rng.standard_normal((batch, m, k)).astype(dtype))
-    b = xp.asarray(rng.standard_normal((batch, k, n)).astype(dtype))
-    a, b = (a[0], b[0]) if batch == 1 else (a, b)
-    a @ b
-    _synchronize(xp)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        _synchronize(xp)
-        best = min(best, time.perf_counter() - start)
-    return best
+class GemmCeiling:
+    """The model's GEMMs run alone, at its own shapes: each forward shape (m, k, n) with its
+    backward shapes (m, n, k) and (k, m, n), operands made once. A `round()` times every shape
+    `repeats` times, keeps its best and counts it as many times as a step runs it: the GEMMs of
+    one step at their best speed. bench step runs a round after each timed step, and the ratio
+    pairs each step with the round right after it, so that on a machine whose speed drifts by
+    +-15 % from one second to the next (this project's) a step is held against the ceiling of
+    the same moment."""
 
+    def __init__(self, cfg, batch, seq, repeats=3):
+        self.xp, dtype = array_module_for(cfg.device), numpy.dtype(cfg.dtype)
+        rng = numpy.random.default_rng(0)
+        self.gemms, self.flops, self.repeats = [], 0.0, repeats
+        for count, m, k, n in model_gemms(cfg, batch, seq):
+            bmm = count if count > cfg.num_layers else 1     # attention GEMMs are batched
+            for shape in ((m, k, n), (m, n, k), (k, m, n)):
+                a, b = (self.xp.asarray(rng.standard_normal((bmm,) + dims).astype(dtype))
+                        for dims in (shape[:2], shape[1:]))
+                self.gemms.append(((a[0], b[0]) if bmm == 1 else (a, b), count // bmm))
+                self.flops += count * 2.0 * shape[0] * shape[1] * shape[2]
+        self.round()                                         # warm: BLAS threads, first-touch pages
 
-def gemm_ceiling(cfg, batch, seq, repeats=5):
-    """FLOP/s of the model's GEMMs run alone: total GEMM FLOPs / total best time, where each
-    forward shape (m,k,n) is timed with its backward shapes (m,n,k) and (k,m,n)."""
-    xp, dtype = array_module_for(cfg.device), numpy.dtype(cfg.dtype)
-    flops = seconds = 0.0
-    for count, m, k, n in model_gemms(cfg, batch, seq):
-        bmm = count if count > cfg.num_layers else 1     # attention GEMMs are batched
-        calls = count // bmm
-        for shape in ((m, k, n), (m, n, k), (k, m, n)):
-            seconds += calls * _time_gemm(xp, dtype, *shape, bmm, repeats)
-            flops += calls * 2.0 * bmm * m * k * n
-    return flops / seconds
+    def round(self):
+        """Seconds the GEMMs of one step take alone, each shape at its best of `repeats`."""
+        seconds = 0.0
+        for (a, b), calls in self.gemms:
+            best = float("inf")
+            for _ in range(self.repeats):
+                _synchronize(self.xp)
+                start = time.perf_counter()
+                a @ b
+                _synchronize(self.xp)
+                best = min(best, time.perf_counter() - start)
+            seconds += calls * best
+        return seconds
 
 
 # Functions by kind, for --profile; anything else is "other ops" (embeddings, reshapes, the
@@ -77,10 +84,11 @@ def op_kinds(table):
     return seconds
 
 
-def _timed_steps(model, inputs, targets, optimizer, xp, warmup, iters, profile):
-    """(step seconds, optimizer seconds, op table) of the timed steps."""
+def _timed_steps(model, inputs, targets, optimizer, xp, warmup, iters, profile, ceiling):
+    """(step seconds, GEMM round seconds, optimizer seconds, op table) of the timed steps, a
+    round of the ceiling's GEMMs timed right after each."""
     from ..autograd.profile import op_profile
-    times, optimizer_s, table = [], 0.0, {}
+    times, rounds, optimizer_s, table = [], [], 0.0, {}
     for i in range(warmup + iters):
         timed = i >= warmup
         _synchronize(xp)
@@ -95,11 +103,12 @@ def _timed_steps(model, inputs, targets, optimizer, xp, warmup, iters, profile):
         if timed:
             times.append(time.perf_counter() - start)
             optimizer_s += time.perf_counter() - before_update
+            rounds.append(ceiling.round())
             for name, entry in (ops or {}).items():
                 total = table.setdefault(name, [0.0, 0.0, 0])
                 for k in range(3):
                     total[k] += entry[k]
-    return times, optimizer_s, table
+    return times, rounds, optimizer_s, table
 
 
 def bench_step(cfg: GPTConfig, batch, seq, warmup=2, iters=5, threads=None, profile=False):
@@ -123,11 +132,14 @@ def _bench_step(cfg, batch, seq, warmup, iters, threads, profile):
         ids = rng.integers(0, cfg.vocab_size, (batch, seq + 1))
         inputs, targets = xp.asarray(ids[:, :-1]), xp.asarray(ids[:, 1:])
         optimizer = AdamW(model.parameters(), lr=1e-4, storage=cfg.storage_format)
+        ceiling = GemmCeiling(cfg, batch, seq)
         with setup_objects_frozen():
-            times, optimizer_s, table = _timed_steps(model, inputs, targets, optimizer, xp, warmup, iters, profile)
-        gemm = gemm_ceiling(cfg, batch, seq)
+            times, rounds, optimizer_s, table = _timed_steps(model, inputs, targets, optimizer, xp,
+                                                             warmup, iters, profile, ceiling)
     step_s = statistics.median(times)
     flops = model_flops(cfg, model.num_parameters(), batch, seq)
+    # Each step against the GEMMs timed right after it: (flops / step) / (GEMM flops / round).
+    ratios = [flops / step / (ceiling.flops / gemm_s) for step, gemm_s in zip(times, rounds)]
     result = {
         "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
         "num_attention_heads": cfg.num_attention_heads, "seq_length": seq, "micro_batch_size": batch,
@@ -135,7 +147,8 @@ def _bench_step(cfg, batch, seq, warmup, iters, threads, profile):
         "tf32": cfg.tf32, "storage": cfg.storage_format, "threads": threads,
         "parameters": model.num_parameters(), "step_s": step_s,
         "model_flops_per_step": flops, "model_flops_per_s": flops / step_s,
-        "gemm_flops_per_s": gemm, "ratio": flops / step_s / gemm,
+        "gemm_flops_per_s": ceiling.flops / statistics.median(rounds), "ratio": statistics.median(ratios),
+        "steps_s": times, "gemm_rounds_s": rounds, "ratios": ratios,
     }
     if profile:
         kinds = {kind: seconds / iters for kind, seconds in op_kinds(table).items()}
@@ -151,7 +164,7 @@ def format_table(result):
             ("model FLOPs per step", f"{result['model_flops_per_step'] / 1e9:.2f} GFLOP"),
             ("model FLOP/s", f"{result['model_flops_per_s'] / 1e9:.2f} GFLOP/s"),
             ("GEMM FLOP/s at the model's shapes", f"{result['gemm_flops_per_s'] / 1e9:.2f} GFLOP/s"),
-            ("ratio", f"{result['ratio'] * 100:.1f} %")]
+            ("ratio (median of each step's to the GEMMs timed after it)", f"{result['ratio'] * 100:.1f} %")]
     for kind, seconds in (result.get("profile_s") or {}).items():
         rows.append((f"  {kind} (per step)", f"{seconds * 1e3:.1f} ms"))
     width = max(len(k) for k, _ in rows)

@@ -125,24 +125,29 @@ def test_refuses_bad_input():
 
 
 @pytest.mark.parametrize("threads", [2, 3])
-def test_heads_shared_among_threads_give_the_one_thread_results_bitwise(threads, monkeypatch):
-    """On the CPU the heads are shared among the budget's threads (by batch when b >= threads,
-    else by heads), each drawing its part of the masks: bitwise what one thread computes."""
+def test_heads_shared_among_threads_give_the_one_call_results_bitwise(threads, monkeypatch):
+    """On the CPU the (sample, heads) chunks are shared among the budget's threads, each drawing
+    its part of the masks: bitwise what one call on all heads at once computes, with one thread
+    or several, and with chunks of one head or of a whole sample's heads."""
     from npmegatron.autograd.ops import attention
     from npmegatron.autograd.threads import set_cpu_threads
-    monkeypatch.setattr(attention, "MIN_SHARED_SCORES", 1)
     inputs = leaves(2, 3, 9, 9, 4)
     weights = RNG.standard_normal((2, 3, 9, 4))
-    results = {}
-    for count in (1, threads):
+
+    def run(count, min_shared, chunk_bytes):
+        monkeypatch.setattr(attention, "MIN_SHARED_SCORES", min_shared)
+        monkeypatch.setattr(attention, "CHUNK_SCORE_BYTES", chunk_bytes)
         previous = set_cpu_threads(count)
         try:
             out = ag.causal_attention(*inputs, SCALE, 0.3, site().frozen(), block_size=4)
-            results[count] = [out.data] + gradients(out, inputs, weights)
+            return [out.data] + gradients(out, inputs, weights)
         finally:
             set_cpu_threads(previous)
-    for got, want in zip(results[threads], results[1]):
-        np.testing.assert_array_equal(got, want)
+
+    whole = run(1, 1 << 30, 1 << 20)
+    for count, chunk_bytes in ((1, 1 << 20), (threads, 1 << 20), (threads, 1), (threads, 2 * 4 * 9 * 8)):
+        for got, want in zip(run(count, 1, chunk_bytes), whole):
+            np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("p", [0.0, 0.3])

@@ -1,6 +1,7 @@
 """The command line as a user meets it: --help everywhere, one-line errors, the step benchmark."""
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -54,7 +55,13 @@ def test_bench_step_reports_a_ratio_to_the_measured_gemm_ceiling():
     record = json.loads(result.stdout.strip().splitlines()[-1])
     for key in ("step_s", "model_flops_per_s", "gemm_flops_per_s", "ratio"):
         assert record[key] > 0
-    assert record["ratio"] == pytest.approx(record["model_flops_per_s"] / record["gemm_flops_per_s"])
+    # Each timed step is paired with the round of GEMMs timed right after it; the ratio is their median.
+    steps, rounds = record["steps_s"], record["gemm_rounds_s"]
+    gemm_flops = record["gemm_flops_per_s"] * statistics.median(rounds)
+    assert len(steps) == len(rounds) == 2
+    assert record["ratios"] == pytest.approx([record["model_flops_per_step"] / step / (gemm_flops / gemm_s)
+                                              for step, gemm_s in zip(steps, rounds)])
+    assert record["ratio"] == pytest.approx(statistics.median(record["ratios"]))
     assert "GEMM FLOP/s at the model's shapes" in result.stdout
 
 
