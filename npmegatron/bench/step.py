@@ -30,30 +30,29 @@ def model_gemms(cfg, batch, seq):
 
 class GemmCeiling:
     """The model's GEMMs run alone, at its own shapes: each forward shape (m, k, n) with its
-    backward shapes (m, n, k) and (k, m, n), operands made once. A `round()` times every shape
-    `repeats` times, keeps its best and counts it as many times as a step runs it: the GEMMs of
-    one step at their best speed. bench step runs a round after each timed step, and the ratio
-    pairs each step with the round right after it, so that on a machine whose speed drifts by
-    +-15 % from one second to the next (this project's) a step is held against the ceiling of
-    the same moment."""
+    backward shapes (m, n, k) and (k, m, n). A `round()` times every shape `repeats` times, keeps
+    its best and counts it as many times as a step runs it: the GEMMs of one step at their best
+    speed. bench step runs a round after each timed step, and the ratio pairs each step with the
+    round right after it, so that on a machine whose speed drifts by +-15 % from one second to
+    the next (this project's) a step is held against the ceiling of the same moment. Operands
+    are made per shape in each round (untimed), so a GPU holds one shape's beside the model."""
 
     def __init__(self, cfg, batch, seq, repeats=3):
-        self.xp, dtype = array_module_for(cfg.device), numpy.dtype(cfg.dtype)
-        rng = numpy.random.default_rng(0)
-        self.gemms, self.flops, self.repeats = [], 0.0, repeats
+        self.xp, self.dtype, self.repeats = array_module_for(cfg.device), numpy.dtype(cfg.dtype), repeats
+        self.gemms, self.flops = [], 0.0
         for count, m, k, n in model_gemms(cfg, batch, seq):
             bmm = count if count > cfg.num_layers else 1     # attention GEMMs are batched
             for shape in ((m, k, n), (m, n, k), (k, m, n)):
-                a, b = (self.xp.asarray(rng.standard_normal((bmm,) + dims).astype(dtype))
-                        for dims in (shape[:2], shape[1:]))
-                self.gemms.append(((a[0], b[0]) if bmm == 1 else (a, b), count // bmm))
+                self.gemms.append((bmm, shape, count // bmm))
                 self.flops += count * 2.0 * shape[0] * shape[1] * shape[2]
         self.round()                                         # warm: BLAS threads, first-touch pages
 
     def round(self):
         """Seconds the GEMMs of one step take alone, each shape at its best of `repeats`."""
         seconds = 0.0
-        for (a, b), calls in self.gemms:
+        for bmm, (m, k, n), calls in self.gemms:
+            lead = (bmm,) if bmm > 1 else ()
+            a, b = self.xp.full(lead + (m, k), 0.5, self.dtype), self.xp.full(lead + (k, n), 0.25, self.dtype)
             best = float("inf")
             for _ in range(self.repeats):
                 _synchronize(self.xp)
