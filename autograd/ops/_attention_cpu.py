@@ -5,7 +5,10 @@ on this project's AVX2 machines; _vector_math's exp vectorises (about 0.5 ns). B
 gives 0: a probability under 1e-38 of the row's largest.
 
 The kernels are serial and release the GIL: attention shares its heads among the CPU threads
-itself (attention._by_heads). float64 keeps NumPy's path, which is the reference.
+itself (attention._by_heads). float64 keeps NumPy's path, which is the reference. The dropout
+kernels take a keep mask (random's keep_mask: no uniform numbers written) and do the chains'
+arithmetic (attention.dropout_, dropout_softmax_backward_) operation by operation, without fused
+multiply-adds, so they equal the chains bitwise (tested).
 """
 import numba
 import numpy
@@ -14,6 +17,8 @@ from ._vector_math import FAST, exp32 as _exp
 
 # Serial kernels that release the GIL; "reassoc" lets the row sums and maxima run in vector lanes.
 _COMPILE = dict(FAST, nogil=True, fastmath={"contract", "reassoc", "nnan"})
+# The dropout kernels round as the NumPy chains do: no fast-math at all.
+_EXACT = dict(cache=True, error_model="numpy", nogil=True)
 
 
 @numba.njit(**_COMPILE)
@@ -63,3 +68,31 @@ def softmax_backward_(g, y, dot, scale):
             d = dot[h, i]
             for j in range(keys):
                 g[h, i, j] = scale * y[h, i, j] * (g[h, i, j] - d)
+
+
+@numba.njit(**_EXACT)
+def dropout_(z, keep, scale):
+    """z (heads, rows, keys) becomes z * keep * scale in place: inverted dropout."""
+    heads, rows, keys = z.shape
+    for h in range(heads):
+        for i in range(rows):
+            for j in range(keys):
+                z[h, i, j] = z[h, i, j] * numpy.float32(keep[h, i, j]) * scale
+
+
+@numba.njit(**_EXACT)
+def dropout_softmax_backward_(g, y, keep, dot, dropout_scale, scale):
+    """g (the gradient of the dropped probabilities) becomes the scores' gradient, scale * y *
+    (g * keep * dropout_scale - dot), and y (the probabilities) becomes y * keep * dropout_scale,
+    both in place: the chains' dropout_softmax_backward_ and then dropout_ in one pass."""
+    heads, rows, keys = g.shape
+    for h in range(heads):
+        for i in range(rows):
+            d = dot[h, i]
+            for j in range(keys):
+                kept = numpy.float32(keep[h, i, j])
+                p = y[h, i, j]
+                grad = g[h, i, j] * kept * dropout_scale
+                grad = (grad - d) * p
+                g[h, i, j] = grad * scale
+                y[h, i, j] = p * kept * dropout_scale

@@ -12,7 +12,7 @@ from ..errors import InputError
 from ..function import Function
 from ..fusion import fused
 from ..threads import cpu_threads
-from .nn import _causal_bias, exp_shifted_, softmax_backward
+from .nn import _causal_bias, exp_shifted_, keep_mask, softmax_backward
 
 #: Query rows per block, measured forward + backward in float32 on 2 CPU cores (b=8, heads=8,
 #: t=256, d=64; and t=1024 at b=1): at t=256, 64 and 128 rows tie with each other and with the
@@ -27,17 +27,17 @@ CHUNK_SCORE_BYTES = 1 << 20
 
 
 @fused
-def dropout_(xp, y, uniform, p, scale):
-    """Inverted dropout in place: y where its uniform draw is at least p, times 1 / (1 - p)."""
-    y *= uniform >= p
+def dropout_(xp, y, keep, scale):
+    """Inverted dropout in place: y where its keep mask is set, times 1 / (1 - p)."""
+    y *= keep
     y *= scale
 
 
 @fused
-def dropout_softmax_backward_(xp, g, y, uniform, dot, p, dropout_scale, scale):
+def dropout_softmax_backward_(xp, g, y, keep, dot, dropout_scale, scale):
     """g (the gradient of the dropped probabilities) becomes the gradient of the scores in place:
-    through dropout (the same draws as forward), then scale * y * (g - <g, y>) as Softmax."""
-    g *= uniform >= p
+    through dropout (the same masks as forward), then scale * y * (g - <g, y>) as Softmax."""
+    g *= keep
     g *= dropout_scale
     g -= dot
     g *= y
@@ -92,8 +92,13 @@ def _forward_share(xp, q, k, v, out, lse, scale, p, draw, block_size, compiled):
     for a, e, seen in _blocks(t_q, t_k, block_size):
         z, zmax, total = _probabilities(xp, q[..., a:e, :] * q.dtype.type(scale), k[..., :seen, :], None, biases)
         lse[..., a:e] = (zmax + xp.log(total))[..., 0]
-        if draw is not None:
-            dropout_(z, draw(a, e, seen), p, dropout_scale)
+        if draw is not None and compiled:
+            from . import _attention_cpu
+            rows, keys = z.shape[-2:]
+            _attention_cpu.dropout_(z.reshape(-1, rows, keys), draw(a, e, seen).reshape(-1, rows, keys),
+                                    z.dtype.type(dropout_scale))
+        elif draw is not None:
+            dropout_(z, draw(a, e, seen), dropout_scale)
         y = z @ v[..., :seen, :]
         y /= total
         out[..., a:e, :] = y
@@ -112,19 +117,24 @@ def _backward_share(xp, g, q, k, v, out, lse, dq, dk, dv, scale, p, draw, block_
         dot_blk = xp.ascontiguousarray(dot[..., a:e, :])
         probs = _probabilities(xp, q_blk * q.dtype.type(scale), k_seen, lse_blk, biases)[0]
         dprobs = g_blk @ v_seen.swapaxes(-1, -2)
-        if draw is None and compiled:
+        if compiled:
             from . import _attention_cpu
             rows, keys = dprobs.shape[-2:]
-            _attention_cpu.softmax_backward_(dprobs.reshape(-1, rows, keys), probs.reshape(-1, rows, keys),
-                                             dot_blk.reshape(-1, rows), scale)
+            scores = dprobs.reshape(-1, rows, keys), probs.reshape(-1, rows, keys)
+            if draw is None:
+                _attention_cpu.softmax_backward_(*scores, dot_blk.reshape(-1, rows), scale)
+            else:
+                _attention_cpu.dropout_softmax_backward_(
+                    *scores, draw(a, e, seen).reshape(-1, rows, keys), dot_blk.reshape(-1, rows),
+                    probs.dtype.type(dropout_scale), probs.dtype.type(scale))
             dz = dprobs
         elif draw is None:
             dz = softmax_backward(dprobs, probs, dot_blk, scale)
         else:
-            uniform = draw(a, e, seen)
-            dropout_softmax_backward_(dprobs, probs, uniform, dot_blk, p, dropout_scale, scale)
+            keep = draw(a, e, seen)
+            dropout_softmax_backward_(dprobs, probs, keep, dot_blk, dropout_scale, scale)
             dz = dprobs
-            dropout_(probs, uniform, p, dropout_scale)
+            dropout_(probs, keep, dropout_scale)
         dv[..., :seen, :] += probs.swapaxes(-1, -2) @ g_blk
         dq[..., a:e, :] = dz @ k_seen
         dk[..., :seen, :] += dz.swapaxes(-1, -2) @ q_blk
@@ -168,7 +178,7 @@ class CausalAttention(Function):
 
         def share(bs, hs):
             _forward_share(xp, q[bs, hs], k[bs, hs], v[bs, hs], out[bs, hs], lse[bs, hs], scale, p,
-                           _draws(generator, q, k, bs, hs), block_size, _compiled(q))
+                           _draws(generator, q, k, bs, hs, p), block_size, _compiled(q))
 
         _by_heads(xp, q, k.shape[2], block_size, share)
         ctx.scale, ctx.p, ctx.generator, ctx.block_size = scale, p, generator, block_size
@@ -192,7 +202,7 @@ def _backward_into(ctx, g, dq, dk, dv):
     def share(bs, hs):
         _backward_share(xp, g[bs, hs], q[bs, hs], k[bs, hs], v[bs, hs], out[bs, hs], lse[bs, hs],
                         dq[bs, hs], dk[bs, hs], dv[bs, hs], ctx.scale, ctx.p,
-                        _draws(ctx.generator, q, k, bs, hs), ctx.block_size, _compiled(q))
+                        _draws(ctx.generator, q, k, bs, hs, ctx.p), ctx.block_size, _compiled(q))
 
     _by_heads(xp, q, k.shape[2], ctx.block_size, share)
 
@@ -219,24 +229,25 @@ class PackedCausalAttention(Function):
         return grad
 
 
-def _draws(generator, q, k, bs, hs):
-    """draw(a, e, seen): the dropout uniforms of query rows [a, e) and keys [0, seen) of the
+def _draws(generator, q, k, bs, hs, p):
+    """draw(a, e, seen): the dropout keep mask of query rows [a, e) and keys [0, seen) of the
     heads (bs, hs), drawn from the full (b, heads, t_q, t_k) draw so that any split of the heads
     gives the masks of the dense probabilities."""
     if generator is None:
         return None
     shape = q.shape[:3] + (k.shape[2],)
     lead = tuple(part.indices(n)[:2] for part, n in zip((bs, hs), shape[:2]))
-    return lambda a, e, seen: generator.random(shape, q.dtype, block=(a, e, seen), lead=lead)
+    return lambda a, e, seen: keep_mask(generator, shape, q.dtype, p, block=(a, e, seen), lead=lead)
 
 
 def causal_attention(q, k, v, scale, dropout_p, dropout_site, training=True, block_size=BLOCK_SIZE):
     """softmax(scale q k^T, causal) with dropout on the probabilities, @ v; q (b, heads, t_q, d),
     k and v (b, heads, t_k, d), the queries being the last t_q of the t_k positions (a KV cache).
 
-    dropout_site: `random(shape, dtype, block)` giving the same numbers every call (it is called
-    again in backward), e.g. DropoutSite.frozen(); masks are drawn for the full (b, heads, t_q,
-    t_k) probabilities, block by block, so they equal Dropout's on the dense probabilities."""
+    dropout_site: `random(shape, dtype, block, lead)` giving the same numbers every call (it is
+    called again in backward), e.g. DropoutSite.frozen(), whose `keep` makes the masks without
+    the numbers (nn.keep_mask); masks are drawn for the full (b, heads, t_q, t_k) probabilities,
+    block by block, so they equal Dropout's on the dense probabilities."""
     if not 0.0 <= dropout_p < 1.0:
         raise InputError(f"dropout probability {dropout_p} is outside [0, 1); use e.g. 0.1")
     if q.ndim != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:

@@ -146,13 +146,26 @@ class LayerNorm(Function):
         return gx, gw, gb
 
 
+def keep_mask(generator, shape, dtype, p, **where):
+    """Dropout's keep mask generator.random(shape, dtype, **where) >= p, made by the generator's
+    own `keep` where it has one (npmegatron's draws hash and compare in one pass on the CPU)."""
+    keep = getattr(generator, "keep", None)
+    if keep is not None:
+        return keep(shape, dtype, p, **where)
+    return generator.random(shape, dtype, **where) >= p
+
+
+#: residual + dropout(y) of float32 arrays this large runs the compiled CPU kernel (_dropout_cpu.py).
+COMPILED_DROPOUT_SIZE = 1 << 16
+
+
 class Dropout(Function):
     """Zero each element with probability p and scale the rest by 1/(1-p); the mask is drawn
     from the generator passed in, so callers decide which RNG stream (paper Appendix B.2)."""
 
     @staticmethod
     def forward(ctx, x, p, generator):
-        keep = generator.random(x.shape, dtype=x.dtype) >= p
+        keep = keep_mask(generator, x.shape, x.dtype, p)
         if get_array_module(x) is not get_array_module(keep):
             keep = get_array_module(x).asarray(keep)
         ctx.scale = x.dtype.type(1.0 / (1.0 - p))
@@ -175,9 +188,15 @@ class DropoutAdd(Function):
     @staticmethod
     def forward(ctx, y, residual, p, generator):
         xp = get_array_module(y)
-        uniform = xp.asarray(generator.random(y.shape, dtype=y.dtype))
         ctx.scale = 1.0 / (1.0 - p)
-        out, keep = dropout_add_forward(y, uniform, residual, p, ctx.scale)
+        if xp is numpy and y.dtype == numpy.float32 and y.size >= COMPILED_DROPOUT_SIZE \
+                and y.shape == residual.shape and y.flags.c_contiguous and residual.flags.c_contiguous:
+            from . import _dropout_cpu              # numba is imported for large arrays only
+            keep = keep_mask(generator, y.shape, y.dtype, p)
+            out = _dropout_cpu.dropout_add(y, keep, residual, ctx.scale)
+        else:
+            uniform = xp.asarray(generator.random(y.shape, dtype=y.dtype))
+            out, keep = dropout_add_forward(y, uniform, residual, p, ctx.scale)
         ctx.save_for_backward(keep)
         return out
 

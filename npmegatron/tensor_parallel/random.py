@@ -76,6 +76,23 @@ def uniform(key, shape, dtype, xp, block=None, lead=None):
     return numbers
 
 
+def keep_mask(key, shape, dtype, p, xp, block=None, lead=None):
+    """uniform(key, shape, dtype, ...) >= p: dropout's keep mask of the draw, as booleans. On
+    NumPy a large draw is hashed and compared in one compiled pass that writes 1 byte a number
+    instead of 4 or 8 and a comparison pass; elsewhere it is exactly that comparison."""
+    dtype = numpy.dtype(dtype)
+    shape = tuple(int(n) for n in numpy.atleast_1d(shape)) if not isinstance(shape, tuple) else shape
+    starts, width, out_shape = _row_starts(shape, block, lead)
+    if xp is numpy and starts.size * width >= _COMPILED_MIN_SIZE and 0.0 <= p:
+        from . import _uniform_kernel
+        keep = numpy.empty((starts.size, width), numpy.bool_)
+        # p as the numbers' dtype holds it: NumPy compares float32 numbers with float32(p).
+        _uniform_kernel.fill(keep, numpy.uint64(key), starts, 24 if dtype == numpy.float32 else 53,
+                             float(dtype.type(p)))
+        return keep.reshape(out_shape)
+    return uniform(key, shape, dtype, xp, block, lead) >= p
+
+
 #: Draws at least this large are hashed by the compiled kernel on NumPy (smaller ones are not
 #: worth importing numba for); both give bitwise the same numbers.
 _COMPILED_MIN_SIZE = 1 << 15
@@ -122,6 +139,10 @@ class DropoutSite:
         `random(shape)[..., row_start:row_stop, :col_stop]`, at the cost of the block."""
         return self.frozen().random(shape, dtype, block)
 
+    def keep(self, shape, dtype, p, block=None):
+        """random(shape, dtype, block) >= p, made without the numbers where it can (keep_mask)."""
+        return self.frozen().keep(shape, dtype, p, block)
+
     def frozen(self):
         """This site's draw at the tracker's position now, kept: an op that draws again in its
         backward (blockwise attention) holds it, so its masks stay the forward's even if the
@@ -138,6 +159,9 @@ class FrozenDraw:
 
     def random(self, shape, dtype=numpy.float64, block=None, lead=None):
         return uniform(self.key, shape, dtype, self.xp, block, lead)
+
+    def keep(self, shape, dtype, p, block=None, lead=None):
+        return keep_mask(self.key, shape, dtype, p, self.xp, block, lead)
 
 
 class RNGTracker:

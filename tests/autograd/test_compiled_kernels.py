@@ -1,12 +1,13 @@
-"""The numba kernels of the float32 CPU path (bias + GeLU, attention's softmax parts, AdamW)
-against the chains they replace, in float64 where the kernel is generic and to float32 round-off
-where it is not. LayerNorm's kernel is tested in test_fusion.py."""
+"""The numba kernels of the float32 CPU path (bias + GeLU, attention's softmax and dropout parts,
+residual + dropout, AdamW) against the chains they replace, in float64 where the kernel is
+generic, bitwise where it does the chain's arithmetic, and to float32 round-off where it does
+not. LayerNorm's kernel is tested in test_fusion.py."""
 import numpy as np
 import pytest
 
 import npmegatron.autograd as ag
 from npmegatron.autograd import Tensor
-from npmegatron.autograd.ops import _attention_cpu, _gelu_cpu, attention, elementwise
+from npmegatron.autograd.ops import _attention_cpu, _dropout_cpu, _gelu_cpu, attention, elementwise, nn
 from npmegatron.autograd.ops.elementwise import bias_gelu_tanh, bias_gelu_tanh_backward
 from npmegatron.tensor_parallel.random import MODEL_PARALLEL, RNGTracker
 from npmegatron.training import _adamw_cpu
@@ -66,6 +67,51 @@ def test_softmax_backward_kernel_equals_the_chain_in_float64():
     want = (g - dot[..., None]) * y * 0.3
     _attention_cpu.softmax_backward_(g, y, dot, 0.3)
     np.testing.assert_allclose(g, want, rtol=1e-14, atol=1e-15)
+
+
+def test_dropout_kernels_equal_the_chains_bitwise():
+    """The float32 dropout kernels (attention's probabilities, their backward, residual + dropout)
+    against the fused chains they replace, on the same keep masks: bitwise."""
+    g, y, z, residual = (RNG.standard_normal((4, 48, 80)).astype(np.float32) for _ in range(4))
+    y = np.abs(y) / 80
+    dot = RNG.standard_normal((4, 48, 1)).astype(np.float32)
+    keep = RNG.random((4, 48, 80)) >= 0.3
+    ds, scale = np.float32(1 / 0.7), np.float32(0.125)
+
+    want_z, got_z = z.copy(), z.copy()
+    attention.dropout_(want_z, keep, 1 / 0.7)
+    _attention_cpu.dropout_(got_z, keep, ds)
+    assert np.array_equal(got_z, want_z)
+
+    want_g, want_y, got_g, got_y = g.copy(), y.copy(), g.copy(), y.copy()
+    attention.dropout_softmax_backward_(want_g, want_y, keep, dot, 1 / 0.7, 0.125)
+    attention.dropout_(want_y, keep, 1 / 0.7)
+    _attention_cpu.dropout_softmax_backward_(got_g, got_y, keep, dot[..., 0], ds, scale)
+    assert np.array_equal(got_g, want_g) and np.array_equal(got_y, want_y)
+
+    uniform = RNG.random(z.shape).astype(np.float32)
+    want_out, want_keep = nn.dropout_add_forward(z, uniform, residual, 0.3, 1 / 0.7)
+    assert np.array_equal(_dropout_cpu.dropout_add(z, want_keep, residual, 1 / 0.7), want_out)
+
+
+def test_dropout_add_op_takes_the_kernel_with_the_chains_masks_and_values():
+    """DropoutAdd on a large float32 array (the compiled path) gives the chain path's output and
+    gradient bitwise, with the generator's masks."""
+    tracker = RNGTracker(seed=3, tp_rank=0, xp=np)
+    y64, r64 = RNG.standard_normal((2, 2, 128, 256))
+    results = []
+    for size in (nn.COMPILED_DROPOUT_SIZE, 1 << 62):
+        nn.COMPILED_DROPOUT_SIZE = size
+        try:
+            y, r = Tensor(y64.astype(np.float32), requires_grad=True), Tensor(r64.astype(np.float32), requires_grad=True)
+            out = nn.DropoutAdd.apply(y, r, p=0.25, generator=tracker.site(MODEL_PARALLEL, 2))
+            out.backward(np.ones(out.shape, np.float32))
+            results.append((out.data, y.grad, r.grad))
+        finally:
+            nn.COMPILED_DROPOUT_SIZE = 1 << 16
+    assert y64.size >= nn.COMPILED_DROPOUT_SIZE
+    for got, want in zip(*results):
+        assert np.array_equal(got, want)
 
 
 @pytest.mark.parametrize("p", [0.0, 0.2])

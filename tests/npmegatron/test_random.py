@@ -114,3 +114,20 @@ def test_compiled_hash_and_blocks_equal_the_array_code(dtype, monkeypatch):
     assert np.array_equal(random.uniform(1234, shape, dtype, np, block=block), plain[..., 10:45, :60])
     with pytest.raises(ValueError, match="outside the draw"):
         random.uniform(1234, shape, dtype, np, block=(0, 71, 10))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("p", [0.0, 0.1, 0.5, 1 - 2 ** -30])
+def test_keep_masks_are_the_numbers_compared_with_p(dtype, p, monkeypatch):
+    """keep_mask hashes and compares in one compiled pass for large draws (p as the numbers'
+    dtype holds it, as NumPy compares them): bitwise uniform >= p, whole, by blocks and by heads,
+    and the same as the plain array code's comparison."""
+    from npmegatron.tensor_parallel import random
+    shape, block, lead = (2, 3, 70, 90), (10, 45, 60), ((1, 2), (0, 3))
+    numbers = random.uniform(77, shape, dtype, np)
+    keep = random.keep_mask(77, shape, dtype, p, np)
+    assert keep.dtype == np.bool_ and np.array_equal(keep, numbers >= p)
+    assert np.array_equal(random.keep_mask(77, shape, dtype, p, np, block=block, lead=lead),
+                          (numbers >= p)[1:2, :, 10:45, :60])
+    monkeypatch.setattr(random, "_COMPILED_MIN_SIZE", 1 << 62)
+    assert np.array_equal(random.keep_mask(77, shape, dtype, p, np), keep)

@@ -1,0 +1,28 @@
+"""residual + dropout(y) on the CPU in float32, compiled by numba: one pass over the rows,
+shared among the CPU budget's threads, where the chain (nn.dropout_add_forward) makes four NumPy
+passes with temporaries after the draw wrote its numbers. The keep mask comes made (random's
+keep_mask hashes and compares in one pass). The arithmetic is the chain's, operation by
+operation and without fused multiply-adds, so the two agree bitwise (tested)."""
+import numba
+import numpy
+
+from ..threads import use_numba_threads
+
+
+@numba.njit(parallel=True, cache=True, error_model="numpy")
+def _dropout_add(y, keep, residual, scale, out):
+    rows, n = y.shape
+    for r in numba.prange(rows):
+        for c in range(n):
+            dropped = y[r, c] * numpy.float32(keep[r, c])
+            out[r, c] = dropped * scale + residual[r, c]
+
+
+def dropout_add(y, keep, residual, scale):
+    """residual + y * keep * scale of C-contiguous float32 y and residual of one shape."""
+    out = numpy.empty_like(y)
+    width = y.shape[-1]
+    use_numba_threads()
+    _dropout_add(y.reshape(-1, width), keep.reshape(-1, width), residual.reshape(-1, width),
+                 numpy.float32(scale), out.reshape(-1, width))
+    return out
