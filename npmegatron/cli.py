@@ -233,11 +233,14 @@ def bench_pipeline_command(ranks, **options):
 @click.option("--sequence-parallel", is_flag=True,
               help="Sequence parallelism in the layouts with TP > 1 (LayerNorm, dropout and residual "
                    "adds on sequence shards; reduce-scatter + all-gather instead of all-reduce).")
+@click.option("--rounds", type=POSITIVE, default=1, show_default=True,
+              help="Run all the layouts this many times in turn; each row is the round of its median "
+                   "efficiency, every round's efficiency listed (for a machine whose speed drifts).")
 @click.option("--output", default=None, help="Folder: results.jsonl, scaling.png, breakdown.png.")
 @click.option("--json", "as_json", is_flag=True, help="Print the records (JSON lines), not the table.")
 @user_errors
 def bench_scaling_command(mode, layouts, ranks, parallel, global_batch_size, warmup, iters, threads_per_rank,
-                          sequence_parallel, output, as_json, **options):
+                          sequence_parallel, rounds, output, as_json, **options):
     """Strong or weak scaling over TP x PP x DP layouts, each launched as its own mpiexec job, with
     each step split into phases (compute, TP, DP and pipeline communication, optimizer)."""
     from . import comm
@@ -252,7 +255,7 @@ def bench_scaling_command(mode, layouts, ranks, parallel, global_batch_size, war
     try:
         records = bench_scaling(cfg, parsed, mode, options["micro_batch_size"], options["seq_length"],
                                 global_batch_size, warmup, iters, threads=threads_per_rank,
-                                sequence_parallel=sequence_parallel)
+                                sequence_parallel=sequence_parallel, rounds=rounds)
     except ChildFailed as error:
         raise click.ClickException(str(error)) from None
     if output:

@@ -197,14 +197,33 @@ def add_efficiency(records, mode):
 
 
 def bench_scaling(cfg, layouts, mode, micro_batch, seq, global_batch=None, warmup=1, iters=3,
-                  on_record=None, threads=None, sequence_parallel=False):
+                  on_record=None, threads=None, sequence_parallel=False, rounds=1):
+    """One record per layout. rounds > 1 runs all the layouts that many times, one after the
+    other in turn, each round's efficiencies against its own baseline run (combine_rounds)."""
     specs = plan_runs(cfg, layouts, mode, micro_batch, seq, global_batch, sequence_parallel)
-    records = []
-    for spec in specs:
-        records.append(run_layout(spec, warmup, iters, threads=threads))
-        if on_record is not None:
-            on_record(records[-1])
-    return add_efficiency(records, mode)
+    by_round = []
+    for _ in range(rounds):
+        records = []
+        for spec in specs:
+            records.append(run_layout(spec, warmup, iters, threads=threads))
+            if on_record is not None:
+                on_record(records[-1])
+        by_round.append(add_efficiency(records, mode))
+    return by_round[0] if rounds == 1 else combine_rounds(by_round)
+
+
+def combine_rounds(by_round):
+    """Per layout, the round whose efficiency is the median (the lower one for an even count)
+    stands for it, with every round's step, tokens/s and efficiency listed under "rounds": on a
+    machine whose speed drifts by +-15 % within minutes, a layout is held against the baseline
+    run next to it rather than one run minutes earlier."""
+    combined = []
+    for runs in zip(*by_round):
+        middle = statistics.median_low(r["efficiency"] for r in runs)
+        record = dict(next(r for r in runs if r["efficiency"] == middle))
+        record["rounds"] = [{k: r[k] for k in ("step_s", "tokens_per_s", "efficiency")} for r in runs]
+        combined.append(record)
+    return combined
 
 
 # ----------------------------------------------------------------------------- output (parent)
@@ -231,6 +250,12 @@ def format_table(records, mode):
                      f"{r['tokens_per_s']:>9.0f} {r['model_flops_per_s_per_rank'] / scale:>13.2f} "
                      f"{r['efficiency'] * 100:>5.0f}% "
                      + " ".join(f"{r['phases_s'][p] * 1e3:>7.1f}" for p in phases))
+    if "rounds" in records[0]:
+        lines.append(f"{len(records[0]['rounds'])} rounds of the layouts in turn; each row is the round "
+                     "of its median efficiency; every round's efficiency (tokens/s):")
+        for r in records:
+            lines.append(f"{r['layout']:>8}  " + ", ".join(f"{x['efficiency'] * 100:.0f} % ({x['tokens_per_s']:,.0f})"
+                                                         for x in r["rounds"]))
     return "\n".join(lines)
 
 

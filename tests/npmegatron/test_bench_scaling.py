@@ -136,3 +136,36 @@ def test_bad_input_is_one_sentence(args, words):
     assert result.exit_code != 0
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: ") and words in lines[0], result.output
+
+
+def test_rounds_keep_each_layouts_median_round_and_list_them_all():
+    """--rounds N: each layout's row is the round of its median efficiency (lower median for an
+    even count), each round's efficiency against that round's own baseline."""
+    from npmegatron.bench.scaling import add_efficiency, combine_rounds, format_table
+    env = {"device": "cpu", "cores": 2}
+
+    def record(layout, ranks, step_s):
+        return {"layout": layout, "ranks": ranks, "step_s": step_s, "tokens_per_s": 1000 / step_s,
+                "step_min_s": step_s, "step_max_s": step_s, "dtype": "float32", "environment": env,
+                "threads_per_rank": 1, "parameters": 10, "hidden_size": 8, "num_layers": 1, "global_batch": 4,
+                "model_flops_per_s_per_rank": 1.0, "phases_s": {p: 0.0 for p in list(PHASES) + ["other"]}}
+
+    # The baseline drifts; TP = 2's runs beside it give 90 %, 80 % and 100 %.
+    by_round = [add_efficiency([record("1x1x1", 1, serial), record("2x1x1", 2, serial / 2 / eff)], "strong")
+                for serial, eff in ((10.0, 0.9), (8.0, 0.8), (12.0, 1.0))]
+    combined = combine_rounds(by_round)
+    assert [r["layout"] for r in combined] == ["1x1x1", "2x1x1"]
+    tp = combined[1]
+    assert [x["efficiency"] for x in tp["rounds"]] == pytest.approx([0.9, 0.8, 1.0])
+    assert tp["efficiency"] == pytest.approx(0.9) and tp["step_s"] == pytest.approx(10.0 / 2 / 0.9)
+    even = combine_rounds(by_round[:2])[1]
+    assert even["efficiency"] == pytest.approx(0.8)
+    table = format_table(combined, "strong")
+    assert "3 rounds of the layouts in turn" in table and "90 %" in table and "80 %" in table
+
+
+def test_rounds_from_the_command_line():
+    records = records_of(run(["--layouts", "1x1x1,1x1x2", "--rounds", "2", "--json"] + TINY))
+    assert [r["layout"] for r in records] == ["1x1x1", "1x1x2"]
+    assert all(len(r["rounds"]) == 2 for r in records)
+    assert [x["efficiency"] for x in records[0]["rounds"]] == pytest.approx([1.0, 1.0])
