@@ -57,15 +57,9 @@ def uniform(key, shape, dtype, xp, block=None, lead=None):
     block=(row_start, row_stop, col_stop) gives only `uniform(key, shape)[..., row_start:row_stop,
     :col_stop]`, drawn at the cost of the block (blockwise attention draws its masks this way);
     lead=((start, stop), ...) narrows the leading axes too (a thread's share of the heads)."""
-    dtype = numpy.dtype(dtype)
-    shape = tuple(int(n) for n in numpy.atleast_1d(shape)) if not isinstance(shape, tuple) else shape
-    starts, width, out_shape = _row_starts(shape, block, lead)
-    mantissa = 24 if dtype == numpy.float32 else 53
-    if xp is numpy and starts.size * width >= _COMPILED_MIN_SIZE:
-        from . import _uniform_kernel
-        numbers = numpy.empty((starts.size, width), dtype)
-        _uniform_kernel.fill(numbers, numpy.uint64(key), starts, mantissa)
-        return numbers.reshape(out_shape)
+    dtype, mantissa, starts, width, out_shape = _layout(shape, dtype, block, lead)
+    if _compiled(xp, starts, width):
+        return _fill_compiled(key, numpy.empty((starts.size, width), dtype), starts, mantissa, out_shape)
     bits = xp.asarray(starts)[:, None] + xp.arange(width, dtype=xp.uint64)[None, :]
     bits *= xp.uint64(_GOLDEN)
     bits += xp.uint64(key)
@@ -80,17 +74,31 @@ def keep_mask(key, shape, dtype, p, xp, block=None, lead=None):
     """uniform(key, shape, dtype, ...) >= p: dropout's keep mask of the draw, as booleans. On
     NumPy a large draw is hashed and compared in one compiled pass that writes 1 byte a number
     instead of 4 or 8 and a comparison pass; elsewhere it is exactly that comparison."""
+    dtype, mantissa, starts, width, out_shape = _layout(shape, dtype, block, lead)
+    if _compiled(xp, starts, width) and 0.0 <= p:
+        # p as the numbers' dtype holds it: NumPy compares float32 numbers with float32(p).
+        return _fill_compiled(key, numpy.empty((starts.size, width), numpy.bool_), starts, mantissa,
+                              out_shape, float(dtype.type(p)))
+    return uniform(key, shape, dtype, xp, block, lead) >= p
+
+
+def _layout(shape, dtype, block, lead):
+    """(dtype, mantissa bits, each output row's first number, row width, output shape)."""
     dtype = numpy.dtype(dtype)
     shape = tuple(int(n) for n in numpy.atleast_1d(shape)) if not isinstance(shape, tuple) else shape
     starts, width, out_shape = _row_starts(shape, block, lead)
-    if xp is numpy and starts.size * width >= _COMPILED_MIN_SIZE and 0.0 <= p:
-        from . import _uniform_kernel
-        keep = numpy.empty((starts.size, width), numpy.bool_)
-        # p as the numbers' dtype holds it: NumPy compares float32 numbers with float32(p).
-        _uniform_kernel.fill(keep, numpy.uint64(key), starts, 24 if dtype == numpy.float32 else 53,
-                             float(dtype.type(p)))
-        return keep.reshape(out_shape)
-    return uniform(key, shape, dtype, xp, block, lead) >= p
+    return dtype, 24 if dtype == numpy.float32 else 53, starts, width, out_shape
+
+
+def _compiled(xp, starts, width):
+    return xp is numpy and starts.size * width >= _COMPILED_MIN_SIZE
+
+
+def _fill_compiled(key, out, starts, mantissa, out_shape, p=-1.0):
+    """The numbers (p < 0) or keep mask (p >= 0) of the rows, by the numba kernel."""
+    from . import _uniform_kernel
+    _uniform_kernel.fill(out, numpy.uint64(key), starts, mantissa, p)
+    return out.reshape(out_shape)
 
 
 #: Draws at least this large are hashed by the compiled kernel on NumPy (smaller ones are not
