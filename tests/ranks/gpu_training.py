@@ -19,6 +19,8 @@ from npmegatron import comm
 from npmegatron.autograd.backend import to_numpy
 from npmegatron.training import TrainConfig, Trainer
 
+LR = 1e-3
+
 
 def config(device, tp, pp, **extra):
     extra = {"dtype": "float64", **extra}
@@ -26,7 +28,7 @@ def config(device, tp, pp, **extra):
         device=device, num_layers=4, hidden_size=32, num_attention_heads=4,
         seq_length=16, micro_batch_size=2, global_batch_size=8, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, sequence_parallel=tp > 1, hidden_dropout=0.1,
-        attention_dropout=0.1, train_iters=4, lr=1e-3, lr_warmup_iters=1, log_interval=100,
+        attention_dropout=0.1, train_iters=4, lr=LR, lr_warmup_iters=1, log_interval=100,
         eval_interval=100, eval_iters=1, sample_tokens=8, ddp_bucket_size=2000, **extra)
 
 
@@ -49,10 +51,10 @@ def run_steps(trainer, n):
     return losses, norms, syncs
 
 
-def close(a, b, what, rtol=1e-10):
+def close(a, b, what, rtol=1e-10, atol=0.0):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     scale = max(float(np.abs(b).max()), 1e-300)
-    assert float(np.abs(a - b).max()) <= rtol * scale, (what, a, b)
+    assert float(np.abs(a - b).max()) <= rtol * scale + atol, (what, a, b)
 
 
 def parameters(trainer):
@@ -65,6 +67,13 @@ def main():
     # float32 runs: NumPy takes the compiled CPU kernels where CuPy runs the chains, equal to
     # round-off only (and 16-bit rounding can turn that into one 16-bit step)
     rtol = extra.pop("rtol", 1e-10)
+    # AdamW moves a parameter by about lr a step whatever the size of its gradient, so where the
+    # gradient is round-off (the key bias's is 0 in exact arithmetic: softmax ignores a constant
+    # added to a row), float32 round-off that differs between devices can send a step either way.
+    # Measured on an H100 after 4 steps: parameters up to 2.2e-3 apart (bf16), 9e-4 (fp16), with
+    # losses within 2.2e-5 and gradient norms within 1.2e-4. Float32 runs hold the parameters to
+    # 2 lr a step; float64 runs (round-off far below AdamW's eps) to rtol.
+    param_atol = 0.0 if rtol == 1e-10 else 2 * LR * 4
     world = comm.init()
     cpu = Trainer(config("cpu", tp, pp, **extra))
     cpu_losses, cpu_norms, _ = run_steps(cpu, 4)
@@ -81,7 +90,7 @@ def main():
     close(norms, cpu_norms, "gradient norms", rtol)
     mine, reference = parameters(gpu), parameters(cpu)
     for name in reference:
-        close(mine[name], reference[name], name, rtol)
+        close(mine[name], reference[name], name, rtol, param_atol)
     text = (gpu.sample(), cpu.sample()) if pp == 1 else (None, None)
     assert text[0] == text[1], text
     gpu.close()
@@ -89,8 +98,11 @@ def main():
     resumed = Trainer(config("gpu", tp, pp, load=os.path.join(folder, "iter_0000002"), **extra))
     again, _, _ = run_steps(resumed, 2)
     assert again == losses[2:], (again, losses[2:])
-    from npmegatron.comm.backends import backend_for
-    assert backend_for(gpu.params[0].data).name == "nccl", "GPU arrays went through MPI"
+    from npmegatron.comm.backends import backend_for, one_gpu_per_rank
+    from npmegatron.comm.runtime import local_bus_ids
+    # NCCL where each rank has a GPU of its own; ranks sharing one GPU (NCCL refuses that) use MPI.
+    expected = "nccl" if one_gpu_per_rank(local_bus_ids()) else "mpi"
+    assert backend_for(gpu.params[0].data).name == expected, (expected, local_bus_ids())
     fused = sorted(cupy._fusion.kernel_names) if strict_counters() else None
     if world.rank == 0:
         print(json.dumps({"syncs_per_step": syncs, "losses": losses, "sample": text[0], "fused": fused}))
