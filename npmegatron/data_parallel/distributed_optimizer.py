@@ -19,7 +19,7 @@ a checkpoint loads at any DP size, with or without this optimizer.
 import numpy
 
 from .. import comm
-from ..training.optimizer import AdamW, gradient_factor, publish_rounded
+from ..training.optimizer import AdamW, gradient_factor, publish_rounded, sum_of_squares
 from .buckets import GradientBuckets
 
 
@@ -115,7 +115,7 @@ class DistributedAdamW(AdamW):
         """The squared global gradient norm from this rank's blocks: summed over the DP group,
         then over the model-parallel group (as training.optimizer.grad_norm_squared)."""
         xp = self.params[0].xp
-        parts = [(self._flat(p.grad, mine) ** 2).sum() for p, mine, _ in self.segments
+        parts = [sum_of_squares(xp, self._flat(p.grad, mine)) for p, mine, _ in self.segments
                  if p.grad is not None and id(p) not in skip]
         total = (xp.stack(parts).astype(numpy.float64).sum() if parts else xp.zeros((), numpy.float64)).reshape(1)
         for group in (grid.dp_group, grid.mp_group):

@@ -2,7 +2,10 @@
 p, g, m and v, shared among the CPU budget's threads, where the chain (optimizer.adamw_update_)
 makes eleven NumPy passes on one thread. The arithmetic is the chain's, in float32 as NumPy
 does it with Python scalars; the compiler may fuse a multiply and an add (one rounding fewer).
-Measured on the reference model's 12.9 M parameters (`bench step --profile`, 2 cores)."""
+
+Each thread runs a plain loop over whole slices (`_update_slice`): written as one index loop
+inside the prange, numba's parallel lowering left the loop scalar (sqrt and division one number
+at a time), 47 ms for the reference model's 12.9 M parameters on one thread against 12.6 ms."""
 import numba
 import numpy
 
@@ -11,18 +14,27 @@ from ..autograd.threads import use_numba_threads
 #: Elements per piece of work: each thread takes whole pieces.
 _PIECE = 1 << 14
 
+_OPTIONS = dict(cache=True, error_model="numpy", fastmath={"contract"})
 
-@numba.njit(parallel=True, cache=True, error_model="numpy", fastmath={"contract"})
-def _update(p, g, m, v, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, rsqrt_bias2, eps, step_size):
+
+@numba.njit(**_OPTIONS)
+def _update_slice(p, g, m, v, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, rsqrt_bias2, eps,
+                  step_size):
+    for i in range(p.size):
+        gi = g[i]
+        mi = beta1 * m[i] + one_minus_beta1 * gi
+        vi = beta2 * v[i] + one_minus_beta2 * (gi * gi)
+        m[i] = mi
+        v[i] = vi
+        p[i] = decay * p[i] - step_size * (mi / (numpy.sqrt(vi) * rsqrt_bias2 + eps))
+
+
+@numba.njit(parallel=True, **_OPTIONS)
+def _update(p, g, m, v, *scalars):
     n = p.size
     for piece in numba.prange((n + _PIECE - 1) // _PIECE):
-        for i in range(piece * _PIECE, min(n, (piece + 1) * _PIECE)):
-            gi = g[i]
-            mi = beta1 * m[i] + one_minus_beta1 * gi
-            vi = beta2 * v[i] + one_minus_beta2 * (gi * gi)
-            m[i] = mi
-            v[i] = vi
-            p[i] = decay * p[i] - step_size * (mi / (numpy.sqrt(vi) * rsqrt_bias2 + eps))
+        part = slice(piece * _PIECE, min(n, (piece + 1) * _PIECE))
+        _update_slice(p[part], g[part], m[part], v[part], *scalars)
 
 
 def adamw_update_(p, g, m, v, *scalars):
