@@ -169,3 +169,17 @@ def test_rounds_from_the_command_line():
     assert [r["layout"] for r in records] == ["1x1x1", "1x1x2"]
     assert all(len(r["rounds"]) == 2 for r in records)
     assert [x["efficiency"] for x in records[0]["rounds"]] == pytest.approx([1.0, 1.0])
+
+
+def test_sync_jitter_probe_measures_equal_work_meeting_on_two_ranks():
+    from helpers import run_ranks
+    result = run_ranks(2, "../scripts/bench_sync_jitter.py",
+                       ["--segments", "5", "--segment-ms", "2", "--rows", "64", "--inner", "32", "--columns", "32"])
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["ranks"] == 2 and report["segments"] == 5 and report["gemms_per_segment"] >= 1
+    assert [r["rank"] for r in report["per_rank"]] == [0, 1]
+    for rank in report["per_rank"]:
+        assert 0 < rank["ceiling"] <= 1
+        assert 0 < rank["segment"]["median_ms"] <= rank["segment"]["p90_ms"] <= rank["segment"]["max_ms"]
+        assert 0 <= rank["all_reduce"]["median_ms"] <= rank["all_reduce"]["max_ms"]
+    assert report["ceiling"] == pytest.approx(sum(r["ceiling"] for r in report["per_rank"]) / 2)
