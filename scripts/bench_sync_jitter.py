@@ -26,11 +26,6 @@ import numpy
 from npmegatron import comm
 
 
-def percentile(values, fraction):
-    ordered = sorted(values)
-    return ordered[round(fraction * (len(ordered) - 1))]
-
-
 def calibrated_gemms(a, b, segment_s):
     """How many a @ b make about segment_s seconds (at least 1), timed on this rank."""
     a @ b
@@ -79,7 +74,7 @@ def main():
     gemms = int(comm.broadcast(numpy.asarray([calibrated_gemms(a, b, args.segment_ms / 1e3)]), world)[0])
     work, waits = measure(world, args.segments, gemms, a, b)
     ceiling = statistics.fmean(work) / (statistics.fmean(work) + statistics.fmean(waits))
-    mine = [ceiling] + [f(s) for s in (work, waits) for f in (statistics.median, lambda s: percentile(s, 0.9), max)]
+    mine = [ceiling] + [f(s) for s in (work, waits) for f in (statistics.median, lambda s: numpy.percentile(s, 90), max)]
     every = numpy.asarray(comm.all_gather(numpy.asarray(mine), world)).reshape(world.size, len(mine))
     if world.rank == 0:
         rows = [{"rank": r, "ceiling": float(v[0]), "segment": summary_of(v[1:4]), "all_reduce": summary_of(v[4:7])}
@@ -87,6 +82,7 @@ def main():
         print(json.dumps({"ranks": world.size, "gemms_per_segment": gemms, "segments": args.segments,
                           "gemm_shape": [args.rows, args.inner, args.columns],
                           "ceiling": statistics.fmean(r["ceiling"] for r in rows), "per_rank": rows}))
+
 
 if __name__ == "__main__":
     main()
