@@ -12,6 +12,8 @@ import numpy
 
 from npmegatron.autograd.backend import get_array_module, to_numpy
 
+from . import shared_memory
+
 
 _PAIR_ID_TAG = 0x7A11    # the MPI tag carrying a pair communicator's NCCL id (NCCLBackend._pair)
 
@@ -41,6 +43,9 @@ class MPIBackend:
 
     def all_reduce(self, group, x, op):
         host = self._host(x)
+        channel = shared_memory.channel_for(group, host)
+        if channel is not None:
+            return self._like(x, channel.all_reduce(host, op))
         out = numpy.empty_like(host)
         group.mpi.Allreduce(host, out, op=self._ops()[op])
         return self._like(x, out)

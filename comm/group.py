@@ -14,13 +14,14 @@ class Group:
         self.size = mpi_comm.Get_size()
         self.nccl = None                    # created on the first GPU collective in this group
         self.nccl_pairs = None              # one-way NCCL pairs for point-to-point (NCCLBackend._pair)
+        self.shared_memory = None           # comm/shared_memory.py's window, on the first large all-reduce
 
     @classmethod
     def single(cls, name, rank=0):
         """A group of one rank that needs no MPI: every collective on it returns at once."""
         group = cls.__new__(cls)
         group.name, group.mpi, group.ranks = name, None, (rank,)
-        group.rank, group.size, group.nccl, group.nccl_pairs = 0, 1, None, None
+        group.rank, group.size, group.nccl, group.nccl_pairs, group.shared_memory = 0, 1, None, None, None
         return group
 
     def __repr__(self):

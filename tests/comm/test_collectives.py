@@ -22,6 +22,12 @@ def test_every_group_of_a_2x2x2_grid(mpirun):
     assert len(reports) == 8
 
 
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_large_all_reduces_through_shared_memory(mpirun, n):
+    result = mpirun(n, RANKS, args=["shared-memory"], timeout=240)
+    assert result.stdout.count("shared memory ok") == n
+
+
 def test_stats_count_calls_bytes_and_reset(mpirun):
     mpirun(2, RANKS, args=["stats"])
 

@@ -21,6 +21,14 @@ def test_tensor_parallel_equals_serial(mpirun, tp):
     assert reports[0]["padded_vocab"] == 128 * tp
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_through_shared_memory_equals_serial(mpirun, tp):
+    """Activations of 64 KiB take comm's shared-memory all-reduce (comm/shared_memory.py)."""
+    result = mpirun(tp, RANKS, args=["equals-serial-shared-memory"], timeout=180)
+    report = json.loads(next(l for l in result.stdout.splitlines() if l.startswith("{")))
+    assert report["shared_memory_calls"] >= 8 and report["max_rel_error"] < 1e-10
+
+
 def test_communication_per_layer_matches_the_paper(mpirun):
     result = mpirun(2, RANKS, args=["counts"])
     reports = {r["sp"]: r for r in (json.loads(l) for l in result.stdout.splitlines() if l.startswith("{"))}

@@ -6,6 +6,7 @@ everywhere, and so on), the comm statistics, and the BLAS thread pinning.
     mpiexec -n 8 python tests/ranks/collectives.py grid        # test_every_group_of_a_2x2x2_grid
     mpiexec -n 2 python tests/ranks/collectives.py stats       # test_stats_count_calls_bytes_and_reset
     mpiexec -n 2 python tests/ranks/collectives.py blas        # test_blas_is_pinned_to_cores_over_local_ranks
+    mpiexec -n N python tests/ranks/collectives.py shared-memory   # test_large_all_reduces_through_shared_memory
 """
 import os
 
@@ -162,7 +163,48 @@ def blas_threads():
     print("threads", comm.blas_threads())
 
 
-CASES = {"world": world_ops, "grid": grid_groups, "stats": stats, "blas": blas_threads}
+def shared_memory():
+    """Large all-reduces take comm's shared-memory channel and give the same bits as summing
+    every rank's input in rank order; sizes past its limits go through MPI; two groups each
+    keep their own window; a result stays valid after the next call."""
+    from npmegatron.comm import shared_memory as shm
+    world = comm.init()
+    groups = [world]
+    if world.size == 4:
+        grid = comm.ProcessGrid(tp=2, pp=1, dp=2)
+        groups += [grid.tp_group, grid.dp_group]
+
+    def inputs(shape, dtype, rank, call):
+        return np.random.default_rng([rank, call]).standard_normal(shape).astype(dtype)
+
+    cases = [((shm.MIN_BYTES // 4,), np.float32), ((2048, 512), np.float32), ((300, 301), np.float64),
+             ((shm.MAX_BYTES // 8,), np.float64), ((shm.MAX_BYTES // 4 + 1,), np.float32),
+             ((shm.MIN_BYTES // 4 - 1,), np.float32), ((2048, 512), np.float32)]
+    kept = []
+    for call, (shape, dtype) in enumerate(cases):
+        for group in groups:
+            before = group.shared_memory.calls if group.shared_memory else 0
+            x = inputs(shape, dtype, world.rank, call)
+            strided = np.repeat(x[..., None], 2, axis=-1)[..., 0]        # the same values, not contiguous
+            for op, reduce in (("sum", np.add), ("max", np.maximum), ("min", np.minimum)):
+                expect = inputs(shape, dtype, group.ranks[0], call)
+                for peer in group.ranks[1:]:
+                    expect = reduce(expect, inputs(shape, dtype, peer, call))
+                y = comm.all_reduce(strided if op == "max" else x, group, op)
+                assert y.dtype == x.dtype, (group, shape, dtype, op)
+                if shm.MIN_BYTES <= x.nbytes <= shm.MAX_BYTES:
+                    assert np.array_equal(y, expect), (group, shape, dtype, op)
+                else:               # MPI's own order of summation (pairwise on 4 ranks)
+                    np.testing.assert_allclose(y, expect, rtol=1e-5, atol=1e-5)
+            kept.append((y, y.copy()))
+            took = group.shared_memory.calls - before if group.shared_memory else 0
+            assert took == (3 if shm.MIN_BYTES <= x.nbytes <= shm.MAX_BYTES else 0), (shape, took)
+    assert all(np.array_equal(a, b) for a, b in kept)
+    print("rank", world.rank, "shared memory ok", world.shared_memory.slot_bytes)
+
+
+CASES = {"world": world_ops, "grid": grid_groups, "stats": stats, "blas": blas_threads,
+         "shared-memory": shared_memory}
 
 
 if __name__ == "__main__":

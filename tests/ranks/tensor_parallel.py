@@ -5,6 +5,8 @@ TP group of the whole world (TP = number of ranks).
 
     mpiexec -n 4 python tests/ranks/tensor_parallel.py adjoint        # test_mappings_are_adjoint_pairs
     mpiexec -n N python tests/ranks/tensor_parallel.py equals-serial  # test_tensor_parallel_equals_serial
+    mpiexec -n N python tests/ranks/tensor_parallel.py equals-serial-shared-memory
+                                                # test_tensor_parallel_through_shared_memory_equals_serial
     mpiexec -n 2 python tests/ranks/tensor_parallel.py counts
                                                 # test_communication_per_layer_matches_the_paper
     mpiexec -n 2 python tests/ranks/tensor_parallel.py cross-entropy-volume
@@ -89,28 +91,46 @@ def adjoint(world, grid):
 def equals_serial(world, grid):
     """Loss, logits, parameters and every gradient equal the serial model's, without and with
     sequence parallelism; rank 0 prints one JSON line for each."""
-    ids, targets = batch()
     for sp in (False, True):
-        serial = GPT(config(), comm.ProcessGrid.single())
-        model = GPT(config(sequence_parallel=sp), grid)
-        logits_s, loss_s = serial(ids, targets)
-        logits_p, loss_p = model(ids, targets)
-        loss_s.backward()
-        loss_p.backward()
-        model.finalize_grads()
-        worst = {"loss": rel(np.array(loss_p.item()), np.array(loss_s.item())),
-                 "logits": rel(model.full_logits(logits_p), serial.full_logits(logits_s))}
-        serial_specs = {name: (p, spec) for name, p, spec in serial.named_specs()}
-        for name, param, spec in model.named_specs():
-            p_s, spec_s = serial_specs[name]
-            worst[name] = rel(full(model, param, spec), full(serial, p_s, spec_s))
-            assert np.array_equal(full(model, param, spec, grad=False),
-                                  full(serial, p_s, spec_s, grad=False)), name
-        bad = {k: v for k, v in worst.items() if not v < 1e-10}
-        assert not bad, (sp, bad)
+        model, worst = compare_with_serial(grid, batch(), sequence_parallel=sp)
         if world.rank == 0:
             print(json.dumps({"tp": world.size, "sp": sp, "padded_vocab": model.padded_vocab_size,
                               "max_rel_error": max(worst.values())}))
+
+
+def equals_serial_through_shared_memory(world, grid):
+    """As equals-serial, with activations of 64 KiB (2 x 32 tokens x 128 float64): large enough
+    for comm's shared-memory all-reduce, which the TP all-reduces then take."""
+    model, worst = compare_with_serial(grid, batch(t=32), hidden_size=128, max_position_embeddings=32)
+    channel = grid.tp_group.shared_memory
+    assert channel and channel.calls >= 4 * 2, "the TP all-reduces did not take shared memory"
+    if world.rank == 0:
+        print(json.dumps({"tp": world.size, "shared_memory_calls": channel.calls,
+                          "max_rel_error": max(worst.values())}))
+
+
+def compare_with_serial(grid, ids_targets, **config_fields):
+    """(the TP model, worst relative error per quantity) after one forward and backward."""
+    ids, targets = ids_targets
+    serial = GPT(config(**{k: v for k, v in config_fields.items() if k != "sequence_parallel"}),
+                 comm.ProcessGrid.single())
+    model = GPT(config(**config_fields), grid)
+    logits_s, loss_s = serial(ids, targets)
+    logits_p, loss_p = model(ids, targets)
+    loss_s.backward()
+    loss_p.backward()
+    model.finalize_grads()
+    worst = {"loss": rel(np.array(loss_p.item()), np.array(loss_s.item())),
+             "logits": rel(model.full_logits(logits_p), serial.full_logits(logits_s))}
+    serial_specs = {name: (p, spec) for name, p, spec in serial.named_specs()}
+    for name, param, spec in model.named_specs():
+        p_s, spec_s = serial_specs[name]
+        worst[name] = rel(full(model, param, spec), full(serial, p_s, spec_s))
+        assert np.array_equal(full(model, param, spec, grad=False),
+                              full(serial, p_s, spec_s, grad=False)), name
+    bad = {k: v for k, v in worst.items() if not v < 1e-10}
+    assert not bad, (config_fields, bad)
+    return model, worst
 
 
 def counts(world, grid):
@@ -221,7 +241,8 @@ def tape_bytes(world, grid):
         assert 0.9 * world.size <= ratio <= 1.1 * world.size, (fn, ratio)
 
 
-CASES = {"adjoint": adjoint, "equals-serial": equals_serial, "counts": counts,
+CASES = {"adjoint": adjoint, "equals-serial": equals_serial,
+         "equals-serial-shared-memory": equals_serial_through_shared_memory, "counts": counts,
          "cross-entropy-volume": cross_entropy_volume, "megatron-cross-entropy": megatron_cross_entropy,
          "dropout-masks": dropout_masks, "tape-bytes": tape_bytes}
 
