@@ -65,7 +65,11 @@ class MPIBackend:
     def iall_reduce(self, group, x, op):
         """Non-blocking, in place on host arrays (GPU arrays are staged through host memory)."""
         host = self._host(x)
-        request = group.mpi.Iallreduce(_mpi().IN_PLACE, host, op=self._ops()[op])
+        channel = shared_memory.channel_for(group, host)
+        if channel is not None:
+            request = shared_memory.SharedMemoryRequest(channel, host, op)
+        else:
+            request = group.mpi.Iallreduce(_mpi().IN_PLACE, host, op=self._ops()[op])
         return MPIRequest(request, result=host, xp=get_array_module(x))
 
     def ireduce_scatter(self, group, x, op):

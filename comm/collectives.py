@@ -47,7 +47,8 @@ def all_reduce(x, group, op="sum"):
 
 def all_reduce_async(x, group, op="sum"):
     """Start an all-reduce of the contiguous array x in place and return a Request; wait() gives
-    the reduced array (x itself on host). Lets gradient buckets reduce while backward runs."""
+    the reduced array (x itself on host). Lets gradient buckets reduce while backward runs, and
+    tensor parallelism's backward compute weight gradients meanwhile. Recorded as "all_reduce"."""
     from .p2p import Request
     _check_op(op)
     if group.size == 1:
@@ -56,7 +57,9 @@ def all_reduce_async(x, group, op="sum"):
         raise InputError("all_reduce_async reduces in place and needs a contiguous array")
     if debug.enabled():
         debug.check_agreement(group, f"all_reduce_async(shape={tuple(x.shape)}, dtype={x.dtype}, op={op})")
-    return Request(backend_for(x).iall_reduce(group, x, op), "all_reduce_async", group, x.nbytes)
+    start = time.perf_counter()     # posting copies x on the shared-memory path: count it too
+    inner = backend_for(x).iall_reduce(group, x, op)
+    return Request(inner, "all_reduce", group, x.nbytes, started_s=time.perf_counter() - start)
 
 
 def reduce_scatter_async(x, group, op="sum"):

@@ -21,8 +21,9 @@ from .stats import record
 class Request:
     """A posted send or receive; wait() returns the received array (None for a send)."""
 
-    def __init__(self, inner, op, group, nbytes):
+    def __init__(self, inner, op, group, nbytes, started_s=0.0):
         self.inner, self.op, self.group, self.nbytes = inner, op, group, nbytes
+        self.started_s = started_s          # seconds the call took to start, recorded with the wait
         self.done, self.value = False, None
 
     def test(self):
@@ -33,7 +34,7 @@ class Request:
         if not self.done:
             start = time.perf_counter()
             self.value = self.inner.wait()
-            record(self.op, self.group.name, self.nbytes, time.perf_counter() - start)
+            record(self.op, self.group.name, self.nbytes, self.started_s + time.perf_counter() - start)
             self.done = True
         return self.value
 

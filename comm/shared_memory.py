@@ -15,8 +15,11 @@ rank. Call number k on rank r:
 MPI_Win_sync stands between writing data and publishing a counter, and between seeing a counter
 and reading data: a memory barrier on processors that reorder stores (x86 does not).
 
-One call is in flight per group at a time, so calls must come in the same order on every rank
-of the group, as for any collective. Small arrays (below MIN_BYTES, where MPICH's own path costs
+comm.all_reduce_async posts (steps 1-2) and its wait() does the rest, so a rank that posts
+early computes something else instead of waiting (tensor parallelism's backward: the weight
+gradient's GEMM). One call is in flight per group at a time; a call made while one is (the
+data-parallel buckets, several at once) goes through MPI. Calls come in the same order on every
+rank of the group, as for any collective, so every rank makes the same choice. Small arrays (below MIN_BYTES, where MPICH's own path costs
 microseconds) and large ones (above MAX_BYTES, to bound shared memory) go through MPI.
 NPMEGATRON_SHM_ALLREDUCE=0 turns the path off.
 """
@@ -44,7 +47,22 @@ def channel_for(group, x):
     channel = group.shared_memory
     if channel is None:
         channel = group.shared_memory = SharedMemoryChannel.open(group)
-    return channel or None
+    return channel if channel and not channel.in_flight else None
+
+
+class SharedMemoryRequest:
+    """A posted all-reduce (comm.all_reduce_async), reduced into x itself by Wait(). Test and
+    Wait are the names of an mpi4py request's methods, so backends.MPIRequest wraps either."""
+
+    def __init__(self, channel, x, op):
+        self.channel, self.x, self.op = channel, x, op
+        channel.post(x)
+
+    def Test(self):
+        return self.channel.ready()
+
+    def Wait(self):
+        self.channel.collect(self.x, self.op, out=self.x)
 
 
 class SharedMemoryChannel:
@@ -63,7 +81,7 @@ class SharedMemoryChannel:
 
     def __init__(self, mpi_comm):
         self.comm, self.rank, self.size = mpi_comm, mpi_comm.Get_rank(), mpi_comm.Get_size()
-        self.calls, self.slot_bytes, self.window = 0, 0, None
+        self.calls, self.slot_bytes, self.window, self.in_flight = 0, 0, None, False
 
     def _grow(self, nbytes):
         """A window whose slots hold nbytes (collective: every rank asks for the same size)."""
@@ -86,23 +104,36 @@ class SharedMemoryChannel:
         self.comm.Barrier()                  # every rank's counters are set before anyone looks
 
     def all_reduce(self, x, op):
+        """The reduction of every rank's x, in a new array."""
+        self.post(x)
+        return self.collect(x, op)
+
+    def post(self, x):
+        """Steps 1-2: x enters this rank's slot. The channel is busy until collect()."""
         if x.nbytes > self.slot_bytes:
             self._grow(x.nbytes)
         self.calls += 1
-        k = self.calls
-        self._wait_until(self.read, k - 1)
-        mine = self._slot(self.rank, x)
-        numpy.copyto(mine, x, casting="no")
+        self.in_flight = True
+        self._wait_until(self.read, self.calls - 1)
+        numpy.copyto(self._slot(self.rank, x), x, casting="no")
         self.window.Sync()
-        self.posted[self.rank] = k
-        self._wait_until(self.posted, k)
+        self.posted[self.rank] = self.calls
+
+    def ready(self):
+        """Every rank has posted: collect() will not wait."""
+        return self.posted.min() >= self.calls
+
+    def collect(self, x, op, out=None):
+        """Steps 3-5: the reduction of the posted slots (x gives shape and dtype), into out."""
+        self._wait_until(self.posted, self.calls)
         self.window.Sync()
         reduce = REDUCE[op]
-        out = reduce(self._slot(0, x), self._slot(1, x))
+        out = reduce(self._slot(0, x), self._slot(1, x), out=out)
         for peer in range(2, self.size):
             reduce(out, self._slot(peer, x), out=out)
         self.window.Sync()
-        self.read[self.rank] = k
+        self.read[self.rank] = self.calls
+        self.in_flight = False
         return out
 
     def _slot(self, rank, x):

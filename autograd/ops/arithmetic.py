@@ -177,12 +177,21 @@ class Linear(Function):
 
     @staticmethod
     def backward(ctx, g):
-        x, w = ctx.saved
+        return (Linear.input_grad(ctx, g),) + Linear.parameter_grads(ctx, g)
+
+    # backward in two halves, so tensor parallelism can all-reduce the first during the second
+    @staticmethod
+    def input_grad(ctx, g):
+        _, w = ctx.saved
+        return _rows_times(g, w.T) if ctx.needs_input_grad[0] else None
+
+    @staticmethod
+    def parameter_grads(ctx, g):
+        x, _ = ctx.saved
         need = ctx.needs_input_grad
-        gx = _rows_times(g, w.T) if need[0] else None
         gw = _weight_grad(x, g) if need[1] else None
         gb = bias_grad(g) if len(need) > 2 and need[2] else None
-        return gx, gw, gb
+        return gw, gb
 
 
 def add(a, b):

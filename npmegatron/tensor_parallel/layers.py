@@ -1,7 +1,9 @@
 """Tensor-parallel layers (paper §3, Fig. 3): column- and row-parallel linear layers and the
 vocabulary-parallel embedding. With a TP group of one rank they are the serial layers."""
 from npmegatron import autograd as ag
+from npmegatron import comm
 from npmegatron.autograd import Function, InputError
+from npmegatron.autograd.ops.arithmetic import Linear
 from npmegatron.autograd.backend import get_array_module, scatter_add
 from npmegatron.module import Module, ParamSpec, parameter
 
@@ -42,14 +44,36 @@ class ColumnParallelLinear(Module):
                       "bias": ParamSpec("zeros", (out_features,), (cols,), tp_axis=0)}
 
     def forward(self, x):
+        bias = None if self.skip_bias_add else self.bias
         if self.sequence_parallel:
-            x = gather_from_sp_region(x, self.group)
+            y = ag.linear(gather_from_sp_region(x, self.group), self.weight, bias)
+        elif self.group.size > 1:
+            y = _EnterAndLinear.apply(x, self.weight, *([bias] if bias is not None else []), group=self.group)
         else:
-            x = copy_to_tp_region(x, self.group)
+            y = ag.linear(x, self.weight, bias)
         if self.skip_bias_add:
-            return ag.linear(x, self.weight), self.bias
-        y = ag.linear(x, self.weight, self.bias)
+            return y, self.bias
         return gather_from_tp_region(y, self.group) if self.gather_output else y
+
+
+class _EnterAndLinear(Linear):
+    """f then x W + b as one op (Megatron's async tensor-parallel all-reduce). Backward computes
+    the input's gradient first and starts f's all-reduce of it, computes the weight and bias
+    gradients, and only then waits: a rank that reaches the all-reduce first spends the wait on
+    its weight GEMM, so the ranks' jitter is absorbed rather than waited out (host arrays: see
+    comm/shared_memory.py; GPU arrays: NCCL on the group's stream)."""
+
+    @staticmethod
+    def forward(ctx, x, w, b=None, group=None):
+        ctx.group = group
+        return Linear.forward(ctx, x, w, b)
+
+    @staticmethod
+    def backward(ctx, g):
+        gx = Linear.input_grad(ctx, g)
+        reduction = comm.all_reduce_async(gx, ctx.group) if gx is not None else None
+        gw, gb = Linear.parameter_grads(ctx, g)
+        return (reduction.wait() if reduction else None), gw, gb
 
 
 class RowParallelLinear(Module):

@@ -200,7 +200,27 @@ def shared_memory():
             took = group.shared_memory.calls - before if group.shared_memory else 0
             assert took == (3 if shm.MIN_BYTES <= x.nbytes <= shm.MAX_BYTES else 0), (shape, took)
     assert all(np.array_equal(a, b) for a, b in kept)
+    check_async_shared_memory(world, inputs)
     print("rank", world.rank, "shared memory ok", world.shared_memory.slot_bytes)
+
+
+def check_async_shared_memory(world, inputs):
+    """all_reduce_async posts into shared memory and reduces in place at wait(); while it is in
+    flight, other all-reduces on the group (async or not) go through MPI."""
+    channel = world.shared_memory
+    shape, ranks = (512, 256), world.ranks
+    expect = [sum(inputs(shape, np.float64, r, call) for r in ranks) for call in (100, 101, 102)]
+    first, second, third = (inputs(shape, np.float64, world.rank, call) for call in (100, 101, 102))
+    before = channel.calls
+    request = comm.all_reduce_async(first, world)
+    assert channel.in_flight and channel.calls == before + 1
+    other = comm.all_reduce_async(second, world)               # MPI: the channel is busy
+    blocking = comm.all_reduce(third, world)                   # MPI as well
+    assert request.wait() is first and not channel.in_flight and channel.calls == before + 1
+    other.wait()
+    for got, want in zip((first, second, blocking), expect):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    assert np.array_equal(first, expect[0])                     # the channel sums in rank order
 
 
 CASES = {"world": world_ops, "grid": grid_groups, "stats": stats, "blas": blas_threads,
