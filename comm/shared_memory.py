@@ -2,8 +2,8 @@
 
 Why: tensor parallelism all-reduces a 4 MiB activation 72 times a step on the reference model.
 MPICH moves it between two ranks through its shared-memory cells in 1.8-2.5 ms after a GEMM has
-evicted the caches; copying it into a shared slot and summing the slots takes 0.9-1.5 ms (two
-ranks on this 2-core machine; scripts/bench_sync_jitter.py's neighbour, measured both ways).
+evicted the caches; copying it into a shared slot and summing the slots took 0.9-1.5 ms (a
+two-rank loop of three 2048 x 512 x 768 GEMMs and one 4 MiB all-reduce, on the 2-core machine).
 
 How: each group gets one MPI shared window: a header of two counters per rank, then one slot per
 rank. Call number k on rank r:
@@ -15,13 +15,13 @@ rank. Call number k on rank r:
 MPI_Win_sync stands between writing data and publishing a counter, and between seeing a counter
 and reading data: a memory barrier on processors that reorder stores (x86 does not).
 
-comm.all_reduce_async posts (steps 1-2) and its wait() does the rest, so a rank that posts
-early computes something else instead of waiting (tensor parallelism's backward: the weight
-gradient's GEMM). One call is in flight per group at a time; a call made while one is (the
-data-parallel buckets, several at once) goes through MPI. Calls come in the same order on every
-rank of the group, as for any collective, so every rank makes the same choice. Small arrays (below MIN_BYTES, where MPICH's own path costs
-microseconds) and large ones (above MAX_BYTES, to bound shared memory) go through MPI.
-NPMEGATRON_SHM_ALLREDUCE=0 turns the path off.
+comm.all_reduce_async posts (steps 1-2) and its wait() does the rest, so a rank that posts early
+computes something else instead of waiting (tensor parallelism's backward: the weight gradient's
+GEMM). One call is in flight per group at a time; a call made while one is (the data-parallel
+buckets, several at once) goes through MPI. Calls come in the same order on every rank of the
+group, as for any collective, so every rank makes the same choice. Small arrays (below
+MIN_BYTES, where MPICH takes microseconds) and large ones (above MAX_BYTES, to bound the shared
+memory) go through MPI too. NPMEGATRON_SHM_ALLREDUCE=0 turns the path off.
 """
 import os
 
@@ -29,7 +29,7 @@ import numpy
 
 MIN_BYTES = 64 << 10
 MAX_BYTES = 16 << 20
-HEADER_BYTES = 4096             # posted[], read[] (int64 per rank); slots start on a page
+PAGE = 4096                     # the header (posted[], read[]: int64 per rank) and each slot fill whole pages
 DTYPES = (numpy.dtype(numpy.float32), numpy.dtype(numpy.float64))
 REDUCE = {"sum": numpy.add, "max": numpy.maximum, "min": numpy.minimum}
 
@@ -90,15 +90,16 @@ class SharedMemoryChannel:
             self.comm.Barrier()              # nobody reads the old slots any more
             self.window.Unlock_all()
             self.window.Free()
-        self.slot_bytes = max(nbytes, MIN_BYTES)
-        total = HEADER_BYTES + self.size * self.slot_bytes
+        self.slot_bytes = _pages(max(nbytes, MIN_BYTES))
+        header = _pages(2 * self.size * 8)
+        total = header + self.size * self.slot_bytes
         self.window = MPI.Win.Allocate_shared(total if self.rank == 0 else 0, 1, comm=self.comm)
         self.window.Lock_all(MPI.MODE_NOCHECK)
         memory, _ = self.window.Shared_query(0)
         whole = numpy.frombuffer(memory, numpy.uint8)
-        counters = whole[:HEADER_BYTES].view(numpy.int64)
+        counters = whole[:header].view(numpy.int64)
         self.posted, self.read = counters[:self.size], counters[self.size:2 * self.size]
-        self.slots = whole[HEADER_BYTES:]
+        self.slots = whole[header:]
         self.posted[self.rank] = self.read[self.rank] = self.calls
         self.window.Sync()
         self.comm.Barrier()                  # every rank's counters are set before anyone looks
@@ -146,3 +147,7 @@ class SharedMemoryChannel:
         microsecond when nothing else is runnable)."""
         while counters.min() < k:
             os.sched_yield()
+
+
+def _pages(nbytes):
+    return -(-nbytes // PAGE) * PAGE

@@ -48,7 +48,8 @@ class ColumnParallelLinear(Module):
         if self.sequence_parallel:
             y = ag.linear(gather_from_sp_region(x, self.group), self.weight, bias)
         elif self.group.size > 1:
-            y = _EnterAndLinear.apply(x, self.weight, *([bias] if bias is not None else []), group=self.group)
+            operands = (x, self.weight) if bias is None else (x, self.weight, bias)
+            y = _LinearWithAsyncGradAllReduce.apply(*operands, group=self.group)
         else:
             y = ag.linear(x, self.weight, bias)
         if self.skip_bias_add:
@@ -56,7 +57,7 @@ class ColumnParallelLinear(Module):
         return gather_from_tp_region(y, self.group) if self.gather_output else y
 
 
-class _EnterAndLinear(Linear):
+class _LinearWithAsyncGradAllReduce(Linear):
     """f then x W + b as one op (Megatron's async tensor-parallel all-reduce). Backward computes
     the input's gradient first and starts f's all-reduce of it, computes the weight and bias
     gradients, and only then waits: a rank that reaches the all-reduce first spends the wait on
