@@ -7,7 +7,7 @@ from npmegatron.autograd.ops.arithmetic import Linear
 from npmegatron.autograd.backend import get_array_module, scatter_add
 from npmegatron.module import Module, ParamSpec, parameter
 
-from .mappings import (copy_to_tp_region, gather_from_sp_region, gather_from_tp_region,
+from .mappings import (gather_from_sp_region, gather_from_tp_region,
                        reduce_from_tp_region, reduce_scatter_to_sp_region)
 
 
@@ -29,8 +29,9 @@ def pad_vocab_size(vocab_size, tp_size, divisible_by=128):
 
 class ColumnParallelLinear(Module):
     """y = x W + b with the columns (outputs) of W and b split over the TP ranks. Its input
-    enters the TP region through f (identity forward, all-reduce backward), or under sequence
-    parallelism through an all-gather of the sequence; the output stays split unless gathered."""
+    enters the TP region through f (identity forward, all-reduce backward; one op with the GEMM,
+    _LinearWithAsyncGradAllReduce), or under sequence parallelism through an all-gather of the
+    sequence; the output stays split unless gathered."""
 
     def __init__(self, xp, dtype, in_features, out_features, std, group, sequence_parallel=False,
                  gather_output=False, skip_bias_add=False):
@@ -149,9 +150,10 @@ class VocabParallelEmbedding(Module):
 
     def logits(self, hidden):
         """This rank's vocabulary columns of hidden @ weight^T; the input enters the TP region
-        through f (or an all-gather of the sequence under SP)."""
+        through f, fused with the GEMM as in ColumnParallelLinear (or an all-gather of the
+        sequence under SP)."""
         if self.sequence_parallel:
-            hidden = gather_from_sp_region(hidden, self.group)
-        else:
-            hidden = copy_to_tp_region(hidden, self.group)
+            return gather_from_sp_region(hidden, self.group) @ self.weight.T
+        if self.group.size > 1:
+            return _LinearWithAsyncGradAllReduce.apply(hidden, self.weight.T, group=self.group)
         return hidden @ self.weight.T
