@@ -61,9 +61,9 @@ class ColumnParallelLinear(Module):
 class _LinearWithAsyncGradAllReduce(Linear):
     """f then x W + b as one op (Megatron's async tensor-parallel all-reduce). Backward computes
     the input's gradient first and starts f's all-reduce of it, computes the weight and bias
-    gradients, and only then waits: a rank that reaches the all-reduce first spends the wait on
-    its weight GEMM, so the ranks' jitter is absorbed rather than waited out (host arrays: see
-    comm/shared_memory.py; GPU arrays: NCCL on the group's stream)."""
+    gradients, and only then waits. On a GPU the all-reduce runs on the group's stream meanwhile;
+    on the CPU (comm/shared_memory.py) a rank that reaches it first posts its share and computes
+    its weight GEMM, so a lag between the ranks shorter than that GEMM is not waited out."""
 
     @staticmethod
     def forward(ctx, x, w, b=None, group=None):
