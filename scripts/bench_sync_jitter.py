@@ -1,5 +1,7 @@
 """What ranks that meet often lose on this machine when their work takes a little longer on one
-rank than on the other: the ceiling of TP and DP efficiency that no code change can lift.
+rank than on the other: the ceiling of TP and DP efficiency for ranks that wait at every meeting.
+(Only work done while a meeting is under way gets past it: TP's backward computes its weight
+gradients while f's all-reduce is posted, see tensor_parallel/layers.py.)
 
 Every rank does the same work, segments of float32 GEMMs of one shape (about --segment-ms each),
 and after each segment all ranks meet in a small all-reduce, as TP's all-reduces do (TP = 2 on
