@@ -137,8 +137,6 @@ def load_for_generation(path, device="cpu", tp=None, pp=1):
     """(model, tokenizer) from a checkpoint saved at any layout, resharded to TP x PP ranks (TP
     default: the launched ranks / PP; one process without mpirun); sequence parallelism and
     dropout off."""
-    import os
-
     from . import comm
     from .build import build_grid, build_model
     from .data import tokenizer_from_spec
@@ -155,5 +153,9 @@ def load_for_generation(path, device="cpu", tp=None, pp=1):
     grid = build_grid(tp, pp)
     model = build_model(cfg, grid, default_layout(cfg.num_layers, pp, 1))
     checkpoint.load(folder, model, None, grid)
-    tokenizer = tokenizer_from_spec(manifest["tokenizer"], os.path.join(folder, "tokenizer.json"))
+    spec, file = manifest.get("tokenizer", {"type": "bytes"}), checkpoint.tokenizer_file(folder)
+    if spec["type"] == "huggingface" and file is None:
+        raise InputError(f"checkpoint {folder} was trained with a Hugging Face tokenizer, but its "
+                         "tokenizer.json is missing; copy the run's tokenizer.json into that folder")
+    tokenizer = tokenizer_from_spec(spec, file)
     return model, tokenizer

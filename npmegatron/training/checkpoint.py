@@ -12,29 +12,25 @@ A save fills DIR/iter_N.partial, flushing and fsyncing every file, and renames i
 when the manifest is complete; then `latest` moves. Loading checks the manifest against the run
 and each shard's size, checksum, names and shapes, and says in one sentence what is wrong.
 """
+import dataclasses
 import errno
 import hashlib
 import json
 import os
-import re
 import shutil
 
 import numpy
+from safetensors.numpy import save as to_safetensors
 
 from .. import comm
 from ..autograd import InputError, precision
 from ..autograd.backend import to_numpy
-from . import reshard
+from ..config import GPTConfig
+from . import manifest as manifests, reshard
+from .manifest import FORMAT, ITERATION_FOLDER, STRUCTURE, inside, shard_name
 
-FORMAT = "npmegatron-checkpoint-1"
-ITERATION_FOLDER = re.compile(r"iter_[0-9]{7}")
 MOMENTS = ("exp_avg", "exp_avg_sq")      # AdamW's, saved per parameter beside its weights
-STRUCTURE = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
-             "max_position_embeddings", "ffn_hidden_size")
-
-
-def shard_name(tp_rank, pp_rank):
-    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}.safetensors"
+MANIFEST_LIMIT = 2 ** 26                  # bytes; a manifest lists places, tens of bytes a tensor
 
 
 def _write_synced(path, data):
@@ -129,7 +125,6 @@ def save(root, iteration, model, optimizer, grid, extra, files=None):
 def _serialize_shard(model, state, grid):
     """(safetensors bytes or None, this rank's manifest record): DP rank 0 of each (TP, PP)
     position writes the shard; data-parallel replicas hold the same state."""
-    from safetensors.numpy import save as to_safetensors
     record = {"rank": grid.rank, "tp": grid.tp_rank, "pp": grid.pp_rank, "dp": grid.dp_rank,
               "rng": model.rng.get_states()}
     if grid.dp_rank != 0:
@@ -209,6 +204,7 @@ def find(root):
         folder = os.path.join(root, name)
         if not os.path.isdir(folder) and os.path.isdir(folder + ".old"):
             folder += ".old"          # killed while replacing a re-saved iteration
+        inside(root, os.path.basename(folder), "checkpoint folder")
     elif os.path.isfile(os.path.join(root, "manifest.json")):
         folder = root
     else:
@@ -218,21 +214,32 @@ def find(root):
 
 
 def read_manifest(root):
+    """(checkpoint folder, its manifest), every field of the manifest checked (manifest.py)."""
     folder = find(root)
-    path = os.path.join(folder, "manifest.json")
+    path = inside(folder, "manifest.json", "checkpoint manifest")
     try:
-        with open(path) as f:
+        if os.path.getsize(path) > MANIFEST_LIMIT:
+            raise InputError(f"checkpoint manifest {path} has {os.path.getsize(path):,} bytes, more than "
+                             f"any manifest the saver writes ({MANIFEST_LIMIT:,}); load another checkpoint")
+        with open(path, "rb") as f:
             manifest = json.load(f)
     except FileNotFoundError:
         raise InputError(f"checkpoint manifest {path} is missing; the checkpoint is incomplete, "
                          "load an earlier one") from None
-    except ValueError:
+    except (ValueError, RecursionError):
         raise InputError(f"checkpoint manifest {path} is not valid JSON; it is corrupt, load an "
                          "earlier checkpoint") from None
-    if manifest.get("format") != FORMAT:
-        raise InputError(f"{path} is not an npmegatron checkpoint manifest (format "
-                         f"{manifest.get('format')!r}, expected {FORMAT!r})")
+    except OSError as e:
+        raise InputError(f"checkpoint manifest {path} cannot be read ({e.strerror}); load another "
+                         "checkpoint") from None
+    manifests.check(manifest, folder, path)
     return folder, manifest
+
+
+def tokenizer_file(folder):
+    """The tokenizer.json a run saved beside its checkpoint (never a link out of the folder), or None."""
+    path = inside(folder, "tokenizer.json", "checkpoint tokenizer")
+    return path if os.path.isfile(path) else None
 
 
 def check_compatible(manifest, cfg, folder):
@@ -250,8 +257,6 @@ def check_compatible(manifest, cfg, folder):
 def saved_config(manifest, **overrides):
     """The GPTConfig a checkpoint's model was trained with (fields this version does not know are
     dropped), with `overrides` (e.g. dropout off for generation)."""
-    import dataclasses
-    from ..config import GPTConfig
     fields = {f.name for f in dataclasses.fields(GPTConfig)}
     return GPTConfig(**{**{k: v for k, v in manifest["model"].items() if k in fields}, **overrides})
 
@@ -259,7 +264,7 @@ def saved_config(manifest, **overrides):
 def verify_shards(folder, manifest):
     """One sentence on the first shard that is missing, truncated or fails its SHA-256, or None."""
     for name, info in manifest["shards"].items():
-        path = os.path.join(folder, name)
+        path = manifests.shard_path(folder, name, os.path.join(folder, "manifest.json"))
         if not os.path.isfile(path):
             return f"checkpoint shard {path} is missing; the checkpoint is incomplete"
         if os.path.getsize(path) != info["bytes"]:
@@ -297,6 +302,7 @@ def load(root, model, optimizer, grid, pipeline_layout=None):
     raise_if_any(error, world)
     try:
         saved = reshard.saved_places(manifest, model, grid, same_layout(manifest, grid, pipeline_layout))
+        manifests.check_places_fit(saved, model, manifest, os.path.join(folder, "manifest.json"))
         tensors = reshard.read_parameters(folder, saved, model, ("model",) + (MOMENTS if optimizer else ()))
     except InputError as e:
         error = str(e)

@@ -51,7 +51,9 @@ class DynamicLossScale(LossScale):
 
     def load_state_dict(self, state):
         super().load_state_dict(state)
-        self.good_steps, self.overflows_left = state["good_steps"], state["overflows_left"]
+        # A fixed scale's state has neither: the dynamic scale then starts its counts afresh.
+        self.good_steps = state.get("good_steps", 0)
+        self.overflows_left = state.get("overflows_left", self.hysteresis)
 
 
 def build_loss_scale(config):

@@ -17,8 +17,12 @@ per-rank stream.
 import os
 
 import numpy
+from safetensors import SafetensorError, safe_open
 
 from ..autograd import InputError
+from .manifest import shard_name, shard_path
+
+SAVED_DTYPES = {"F32": numpy.float32, "F64": numpy.float64}    # what the saver writes
 
 
 def places(model):
@@ -41,7 +45,6 @@ def saved_places(manifest, model, grid, same_layout):
         raise InputError("the checkpoint was saved by an older npmegatron that did not record where "
                          "each tensor sits, so it loads only at its own TP and PP sizes and layout; "
                          "resume it there and save again to make it reshardable")
-    from .checkpoint import shard_name
     return {shard_name(grid.tp_rank, grid.pp_rank): places(model)}
 
 
@@ -61,7 +64,6 @@ def _overlap(mine, theirs, real):
 def read_parameters(folder, saved, model, kinds):
     """{'KIND.NAME': host array shaped like this rank's parameter} for every parameter and every
     kind ('model', 'exp_avg', ...), assembled from the saved pieces it overlaps."""
-    from safetensors import safe_open
     mine = places(model)
     out, covered = {}, {}
     for name, param, spec in model.named_specs():
@@ -74,11 +76,16 @@ def read_parameters(folder, saved, model, kinds):
         wanted = [(name, where) for name, where in wanted if where is not None]
         if not wanted:
             continue
-        with safe_open(os.path.join(folder, file), framework="numpy") as f:
-            for name, (source, target) in wanted:
-                for kind in kinds:
-                    out[f"{kind}.{name}"][target] = _piece(f, file, f"{kind}.{name}", records[name], source)
-                covered[name][target] = True
+        path = shard_path(folder, file, os.path.join(folder, "manifest.json"))
+        try:
+            with safe_open(path, framework="numpy") as f:
+                for name, (source, target) in wanted:
+                    for kind in kinds:
+                        out[f"{kind}.{name}"][target] = _piece(f, file, f"{kind}.{name}", records[name], source)
+                    covered[name][target] = True
+        except (SafetensorError, OSError) as e:
+            raise InputError(f"checkpoint shard {path} cannot be read as safetensors ({e}); it is "
+                             "corrupt, load an earlier checkpoint") from None
     _check_covered(folder, model, mine, covered)
     return out
 
@@ -88,6 +95,9 @@ def _piece(f, file, key, record, source):
     if key not in f.keys():
         raise InputError(f"checkpoint shard {file} lacks tensor {key}; it was saved from a different model")
     saved, expected = f.get_slice(key), [hi - lo for lo, hi in record]
+    if saved.get_dtype() not in SAVED_DTYPES:
+        raise InputError(f"checkpoint shard {file}: tensor {key} has dtype {saved.get_dtype()}, but the "
+                         f"saver writes only {' or '.join(SAVED_DTYPES)}; the checkpoint is corrupt")
     if list(saved.get_shape()) != expected:
         raise InputError(f"checkpoint shard {file}: tensor {key} has shape {saved.get_shape()}, "
                          f"but the manifest places it as {expected}; the checkpoint is corrupt")

@@ -88,7 +88,7 @@ class Trainer:
         self.skipped = manifest.get("skipped_iterations", 0)
         if self.loss_scale is not None and manifest.get("loss_scale"):
             self.loss_scale.load_state_dict(manifest["loss_scale"])
-        saved_batch = manifest["data"]["global_batch_size"]
+        saved_batch = manifest.get("data", {}).get("global_batch_size")
         if saved_batch is not None and saved_batch != self.plan.global_batch:   # None: converted weights
             raise InputError(f"checkpoint {self.config.load} was trained with global batch {saved_batch}, "
                              f"this run has {self.plan.global_batch}; pass --global-batch-size {saved_batch}")

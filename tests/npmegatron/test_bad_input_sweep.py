@@ -70,6 +70,13 @@ CASES = [
     ("train-load-latest-outside", 0, TRAIN + ["--load", "{d}/outside"],
      "{d}/outside/latest names '../ck/iter_0000002', not a checkpoint of this folder", 1),
     ("train-load-manifest", 0, TRAIN + ["--load", "{d}/badmanifest"], "manifest.json is not valid JSON", 1),
+    ("train-load-shard-outside", 0, TRAIN + ["--load", "{d}/traversal"],
+     "'shards' names '../../x.safetensors', which is not a shard file name the saver writes", 1),
+    ("train-load-manifest-type", 0, TRAIN + ["--load", "{d}/liar"], "model --hidden-size is '32', but it must be of type int", 1),
+    ("train-mpi-load-shard-outside", 2, TRAIN + ["--tp", "2", "--load", "{d}/traversal"],
+     "'shards' names '../../x.safetensors', which is not a shard file name the saver writes", 1),
+    ("generate-load-shard-outside", 0, GENERATE + ["--load", "{d}/traversal", "--prompt", "x"],
+     "'shards' names '../../x.safetensors', which is not a shard file name the saver writes", 1),
     ("train-load-other-model", 0, TRAIN + ["--load", "{d}/ck", "--hidden-size", "64"],
      "holds a model with --hidden-size 32, but this run has --hidden-size 64", 1),
     ("train-save-below-file", 0, TRAIN + ["--save", "{d}/file/ck"], "--save {d}/file/ck is not a writable folder", 1),
@@ -141,6 +148,13 @@ def folder_digest(folder):
     return digest.hexdigest()
 
 
+def edit_manifest(root, change):
+    path = root / "iter_0000002" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    change(manifest)
+    path.write_text(json.dumps(manifest))
+
+
 @pytest.fixture(scope="module")
 def d(tmp_path_factory):
     """Checkpoints (good, TP=2, corrupt, `latest` pointing out, broken manifest) and data files."""
@@ -148,12 +162,15 @@ def d(tmp_path_factory):
     for ranks, extra, name in ((0, [], "ck"), (2, ["--tp", "2"], "ck_tp2")):
         made = run(ranks, TRAIN + extra + ["--dtype", "float64", "--save", str(d / name)])
         assert made.returncode == 0, made.stderr.decode()
-    for name in ("corrupt", "outside", "badmanifest"):
+    for name in ("corrupt", "outside", "badmanifest", "traversal", "liar"):
         shutil.copytree(d / "ck", d / name)
     shard = d / "corrupt" / "iter_0000002" / "mp_rank_00_000.safetensors"
     shard.write_bytes(shard.read_bytes()[:-3] + b"\x00\x00\x00")
     (d / "outside" / "latest").write_text("../ck/iter_0000002")
     (d / "badmanifest" / "iter_0000002" / "manifest.json").write_text("{not json")
+    shutil.copy(d / "ck" / "iter_0000002" / "mp_rank_00_000.safetensors", d / "x.safetensors")
+    edit_manifest(d / "traversal", lambda m: m.update(shards={"../../x.safetensors": m["shards"]["mp_rank_00_000.safetensors"]}))
+    edit_manifest(d / "liar", lambda m: m["model"].update(hidden_size="32"))
     (d / "a.txt").write_text("some text to tokenize\n")
     (d / "empty.txt").write_bytes(b"")
     (d / "file").write_text("a file, not a folder")
