@@ -16,8 +16,9 @@ GB = 1e9
 
 def parse_layout(text):
     parts = text.lower().split("x")
-    if len(parts) != 3 or not all(p.isdigit() and int(p) >= 1 for p in parts):
-        raise InputError(f"--layout {text!r} is not TPxPPxDP with positive integers; write e.g. 2x1x4")
+    if len(parts) != 3 or not all(p.isascii() and p.isdigit() and 1 <= int(p) <= 2 ** 16 for p in parts):
+        raise InputError(f"--layout {text!r} is not TPxPPxDP with positive integers up to 65536; "
+                         "write e.g. 2x1x4")
     return tuple(int(p) for p in parts)
 
 

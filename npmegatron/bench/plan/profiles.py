@@ -51,7 +51,7 @@ def load_profile(name_or_path):
     try:
         with open(path, encoding="utf-8") as f:
             raw = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
         raise InputError(f"profile {path} is not readable JSON ({error}); fix the file or run "
                          "`npmegatron plan calibrate --output FILE`") from None
     return normalise(raw, path)
@@ -86,6 +86,8 @@ def normalise(raw, path="<profile>"):
         raise InputError(f"profile {path} is not a JSON object; see npmegatron/bench/plan/profiles.py")
     profile = dict(raw)
     profile.setdefault("name", os.path.splitext(os.path.basename(path))[0])
+    if not isinstance(profile["name"], str):
+        raise InputError(f"profile {path} has 'name' = {profile['name']!r}; it must be a string")
     if "flops" in raw:
         profile["flops"] = _number(raw, "flops", path)
     elif "peak_flops" in raw:
@@ -94,14 +96,47 @@ def normalise(raw, path="<profile>"):
         _number(raw, "flops", path)       # names the missing key
     if profile["flops"] <= 0:
         raise InputError(f"profile {path} gives a FLOP rate of 0; it must be positive")
-    profile["devices_per_node"] = max(1, int(_number(raw, "devices_per_node", path)))
+    profile["devices_per_node"] = _count(raw, "devices_per_node", path)
     profile["device_memory_bytes"] = _number(raw, "device_memory_bytes", path)
     profile["dp_overlap"] = _number(raw, "dp_overlap", path) if "dp_overlap" in raw else 1.0
+    if profile["dp_overlap"] > 1:
+        raise InputError(f"profile {path} has 'dp_overlap' = {raw['dp_overlap']!r}; it is a share of "
+                         "backward, from 0 to 1")
     profile["flops_recompute"] = raw.get("flops_recompute", "none")
-    profile["ranks_share_flops"] = bool(raw.get("ranks_share_flops", False))
     if profile["flops_recompute"] not in ("none", "selective", "full"):
         raise InputError(f"profile {path} has flops_recompute {profile['flops_recompute']!r}; use none, "
                          "selective or full")
+    profile["ranks_share_flops"] = raw.get("ranks_share_flops", False)
+    if not isinstance(profile["ranks_share_flops"], bool):
+        raise InputError(f"profile {path} has 'ranks_share_flops' = {raw['ranks_share_flops']!r}; it "
+                         "must be true or false")
+    if "flops_by_threads" in raw:
+        profile["flops_by_threads"] = _rates_by_threads(raw["flops_by_threads"], path)
     profile["intra"] = _links(raw, path, "intra")
     profile["inter"] = _links(raw, path, "inter")
     return profile
+
+
+def _count(raw, key, path):
+    """A whole number of at least 1 (devices, threads), given as a JSON number."""
+    value = _number(raw, key, path)
+    if value != int(value) or not 1 <= value <= 2 ** 20:
+        raise InputError(f"profile {path} has '{key}' = {raw[key]!r}; it must be a whole number "
+                         "from 1 to 1048576")
+    return int(value)
+
+
+def _rates_by_threads(rates, path):
+    """{"threads": FLOP/s}, checked: every count a positive integer, every rate positive."""
+    if not isinstance(rates, dict) or not rates:
+        raise InputError(f"profile {path} has 'flops_by_threads' = {rates!r}; it must be an object "
+                         "like {\"1\": 5e10, \"2\": 9e10}")
+    out = {}
+    for threads, rate in rates.items():
+        if not (threads.isascii() and threads.isdigit() and 1 <= int(threads) <= 2 ** 20):
+            raise InputError(f"profile {path} has flops_by_threads key {threads!r}; keys are thread "
+                             "counts, positive integers")
+        out[threads] = _number(rates, threads, path, "flops_by_threads.")
+        if out[threads] <= 0:
+            raise InputError(f"profile {path} gives flops_by_threads.{threads} = 0; it must be positive")
+    return out
