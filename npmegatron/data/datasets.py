@@ -12,7 +12,7 @@ from ..autograd import InputError
 from . import indexed
 from .corpus import load_default_corpus
 from .sampling import Blend, make_sampler
-from .tokenizer import ByteTokenizer, HFTokenizer, tokenizer_from_spec
+from .tokenizer import BYTE_VOCAB_SIZE, ByteTokenizer, HFTokenizer, tokenizer_from_spec
 
 INDEX_FORMAT = "npmegatron-tokens-1"
 SIDECAR_FORMAT = "npmegatron-megatron-sidecar-1"
@@ -42,13 +42,35 @@ def check_index(index, path):
     if index["tokenizer"].get("type") not in ("bytes", "huggingface"):
         raise InputError(f"{path}: tokenizer type {index['tokenizer'].get('type')!r} is not 'bytes' or "
                          f"'huggingface'; {fix}")
+    _check_byte_vocabulary(path, index["vocab_size"], index["tokenizer"], fix)
     offsets = index["document_offsets"]
-    if not (offsets and offsets[0] == 0 and offsets[-1] == index["num_tokens"]
-            and all(isinstance(o, int) for o in offsets)
+    if not (offsets and all(type(o) is int for o in offsets)      # not isinstance: a JSON true is an int there
+            and offsets[0] == 0 and offsets[-1] == index["num_tokens"]
             and all(a <= b for a, b in zip(offsets, offsets[1:]))):
         raise InputError(f"{path}: document_offsets must be integers from 0, never decreasing, to "
                          f"num_tokens {index['num_tokens']}; {fix}")
     return numpy.dtype(index["dtype"])
+
+
+def _check_byte_vocabulary(path, vocab_size, spec, fix):
+    """Byte-level data has the byte tokenizer's 256 ids; another count would size the model's
+    embedding to a vocabulary the data was not made with."""
+    if spec["type"] == "bytes" and vocab_size != BYTE_VOCAB_SIZE:
+        raise InputError(f"{path}: vocab_size {vocab_size} is not the byte tokenizer's {BYTE_VOCAB_SIZE}; {fix}")
+
+
+def _check_token_ids(tokens, vocab_size, bin_path, source, fix):
+    """Every token id names a row of the embedding: one past vocab_size would index out of it and a
+    negative one would wrap round to another row silently. One vectorised pass at open, skipped
+    when the token type cannot hold an id that large (bytes in uint8)."""
+    unsigned = tokens.dtype.kind == "u"
+    if tokens.size == 0 or (unsigned and numpy.iinfo(tokens.dtype).max < vocab_size):
+        return
+    high = int(tokens.max())
+    low = 0 if unsigned and high < vocab_size else int(tokens.min())    # unsigned: min() only for the message
+    if low < 0 or high >= vocab_size:
+        raise InputError(f"{bin_path} holds token ids {low}..{high}, outside the vocabulary of {source} "
+                         f"({vocab_size}); {fix}")
 
 
 class DocumentSplits:
@@ -72,7 +94,14 @@ class DocumentSplits:
         return tuple(self.tokens[a:b] for a, b in zip(cuts, cuts[1:]))
 
     def tokenizer(self):
-        return tokenizer_from_spec(self.spec, self.tokenizer_file)
+        """The tokenizer the data was made with, once it has the vocabulary the index records (the
+        model's embedding is sized by the index, the text by the tokenizer)."""
+        tokenizer = tokenizer_from_spec(self.spec, self.tokenizer_file)
+        if tokenizer.vocab_size != self.vocab_size:
+            raise InputError(f"{self.tokenizer_file} has a vocabulary of {tokenizer.vocab_size}, but the index "
+                             f"of {self.prefix} records {self.vocab_size}; put the tokenizer the data was made "
+                             "with there")
+        return tokenizer
 
 
 def split_boundaries(proportions, count):
@@ -103,7 +132,7 @@ class TokenDataset(DocumentSplits):
         try:
             with open(index_path) as f:
                 index = json.load(f)
-        except ValueError:
+        except (ValueError, RecursionError):     # deep nesting exhausts the parser: as unreadable as bad JSON
             index = {}
         dtype = check_index(index, index_path)
         size = os.path.getsize(bin_path)
@@ -118,6 +147,7 @@ class TokenDataset(DocumentSplits):
         self.tokens = numpy.memmap(bin_path, dtype=dtype, mode="r")
         self.vocab_size = index["vocab_size"]
         self.tokenizer_file = prefix + ".tokenizer.json" if index["tokenizer"]["type"] != "bytes" else None
+        _check_token_ids(self.tokens, self.vocab_size, bin_path, index_path, "preprocess the data again")
 
 
 class MegatronDataset(DocumentSplits):
@@ -143,16 +173,13 @@ class MegatronDataset(DocumentSplits):
                                  f"nor {tokenizer_file} is beside it; copy the tokenizer.json the data was "
                                  f"made with to {tokenizer_file}")
             vocab_size = HFTokenizer(tokenizer_file).vocab_size
-            low, high = int(self.tokens.min()), int(self.tokens.max())
-            if low < 0 or high >= vocab_size:
-                raise InputError(f"{self.prefix}.bin holds token ids {low}..{high}, outside the vocabulary "
-                                 f"of {tokenizer_file} ({vocab_size}); put the tokenizer the data was made "
-                                 "with there")
+            _check_token_ids(self.tokens, vocab_size, self.prefix + ".bin", tokenizer_file,
+                            "put the tokenizer the data was made with there")
             return vocab_size, {"type": "huggingface"}, tokenizer_file
         try:
             with open(sidecar) as f:
                 info = json.load(f)
-        except ValueError:
+        except (ValueError, RecursionError):
             info = None
         if not (isinstance(info, dict) and info.get("format") == SIDECAR_FORMAT
                 and type(info.get("vocab_size")) is int and info["vocab_size"] >= 1
@@ -160,6 +187,8 @@ class MegatronDataset(DocumentSplits):
                 and info["tokenizer"].get("type") in ("bytes", "huggingface")):
             raise InputError(f"{sidecar} is not an npmegatron sidecar (format {SIDECAR_FORMAT}, a positive "
                              f"vocab_size, a bytes or huggingface tokenizer); preprocess the data again")
+        _check_byte_vocabulary(sidecar, info["vocab_size"], info["tokenizer"], "preprocess the data again")
+        _check_token_ids(self.tokens, info["vocab_size"], self.prefix + ".bin", sidecar, "preprocess the data again")
         huggingface = info["tokenizer"]["type"] == "huggingface"
         return info["vocab_size"], info["tokenizer"], tokenizer_file if huggingface else None
 
@@ -202,12 +231,26 @@ def parse_blend(data_path):
             raise InputError(f"--data-path blend weight {word!r} is not a positive number; a blend is "
                              f"weight and PREFIX pairs, {BLEND_EXAMPLE}")
         weights.append(weight)
-    return [(w / sum(weights), prefix) for w, prefix in zip(weights, words[1::2])]
+    shares = _shares(weights)
+    if min(shares) == 0:          # so small beside the largest that its share underflows to 0
+        small, large = words[2 * shares.index(0)], words[2 * weights.index(max(weights))]
+        raise InputError(f"--data-path blend weight {small!r} is too small beside {large!r} to be drawn; "
+                         f"give weights of similar size, {BLEND_EXAMPLE}")
+    return list(zip(shares, words[1::2]))
+
+
+def _shares(values):
+    """`values` divided by their sum; by their largest first when that sum overflows to inf, so
+    that 1e308 and 1e308 are halves, not zeros."""
+    if math.isinf(sum(values)):
+        values = [v / max(values) for v in values]
+    return [v / sum(values) for v in values]
 
 
 def parse_split(split):
     """Megatron's --split: up to three proportions (train, validation, test) separated by commas
-    or slashes, normalised to sum 1; missing ones are 0 ("99,1" has no test part)."""
+    or slashes, normalised to sum 1; missing ones are 0 ("99,1" has no test part). The training
+    part must be positive, or the run would have nothing to train on."""
     problem = (f"--split {split!r} must be up to three proportions for train, validation and test, "
                "not negative and not all 0, e.g. 949,50,1")
     try:
@@ -216,8 +259,11 @@ def parse_split(split):
         raise InputError(problem) from None
     if len(values) > 3 or not all(math.isfinite(v) and v >= 0 for v in values) or sum(values) <= 0:
         raise InputError(problem)
-    values += [0.0] * (3 - len(values))
-    return [v / sum(values) for v in values]
+    shares = _shares(values + [0.0] * (3 - len(values)))
+    if shares[0] == 0:
+        raise InputError(f"--split {split!r} leaves nothing to train on; make its first (training) proportion "
+                         "positive, e.g. 949,50,1")
+    return shares
 
 def _same_tokenizer(datasets):
     """A blend's datasets share one vocabulary, or one model could not train on all of them."""

@@ -70,7 +70,7 @@ def _jsonl_records(path, keys):
                 continue
             try:
                 record = json.loads(line)
-            except ValueError as error:
+            except (ValueError, RecursionError) as error:      # RecursionError: nested too deeply to parse
                 raise InputError(f"{path} line {number} is not JSON ({error}); give one JSON object "
                                  "per line") from None
             if not isinstance(record, dict):

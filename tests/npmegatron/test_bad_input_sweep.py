@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from helpers import ROOT, mpiexec_path, rank_environment
+from npmegatron.data.indexed import write_indexed_dataset
 
 TRAIN = [sys.executable, "scripts/train.py", "--num-layers", "1", "--hidden-size", "32",
          "--num-attention-heads", "2", "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "2",
@@ -65,6 +66,20 @@ CASES = [
     ("train-no-data", 0, TRAIN + ["--data-path", "{d}/missing"], "--data-path {d}/missing: {d}/missing.bin and "
                                                                 "{d}/missing.json not found", 1),
     ("train-index-key", 0, TRAIN + ["--data-path", "{d}/nokey"], "{d}/nokey.json has no 'num_tokens' entry", 1),
+    ("train-idx-pointers", 0, TRAIN + ["--data-path", "{d}/liar_idx"],
+     "{d}/liar_idx.idx: the sequence pointers are not the sequences back to back from byte 0", 1),
+    ("train-idx-token-outside-vocabulary", 0, TRAIN + ["--data-path", "{d}/big_ids"],
+     "{d}/big_ids.bin holds token ids 1..300, outside the vocabulary of {d}/big_ids.npmegatron.json (256)", 1),
+    ("train-mpi-idx-token-outside-vocabulary", 2, TRAIN + ["--tp", "2", "--data-path", "{d}/big_ids"],
+     "{d}/big_ids.bin holds token ids 1..300, outside the vocabulary of {d}/big_ids.npmegatron.json (256)", 1),
+    ("train-index-json-offsets-bool", 0, TRAIN + ["--data-path", "{d}/bool_offsets"],
+     "{d}/bool_offsets.json: document_offsets must be integers", 1),
+    ("train-blend-weights-too-far-apart", 0, TRAIN + ["--data-path", "1e308 {d}/good_idx 1e-308 {d}/good_idx"],
+     "--data-path blend weight '1e-308' is too small beside '1e308' to be drawn", 1),
+    ("train-split-no-training", 0, TRAIN + ["--data-path", "{d}/good_idx", "--split", "0,50,50"],
+     "--split '0,50,50' leaves nothing to train on", 1),
+    ("preprocess-jsonl-deeply-nested", 0, PREPROCESS + ["{d}/deep.jsonl", "--output", "{d}/out"],
+     "{d}/deep.jsonl line 1 is not JSON (", 1),
     ("train-load-missing", 0, TRAIN + ["--load", "{d}/nothing"], "--load {d}/nothing: no such checkpoint folder", 1),
     ("train-load-corrupt", 0, TRAIN + ["--load", "{d}/corrupt"], "mp_rank_00_000.safetensors fails its SHA-256 check", 1),
     ("train-load-latest-outside", 0, TRAIN + ["--load", "{d}/outside"],
@@ -178,6 +193,17 @@ def d(tmp_path_factory):
     (d / "nokey.bin").write_bytes(bytes(range(64)))
     (d / "nokey.json").write_text(json.dumps({"format": "npmegatron-tokens-1", "dtype": "uint8", "vocab_size": 256,
                                               "tokenizer": {"type": "bytes"}, "document_offsets": [0, 64]}))
+    sidecar = {"format": "npmegatron-megatron-sidecar-1", "vocab_size": 256, "tokenizer": {"type": "bytes"}}
+    for name, last in (("good_idx", 3), ("liar_idx", 3), ("big_ids", 300)):      # Megatron data, 2 sequences
+        write_indexed_dataset(str(d / name), [list(range(1, 99)), [2, last]], "uint16")
+        (d / f"{name}.npmegatron.json").write_text(json.dumps(sidecar))
+    idx = (d / "liar_idx.idx").read_bytes()          # the second pointer (bytes 50-57) says 5, not 196
+    (d / "liar_idx.idx").write_bytes(idx[:50] + (5).to_bytes(8, "little") + idx[58:])
+    shutil.copy(d / "nokey.bin", d / "bool_offsets.bin")
+    (d / "bool_offsets.json").write_text(json.dumps({"format": "npmegatron-tokens-1", "dtype": "uint8", "num_tokens": 64,
+                                                     "vocab_size": 256, "tokenizer": {"type": "bytes"},
+                                                     "document_offsets": [0, True, 64]}))
+    (d / "deep.jsonl").write_text("[" * 100000 + "\n")
     return d
 
 
