@@ -101,17 +101,22 @@ def generate(load, prompt, max_tokens, temperature, top_k, seed, tp, pp, device)
 @click.option("--to-hf", "to_hf", default=None, help="A folder to write the --load checkpoint into, as "
               "GPT2LMHeadModel.from_pretrained reads it.")
 @click.option("--load", default=None, help="With --to-hf: a checkpoint saved at any layout.")
+@click.option("--overwrite", is_flag=True, default=False, help="With --to-hf: replace the config.json and "
+              "weights the folder already holds (by default that is refused).")
 @user_errors
-def convert(from_hf, save, to_hf, load):
+def convert(from_hf, save, to_hf, load, overwrite):
     """Hugging Face GPT-2 weights in (--from-hf DIR --save CK) or out (--load CK --to-hf DIR)."""
     from .convert import export_hf, import_hf
     if bool(from_hf) == bool(to_hf) or bool(from_hf) != bool(save) or bool(to_hf) != bool(load):
         raise InputError("convert needs either --from-hf DIR --save CHECKPOINT or --load CHECKPOINT "
                          "--to-hf DIR; give one of the two pairs")
+    if from_hf and overwrite:
+        raise InputError("--overwrite replaces a --to-hf folder's weights, but --from-hf writes a new "
+                         "checkpoint into an empty --save folder; drop --overwrite")
     if from_hf:
         click.echo(f"wrote {import_hf(from_hf, save)}")
     else:
-        click.echo(f"wrote {export_hf(load, to_hf)}")
+        click.echo(f"wrote {export_hf(load, to_hf, overwrite)}")
 
 
 @main.group()

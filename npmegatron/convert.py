@@ -24,20 +24,22 @@ loads without complaint and gives a wrong model; the columns of weight and bias 
 HF's causal-mask buffers (h.N.attn.bias, h.N.attn.masked_bias) are skipped; `lm_head.weight`,
 which GPT2LMHeadModel.save_pretrained leaves out because it is tied, is accepted only when it
 equals wte. Written files have "transformer."-prefixed keys and no lm_head, as save_pretrained's.
+
+A folder from elsewhere is input (issue 26): hf_folder.py checks its files; here config.json's
+values are checked and held against the weights' shapes before any model is built from them.
 """
 import json
+import math
 import os
-import shutil
+import re
 
 import numpy
-from safetensors import SafetensorError
-from safetensors.numpy import load_file, save_file
 
 from .autograd import InputError
 from .config import GPTConfig
+from .hf_folder import PREFIX, check_hf_target, inside_folder, is_mask_buffer, read_hf_folder, write_hf_folder
+from .safetensors_header import one_line, shown as _shown
 
-PREFIX = "transformer."
-MASK_BUFFERS = ("attn.bias", "attn.masked_bias")   # old transformers saved these with the weights
 ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}   # HF -> GPTConfig.gelu
 # What GPT2Config assumes for a field config.json leaves out, so a sparse file means what HF reads.
 HF_DEFAULTS = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12,
@@ -49,6 +51,8 @@ HF_DEFAULTS = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer
 REQUIRED = {"tie_word_embeddings": True, "scale_attn_weights": True,
             "scale_attn_by_inverse_layer_idx": False, "add_cross_attention": False}
 GPT2_EOS = 50256   # <|endoftext|>, GPT2Config's default bos/eos id
+LARGEST_SIZE = 2 ** 48   # no real size comes near it; larger ints overflow float checks downstream
+LAYER_MATRIX = re.compile(r"h\.([0-9]+)\.(attn\.c_attn|mlp\.c_fc)\.weight")   # marks a layer as held
 
 
 def config_from_hf(hf_config):
@@ -59,29 +63,61 @@ def config_from_hf(hf_config):
     choice of the run, and load_masters casts the weights to it."""
     get = lambda key: hf_config.get(key, HF_DEFAULTS.get(key))   # noqa: E731
     if hf_config.get("model_type") != "gpt2":
-        raise InputError(f"config.json has model_type {hf_config.get('model_type')!r}; only 'gpt2' "
+        raise InputError(f"config.json has model_type {_shown(hf_config.get('model_type'))}; only 'gpt2' "
                          "(GPT2Model, GPT2LMHeadModel) can be converted")
     for key, wanted in REQUIRED.items():
         if get(key) != wanted:
-            raise InputError(f"config.json has {key} {get(key)!r}; npmegatron supports only "
+            raise InputError(f"config.json has {key} {_shown(get(key))}; npmegatron supports only "
                              f"{json.dumps(wanted)} (GPT-2's own layout)")
     activation = get("activation_function")
-    if activation not in ACTIVATIONS:
-        raise InputError(f"config.json has activation_function {activation!r}; npmegatron supports "
+    if not isinstance(activation, str) or activation not in ACTIVATIONS:
+        raise InputError(f"config.json has activation_function {_shown(activation)}; npmegatron supports "
                          f"{', '.join(map(repr, ACTIVATIONS))}")
     positions = hf_config.get("n_positions", hf_config.get("n_ctx", HF_DEFAULTS["n_positions"]))
     sizes = {"n_layer": get("n_layer"), "n_embd": get("n_embd"), "n_head": get("n_head"),
              "vocab_size": get("vocab_size"), "n_positions": positions, "n_inner": get("n_inner")}
     for key, value in sizes.items():
-        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1) \
-                and not (key == "n_inner" and value is None):
-            raise InputError(f"config.json has {key} {value!r}; it must be a positive integer")
+        if not (type(value) is int and 1 <= value <= LARGEST_SIZE) and not (key == "n_inner" and value is None):
+            raise InputError(f"config.json has {key} {_shown(value)}; it must be a positive integer "
+                             "(at most 2^48)")
+    if sizes["n_embd"] % sizes["n_head"]:
+        raise InputError(f"config.json has n_head {sizes['n_head']}, which does not divide n_embd "
+                         f"{sizes['n_embd']}; give the config.json saved with these weights")
+    numbers = _config_numbers(get)
     return {"num_layers": sizes["n_layer"], "hidden_size": sizes["n_embd"],
             "num_attention_heads": sizes["n_head"], "vocab_size": sizes["vocab_size"],
             "max_position_embeddings": positions, "ffn_hidden_size": sizes["n_inner"] or 4 * sizes["n_embd"],
-            "hidden_dropout": get("resid_pdrop"), "attention_dropout": get("attn_pdrop"),
-            "layernorm_epsilon": get("layer_norm_epsilon"), "init_method_std": get("initializer_range"),
+            "hidden_dropout": numbers["resid_pdrop"], "attention_dropout": numbers["attn_pdrop"],
+            "layernorm_epsilon": numbers["layer_norm_epsilon"], "init_method_std": numbers["initializer_range"],
             "gelu": ACTIVATIONS[activation]}
+
+
+def _config_numbers(get):
+    """config.json's real-valued fields as floats, each in the range GPT2Config's modules accept
+    (a dropout rate in [0, 1)): a string, a boolean, NaN or infinity is refused here rather than
+    met inside the model."""
+    rate = (lambda x: 0.0 <= x < 1.0, "a number in [0, 1)")
+    rules = {"resid_pdrop": rate, "embd_pdrop": rate, "attn_pdrop": rate,
+             "layer_norm_epsilon": (lambda x: x > 0.0, "a positive finite number"),
+             "initializer_range": (lambda x: x >= 0.0, "a finite number, not negative")}
+    numbers = {}
+    for key, (holds, rule) in rules.items():
+        number = _finite(get(key))
+        if number is None or not holds(number):
+            raise InputError(f"config.json has {key} {_shown(get(key))}; it must be {rule}")
+        numbers[key] = number
+    return numbers
+
+
+def _finite(value):
+    """A JSON number as a finite float, else None (strings, booleans, NaN, infinity, huge ints)."""
+    if type(value) not in (int, float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def config_to_hf(cfg: GPTConfig, bos_token_id=None, eos_token_id=None):
@@ -161,7 +197,7 @@ def strip_hf_names(tensors):
             lm_head = array
             continue
         name = key[len(PREFIX):] if key.startswith(PREFIX) else key
-        if name.startswith("h.") and name.split(".", 2)[-1] in MASK_BUFFERS:
+        if is_mask_buffer(name):
             continue
         if name in stripped:
             raise InputError(f"the Hugging Face checkpoint holds {name!r} twice (as {shown[name]!r} and "
@@ -170,13 +206,38 @@ def strip_hf_names(tensors):
     return stripped, shown, lm_head
 
 
+def check_config_fits(tensors, cfg, shown):
+    """config.json's sizes against the shapes of the weights ({name: array}, unprefixed), before
+    anything is built from them: a config that disagrees, or asks for absurd sizes, is named here
+    rather than met as a wrong model or a huge allocation. A layer is held when one of its two
+    matrices is; missing pieces are check_tensors' to name."""
+    held = sorted({int(m.group(1)) for name in tensors if (m := LAYER_MATRIX.fullmatch(name))})
+    if cfg.num_layers != len(held):
+        listed = ", ".join(f"h.{n}" for n in held[:4]) + (", ..." if len(held) > 4 else "")
+        raise InputError(f"config.json has n_layer {cfg.num_layers}, but the weights' layers are "
+                         f"{listed or 'none'} ({len(held)} in all); give the config.json saved with these weights")
+    sizes = [("vocab_size", cfg.vocab_size, "wte.weight", 0), ("n_embd", cfg.hidden_size, "wte.weight", 1),
+             ("n_positions", cfg.max_position_embeddings, "wpe.weight", 0),
+             ("n_inner (or 4 x n_embd)", cfg.ffn_hidden_size, "h.0.mlp.c_fc.weight", 1)]
+    for key, value, name, axis in sizes:
+        shape = tuple(getattr(tensors.get(name), "shape", ()))
+        if len(shape) == 2 and shape[axis] != value:
+            raise InputError(f"config.json has {key} {value}, but tensor {shown.get(name, name)!r} has shape "
+                             f"{shape}; give the config.json saved with these weights")
+
+
 def masters_from_hf(tensors, cfg):
     """{npmegatron master name: array} from an HF GPT-2 state ({name: array}, prefixed or not),
     QKV columns reordered; every tensor checked first, so nothing half-converted comes back.
     Arrays keep their dtype."""
     tensors, shown, lm_head = strip_hf_names(tensors)
+    check_config_fits(tensors, cfg, shown)
     names = name_map(cfg)
     check_tensors(tensors, {hf: shape for hf, _, shape in names}, "the Hugging Face checkpoint", shown)
+    for name, array in tensors.items():     # a damaged file or an overflowed float16 cast
+        if not numpy.isfinite(array).all():
+            raise InputError(f"the Hugging Face checkpoint's tensor {shown.get(name, name)!r} holds NaN or "
+                             "infinite values; convert an undamaged copy of the model")
     if lm_head is not None and not (lm_head.shape == tensors["wte.weight"].shape
                                     and numpy.array_equal(lm_head, tensors["wte.weight"])):
         raise InputError("the Hugging Face checkpoint's lm_head.weight differs from wte.weight; npmegatron's "
@@ -195,64 +256,17 @@ def masters_to_hf(masters, cfg):
             for hf, ours, _ in names}
 
 
-def read_hf_folder(path):
-    """(config.json as a dict, {name: array}) of a local HF folder: model.safetensors, or the
-    shards a model.safetensors.index.json lists (save_pretrained splits large models). Pickled
-    weights (pytorch_model.bin) are not read: unpickling runs arbitrary code."""
-    config_path = os.path.join(path, "config.json")
-    if not os.path.isfile(config_path):
-        raise InputError(f"{config_path} does not exist; a Hugging Face GPT-2 folder holds config.json "
-                         "and model.safetensors, as save_pretrained writes them")
-    hf_config, files = read_json_object(config_path), ["model.safetensors"]
-    index_path = os.path.join(path, "model.safetensors.index.json")
-    if not os.path.isfile(os.path.join(path, files[0])) and os.path.isfile(index_path):
-        weight_map = read_json_object(index_path).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise InputError(f"{index_path} has no weight_map object; write the folder again with save_pretrained")
-        files = sorted(set(map(str, weight_map.values())))
-    tensors = {}
-    for name in files:
-        file_path = os.path.join(path, name)
-        if not os.path.isfile(file_path):
-            raise InputError(f"{file_path} does not exist; save the model with save_pretrained(..., "
-                             "safe_serialization=True) to get safetensors weights (pickled .bin files are not read)")
-        try:
-            tensors.update(load_file(file_path))
-        except (SafetensorError, OSError, ValueError, TypeError) as error:
-            raise InputError(f"{file_path} cannot be read as float16/32/64 safetensors ({error}); save "
-                             "the model again in float32 with model.float().save_pretrained(DIR)") from None
-    return hf_config, tensors
-
-
-def read_json_object(path):
-    """A JSON file that must hold one object (config.json, the shard index)."""
-    try:
-        with open(path, encoding="utf-8") as file:
-            value = json.load(file)
-    except (ValueError, UnicodeDecodeError) as error:
-        raise InputError(f"{path} is not valid JSON ({error}); give the folder's own file") from None
-    if not isinstance(value, dict):
-        raise InputError(f"{path} holds a JSON {type(value).__name__}, not an object; give the folder's own file")
-    return value
-
-
-def write_hf_folder(path, hf_config, tensors, tokenizer_file=None):
-    """Write config.json, model.safetensors and (given one) tokenizer.json into `path`, so that
-    transformers' from_pretrained(path) loads it. The {"format": "pt"} metadata is what
-    transformers checks before it accepts a safetensors file as PyTorch weights."""
-    if tokenizer_file is not None and not os.path.isfile(tokenizer_file):
-        raise InputError(f"tokenizer file {tokenizer_file} does not exist; give the tokenizer.json the run used")
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as file:
-        json.dump(hf_config, file, indent=2)
-        file.write("\n")
-    save_file({name: numpy.ascontiguousarray(array) for name, array in tensors.items()},
-              os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    if tokenizer_file is not None:
-        shutil.copyfile(tokenizer_file, os.path.join(path, "tokenizer.json"))
-
-
 # ---- the two directions of `npmegatron convert` ------------------------------------------------
+
+def read_hf_model(hf_dir):
+    """(GPTConfig, masters) of a local HF GPT-2 folder, all of it checked: the files, config.json's
+    values and their agreement with the weights' shapes. The dtype is float64 when the weights
+    are, else float32 (load_masters casts float16 up)."""
+    hf_config, tensors = read_hf_folder(hf_dir)
+    dtype = "float64" if any(a.dtype == numpy.float64 for a in tensors.values()) else "float32"
+    cfg = GPTConfig(**{**config_from_hf(hf_config), "dtype": dtype})
+    return cfg, masters_from_hf(tensors, cfg)
+
 
 def import_hf(hf_dir, save):
     """A Hugging Face GPT-2 folder -> a checkpoint in `save` (iteration 0, AdamW's moments zero,
@@ -267,12 +281,10 @@ def import_hf(hf_dir, save):
     from .training.optimizer import AdamW
     if os.path.isdir(save) and os.listdir(save):
         raise InputError(f"--save {save} is not empty; give a new folder for the converted checkpoint")
-    hf_config, tensors = read_hf_folder(hf_dir)
-    dtype = "float64" if any(a.dtype == numpy.float64 for a in tensors.values()) else "float32"
-    cfg = GPTConfig(**{**config_from_hf(hf_config), "dtype": dtype})
-    model = GPT(cfg)
-    load_masters(model, masters_from_hf(tensors, cfg))
-    tokenizer = os.path.join(hf_dir, "tokenizer.json")
+    cfg, masters = read_hf_model(hf_dir)
+    model = GPT(cfg)             # only now: every size is backed by a weight the folder holds
+    load_masters(model, masters)
+    tokenizer = inside_folder(hf_dir, "tokenizer.json")
     has_tokenizer = os.path.isfile(tokenizer)
     os.makedirs(save, exist_ok=True)
     extra = {"run_id": uuid.uuid4().hex, "pipeline_layout": None, "converted_from": os.path.abspath(hf_dir),
@@ -282,14 +294,16 @@ def import_hf(hf_dir, save):
                            {"tokenizer.json": tokenizer} if has_tokenizer else {})
 
 
-def export_hf(load, hf_dir):
+def export_hf(load, hf_dir, overwrite=False):
     """A checkpoint saved at any layout -> a Hugging Face GPT-2 folder (config.json,
     model.safetensors, the run's tokenizer.json if it had one) that GPT2LMHeadModel.from_pretrained
-    loads. Under --fp16/--bf16 the float32 master weights are written."""
+    loads. Under --fp16/--bf16 the float32 master weights are written. A folder that already holds
+    weights is written into only with `overwrite`."""
     from .autograd.backend import to_numpy
     from .comm import ProcessGrid
     from .model import GPT
     from .training import checkpoint
+    check_hf_target(hf_dir, overwrite)
     folder, manifest = checkpoint.read_manifest(load)
     cfg = checkpoint.saved_config(manifest, fp16=False, bf16=False, sequence_parallel=False,
                                   device="cpu", tf32=False)
@@ -297,8 +311,7 @@ def export_hf(load, hf_dir):
     checkpoint.load(folder, model, None, ProcessGrid.single())
     masters = {name: to_numpy(param.data)[tuple(slice(0, n) for n in spec.shape)]
                for name, param, spec in model.named_specs()}
-    tokenizer = os.path.join(folder, "tokenizer.json")
-    tokenizer = tokenizer if os.path.isfile(tokenizer) else None
+    tokenizer = checkpoint.tokenizer_file(folder)      # never a link out of the checkpoint
     eos = _end_of_text_id(tokenizer)
     write_hf_folder(hf_dir, config_to_hf(cfg, eos, eos), masters_to_hf(masters, cfg), tokenizer)
     return hf_dir
@@ -312,4 +325,8 @@ def _end_of_text_id(tokenizer_file):
         from tokenizers import Tokenizer
     except ImportError:
         return None
-    return Tokenizer.from_file(tokenizer_file).token_to_id("<|endoftext|>")
+    try:
+        return Tokenizer.from_file(tokenizer_file).token_to_id("<|endoftext|>")
+    except Exception as error:      # the tokenizers package raises its own exception types
+        raise InputError(f"tokenizer file {tokenizer_file} could not be read ({one_line(error)}); the "
+                         "checkpoint's tokenizer.json is damaged, so restore it") from None

@@ -114,6 +114,16 @@ CASES = [
     ("preprocess-tokenizer-bad", 0, PREPROCESS + ["{d}/a.txt", "--output", "{d}/out", "--tokenizer", "{d}/bad_tokenizer.json"],
      "tokenizer file {d}/bad_tokenizer.json could not be read", 1),
     ("preprocess-no-output", 0, PREPROCESS + ["{d}/a.txt"], "Missing option '--output'", USAGE),
+    ("convert-hf-config-missing", 0, CLI + ["convert", "--from-hf", "{d}/hf_noconfig", "--save", "{d}/hf_ck"],
+     "{d}/hf_noconfig/config.json does not exist", 1),
+    ("convert-hf-config-disagrees", 0, CLI + ["convert", "--from-hf", "{d}/hf_layers", "--save", "{d}/hf_ck"],
+     "config.json has n_layer 3, but the weights' layers are h.0 (1 in all)", 1),
+    ("convert-hf-header-length", 0, CLI + ["convert", "--from-hf", "{d}/hf_header", "--save", "{d}/hf_ck"],
+     "{d}/hf_header/model.safetensors cannot be read as safetensors: its header length is 1000000000 bytes", 1),
+    ("convert-hf-index-outside", 0, CLI + ["convert", "--from-hf", "{d}/hf_index", "--save", "{d}/hf_ck"],
+     "puts tensor 'transformer.wte.weight' in '../x.safetensors', which is not the name of a .safetensors file", 1),
+    ("convert-to-hf-holds-weights", 0, CLI + ["convert", "--load", "{d}/ck", "--to-hf", "{d}/hf_good"],
+     "--to-hf {d}/hf_good already holds config.json, model.safetensors; give a new folder, or add --overwrite", 1),
     ("generate-missing", 0, GENERATE + ["--load", "{d}/nothing", "--prompt", "x"], "--load {d}/nothing: no such checkpoint folder", 1),
     ("generate-temperature-nan", 0, GENERATE + ["--load", "{d}/ck", "--prompt", "x", "--temperature", "nan"],
      "temperature nan must be a finite number >= 0", 1),
@@ -204,6 +214,18 @@ def d(tmp_path_factory):
                                                      "vocab_size": 256, "tokenizer": {"type": "bytes"},
                                                      "document_offsets": [0, True, 64]}))
     (d / "deep.jsonl").write_text("[" * 100000 + "\n")
+    made = run(0, CLI + ["convert", "--load", str(d / "ck"), "--to-hf", str(d / "hf_good")])
+    assert made.returncode == 0, made.stderr.decode()
+    for name in ("hf_noconfig", "hf_layers", "hf_header", "hf_index"):
+        shutil.copytree(d / "hf_good", d / name)
+    (d / "hf_noconfig" / "config.json").unlink()
+    hf_config = json.loads((d / "hf_good" / "config.json").read_text())
+    (d / "hf_layers" / "config.json").write_text(json.dumps({**hf_config, "n_layer": 3}))
+    weights = d / "hf_header" / "model.safetensors"          # its header length now runs past the file
+    weights.write_bytes((10 ** 9).to_bytes(8, "little") + weights.read_bytes()[8:])
+    (d / "hf_index" / "model.safetensors").unlink()          # the index names a file outside the folder
+    (d / "hf_index" / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"transformer.wte.weight": "../x.safetensors"}}))
     return d
 
 
