@@ -6,9 +6,10 @@ backward side by side on plain arrays), a reverse-topological `backward`, and th
 from .backend import get_array_module
 from .errors import InputError
 from .tensor import Tensor, enable_grad, no_grad, is_grad_enabled
-from .function import Function, grad_accumulator
+from .function import Function
+from .graph import grad_accumulator
 from .engine import backward
-from .checkpoint import checkpoint
+from .recomputation import recompute
 from . import precision
 from .ops import (
     add, sub, mul, div, neg, pow, matmul, linear,
@@ -22,7 +23,7 @@ from .gradcheck import gradcheck, numerical_grad
 
 __all__ = [
     "InputError", "get_array_module", "Tensor", "no_grad", "enable_grad", "is_grad_enabled", "Function",
-    "grad_accumulator", "backward", "checkpoint", "precision",
+    "grad_accumulator", "backward", "recompute", "precision",
     "add", "sub", "mul", "div", "neg", "pow", "matmul", "linear",
     "reshape", "transpose", "split", "concatenate", "getitem",
     "sum", "mean", "max", "exp", "log", "tanh", "gelu", "bias_gelu",

@@ -6,7 +6,7 @@ pipeline stage may free an output after sending it and still backpropagate throu
 """
 from .backend import get_array_module
 from .errors import InputError
-from .tensor import Tensor
+from .graph import edge
 
 
 def _count_consumers(roots):
@@ -27,6 +27,11 @@ def _count_consumers(roots):
     return consumers
 
 
+def _is_tensor(x):
+    """A Tensor, known by its tape attribute (tensor.py imports this module, not the reverse)."""
+    return hasattr(x, "grad_fn")
+
+
 def _seed(t, g):
     if g is None:
         if t.data.size != 1:
@@ -34,7 +39,7 @@ def _seed(t, g):
                              "gradient: pass one of the same shape, or reduce it to a scalar first "
                              "(e.g. .sum())")
         return get_array_module(t.data).ones_like(t.data)
-    return g.data if isinstance(g, Tensor) else g
+    return g.data if _is_tensor(g) else g
 
 
 def backward(tensors, grad_tensors=None):
@@ -43,7 +48,7 @@ def backward(tensors, grad_tensors=None):
     `grad_tensors` may be omitted for scalar outputs. Saved arrays and intermediate gradients are
     dropped as soon as they are used, so the graph can be walked only once.
     """
-    if isinstance(tensors, Tensor):
+    if _is_tensor(tensors):
         tensors = [tensors]
     if grad_tensors is None:
         grad_tensors = [None] * len(tensors)
@@ -103,8 +108,7 @@ def _release(node, consumers, ready, buffers):
 
 
 def _make_accumulator(t):
-    from .function import _edge
-    return _edge(t)[0]
+    return edge(t)[0]
 
 
 def _accumulate(buffers, node, index, g):

@@ -6,6 +6,7 @@ reads `ctx.needs_input_grad` so it never computes a gradient nobody wants.
 from . import precision as _precision
 from . import profile as _profile
 from . import tensor as _tensor
+from .graph import edge
 from .tensor import Tensor
 
 
@@ -18,31 +19,6 @@ class Context:
 
     def save_for_backward(self, *arrays):
         self.saved = arrays
-
-
-class AccumulateGrad:
-    """The tape node of a leaf tensor: adds the incoming gradient into `tensor.grad`."""
-
-    name = "AccumulateGrad"
-
-    def __init__(self, leaf):
-        self.leaf = leaf
-        self.edges = ()
-        self.hooks = []
-
-    def run(self, grads):
-        (g,) = grads
-        leaf = self.leaf
-        # The first gradient is copied: backward functions may hand the same array to several
-        # inputs, and a leaf's grad must be its own (optimizers and all-reduces write into it).
-        # Later ones are added in place: grad may be a view into a data-parallel bucket.
-        if leaf.grad is None:
-            leaf.grad = g.copy()
-        else:
-            leaf.grad += g
-        for hook in self.hooks:
-            hook(leaf)
-        return ()
 
 
 class Node:
@@ -69,22 +45,6 @@ class Node:
         if self.storage is not None:    # gradients of 16-bit activations are 16-bit (precision.py)
             result = tuple(_precision.round_(g, self.storage) for g in result)
         return result
-
-
-def grad_accumulator(leaf):
-    """The AccumulateGrad node of a leaf tensor (created if needed); append to its `hooks` to
-    run code as soon as the leaf's gradient of a backward pass is complete."""
-    if leaf._accumulator is None:
-        leaf._accumulator = AccumulateGrad(leaf)
-    return leaf._accumulator
-
-
-def _edge(x):
-    if not isinstance(x, Tensor) or not x.requires_grad:
-        return None
-    if x.grad_fn is not None:
-        return (x.grad_fn, x.output_index)
-    return (grad_accumulator(x), 0)
 
 
 class Function:
@@ -121,7 +81,7 @@ class Function:
             outs = tuple(_precision.round_(o, storage) for o in outs)
         tensors = tuple(Tensor(o, requires_grad=record) for o in outs)
         if record:
-            node = Node(cls, ctx, tuple(_edge(x) for x in inputs), len(outs))
+            node = Node(cls, ctx, tuple(edge(x) for x in inputs), len(outs))
             node.storage = storage
             for i, t in enumerate(tensors):
                 t.grad_fn, t.output_index = node, i

@@ -3,7 +3,8 @@ import contextlib
 
 import numpy
 
-from .backend import get_array_module
+from . import engine
+from .backend import get_array_module, to_numpy
 
 _grad_enabled = True
 
@@ -66,14 +67,12 @@ class Tensor:
     xp = property(lambda self: get_array_module(self.data))
 
     def backward(self, grad=None):
-        from .engine import backward
-        backward([self], None if grad is None else [grad])
+        engine.backward([self], None if grad is None else [grad])
 
     def item(self):
         return self.data.item()
 
     def numpy(self):
-        from .backend import to_numpy
         return to_numpy(self.data)
 
     def zero_grad(self):

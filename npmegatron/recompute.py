@@ -13,11 +13,11 @@
 Recomputation runs only while training with the tape on: evaluation and generation never keep
 activations, and a KV cache is never recomputed.
 """
-from .autograd import InputError, checkpoint
+from .autograd import InputError, recompute
 
 
 def recompute_segments(cfg, num_layers):
-    """[(first, stop, recompute)] covering layers 0..num_layers of one model chunk, in order."""
+    """[(first, stop, again)] covering layers 0..num_layers of one model chunk, in order."""
     if cfg.recompute_granularity != "full" or num_layers == 0:
         return [(0, num_layers, False)]
     count = cfg.recompute_num_layers or 1
@@ -33,10 +33,10 @@ def recompute_segments(cfg, num_layers):
 def run_layers(blocks, x, segments, rng):
     """x through `blocks` (a model chunk's layers in order), recomputing the segments that say so;
     rng: the dropout generator whose position the recomputation replays."""
-    for first, stop, recompute in segments:
+    for first, stop, again in segments:
         chunk = blocks[first:stop]
-        if recompute:
-            x = checkpoint(lambda h, chunk=chunk: _through(chunk, h), x, rng.replay)
+        if again:
+            x = recompute(lambda h, chunk=chunk: _through(chunk, h), x, rng.replay)
         else:
             x = _through(chunk, x)
     return x

@@ -99,7 +99,7 @@ def test_recomputation_replays_under_the_format_of_the_forward():
         w.grad = x.grad = None
         run = lambda t: ag.gelu(ag.matmul(ag.gelu(ag.matmul(t, w)), w))
         with precision.storage("fp16"):
-            out = ag.checkpoint(run, x) if recompute else run(x)
+            out = ag.recompute(run, x) if recompute else run(x)
         ag.sum(out).backward()
         grads.append((out.data.copy(), w.grad.copy(), x.grad.copy()))
     for plain, recomputed in zip(*grads):

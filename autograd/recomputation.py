@@ -1,6 +1,7 @@
 """Activation recomputation (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost";
-Megatron's full recomputation): checkpoint(run, x) keeps only x on the tape and runs `run` again
-inside backward, where the graph it records is walked at once and dropped.
+Megatron's full recomputation, which papers also call activation checkpointing; "checkpoint" here
+means only a saved training state): recompute(run, x) keeps only x on the tape and runs `run`
+again inside backward, where the graph it records is walked at once and dropped.
 
 `replay` makes the second run equal the first bitwise: anything `run` reads besides x and the
 parameters (the dropout generator's iteration and micro-batch, which a pipeline schedule has moved
@@ -37,7 +38,7 @@ def _nothing_to_replay():
     return contextlib.nullcontext
 
 
-def checkpoint(run, x, replay=_nothing_to_replay):
+def recompute(run, x, replay=_nothing_to_replay):
     """run(x) (a Tensor function of x and of parameters it holds), keeping only x for backward.
     replay(): called at forward, returns a context-manager factory that restores around the
     recomputation what `run` reads besides x and the parameters."""
