@@ -46,5 +46,5 @@ setup(
     },
     entry_points={"console_scripts": ["npmegatron=npmegatron.cli:main"]},
     # the machine profiles of `npmegatron plan --profile NAME`, shipped in the wheel
-    package_data={"npmegatron.bench.plan": ["profiles/*.json"]},
+    package_data={"npmegatron.perf": ["profiles/*.json"]},
 )

@@ -8,7 +8,7 @@ aside (NaN stays NaN). Written without branches on the value so the loops vector
 import numba
 import numpy
 
-from .ops._vector_math import FAST, _float32_from_bits
+from ._vector_math import FAST, _float32_from_bits
 
 _I32 = numpy.int32
 _SIGN, _ABS, _INF = _I32(-2 ** 31), _I32(0x7FFFFFFF), _I32(0x7F800000)

@@ -6,12 +6,16 @@ a new flag is a new field here and nowhere else. Flags are Megatron-LM's names.
 `TrainConfig.plan(world_size)` turns a configuration into the run's shape (DP size, micro-batches
 per step, pipeline layout and schedule): every check that needs the number of ranks is there.
 """
+import dataclasses
 import math
 import os
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Optional
 
 from .autograd import InputError
+from .data import parse_split
+from .pipeline_layout import default_layout, parse_layout
+from .recompute import recompute_segments
 
 
 def option(default, help, *, aliases=(), choices=None, minimum=None, negatable=False):
@@ -242,7 +246,6 @@ class TrainConfig:
     def _check_split(self):
         if self.split is None:
             return
-        from .data import parse_split
         parse_split(self.split)
         if self.data_path is None:
             raise InputError(f"--split {self.split} divides --data-path datasets, but the run uses the "
@@ -264,7 +267,6 @@ class TrainConfig:
     def with_checkpoint_args(self, manifest):
         """This configuration with the model's shape and --seq-length of a checkpoint's manifest
         (--use-checkpoint-args: `--load DIR` alone resumes)."""
-        import dataclasses
         saved = manifest["model"]
         shape = {name: saved[name] for name in CHECKPOINT_MODEL_ARGS if name in saved}
         seq_length = manifest.get("args", {}).get("seq_length", self.seq_length)
@@ -296,8 +298,6 @@ class RunPlan:
 
     def _check_recompute(self, config):
         """Recomputation's chunks fit every model chunk (one sentence here, before any rank builds)."""
-        from .pipeline import parse_layout
-        from .recompute import recompute_segments
         for stage in parse_layout(self.layout):
             recompute_segments(config.model, stage.count("t"))
 
@@ -318,7 +318,6 @@ class RunPlan:
         return global_batch // per_step
 
     def _layout(self, config):
-        from .pipeline import default_layout
         parallel, num_layers = config.parallel, config.model.num_layers
         if parallel.pipeline_model_parallel_layout:
             return parallel.pipeline_model_parallel_layout

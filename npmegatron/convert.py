@@ -277,8 +277,8 @@ def import_hf(hf_dir, save):
     from .comm import ProcessGrid
     from .model import GPT
     from .module import load_masters
-    from .training import checkpoint
-    from .training.optimizer import AdamW
+    from .checkpointing import checkpoint
+    from .optim.adamw import AdamW
     if os.path.isdir(save) and os.listdir(save):
         raise InputError(f"--save {save} is not empty; give a new folder for the converted checkpoint")
     cfg, masters = read_hf_model(hf_dir)
@@ -302,7 +302,7 @@ def export_hf(load, hf_dir, overwrite=False):
     from .autograd.backend import to_numpy
     from .comm import ProcessGrid
     from .model import GPT
-    from .training import checkpoint
+    from .checkpointing import checkpoint
     check_hf_target(hf_dir, overwrite)
     folder, manifest = checkpoint.read_manifest(load)
     cfg = checkpoint.saved_config(manifest, fp16=False, bf16=False, sequence_parallel=False,

@@ -138,10 +138,10 @@ def load_for_generation(path, device="cpu", tp=None, pp=1):
     default: the launched ranks / PP; one process without mpirun); sequence parallelism and
     dropout off."""
     from . import comm
-    from .build import build_grid, build_model
+    from .run import build_grid, build_model
     from .data import tokenizer_from_spec
     from .pipeline import default_layout
-    from .training import checkpoint
+    from .checkpointing import checkpoint
     folder, manifest = checkpoint.read_manifest(path)
     world = comm.launch_size()
     tp = tp or max(1, world // pp)

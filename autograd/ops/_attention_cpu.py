@@ -13,7 +13,7 @@ multiply-adds, so they equal the chains bitwise (tested).
 import numba
 import numpy
 
-from ._vector_math import FAST, exp32 as _exp
+from .._vector_math import FAST, exp32 as _exp
 
 # Serial kernels that release the GIL; "reassoc" lets the row sums and maxima run in vector lanes.
 _COMPILE = dict(FAST, nogil=True, fastmath={"contract", "reassoc", "nnan"})

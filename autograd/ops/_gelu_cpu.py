@@ -16,7 +16,7 @@ import numba
 import numpy
 
 from ..threads import use_numba_threads
-from ._vector_math import FAST, exp32
+from .._vector_math import FAST, exp32
 
 _F32 = numpy.float32
 _MINUS_2_SQRT_2_OVER_PI = _F32(-2 * 0.7978845608028654)

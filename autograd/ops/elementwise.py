@@ -187,7 +187,7 @@ COMPILED_GELU_SIZE = 1 << 16
 
 def compiled_gelu(approximate, dtype, size, on_cpu):
     """Whether bias-GeLU runs the float32 CPU kernel (which keeps no tanh for backward); also what
-    the memory plan (bench/plan/memory.py) counts."""
+    the memory plan (perf/memory.py) counts."""
     return approximate == "tanh" and numpy.dtype(dtype) == numpy.float32 and size >= COMPILED_GELU_SIZE and on_cpu
 
 

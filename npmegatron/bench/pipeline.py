@@ -6,7 +6,7 @@ import time
 import numpy
 
 from .. import comm
-from ..build import build_model
+from ..run import build_model
 from ..data_parallel import GradientBuckets
 from ..pipeline import MemoryProbe, StageExchange, default_layout, run_schedule
 from ..training import train_step

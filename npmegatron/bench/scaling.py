@@ -37,7 +37,7 @@ import time
 import numpy
 
 from ..autograd import InputError
-from ..training.timers import PHASES
+from ..timers import PHASES
 
 RECORD_PREFIX = "SCALING-RECORD "
 PHASE_LABELS = {"forward-compute": "fwd", "backward-compute": "bwd", "tp-comm": "tp", "dp-comm": "dp",
@@ -336,12 +336,12 @@ class ChildRun:
 
     def __init__(self, spec):
         from .. import comm
-        from ..build import build_grid, build_model
+        from ..run import build_grid, build_model
         from ..config import GPTConfig
         from ..data_parallel import GradientBuckets
         from ..pipeline import StageExchange
-        from ..training.optimizer import AdamW
-        from ..training.timers import Timers
+        from ..optim.adamw import AdamW
+        from ..timers import Timers
 
         world = comm.init()
         if world.size != spec["ranks"]:
@@ -365,7 +365,7 @@ class ChildRun:
     def step(self):
         """One training step, as Trainer.train_step and step() make it."""
         from ..training.step import clip_after_step, train_step
-        from ..training.timers import OPTIMIZER
+        from ..timers import OPTIMIZER
         loss_sum = train_step(self.model, self.exchange, self.batches, self.buckets, "1f1b", self.timers)
         with self.timers(OPTIMIZER):
             clip_after_step(self.model, self.params, loss_sum, self.norm_skip, 1.0)

@@ -9,7 +9,7 @@ import numpy
 
 from ..autograd.backend import array_module_for
 from ..model import GPT, GPTConfig, model_flops
-from ..training.optimizer import AdamW
+from ..optim.adamw import AdamW
 from ..training.step import setup_objects_frozen
 
 

@@ -19,7 +19,7 @@ a checkpoint loads at any DP size, with or without this optimizer.
 import numpy
 
 from .. import comm
-from ..training.optimizer import AdamW, gradient_factor, publish_rounded, sum_of_squares
+from ..optim.adamw import AdamW, gradient_factor, publish_rounded, sum_of_squares
 from .buckets import GradientBuckets
 
 
@@ -113,7 +113,7 @@ class DistributedAdamW(AdamW):
 
     def grad_norm_squared(self, grid, skip=()):
         """The squared global gradient norm from this rank's blocks: summed over the DP group,
-        then over the model-parallel group (as training.optimizer.grad_norm_squared)."""
+        then over the model-parallel group (as optim.adamw.grad_norm_squared)."""
         xp = self.params[0].xp
         parts = [sum_of_squares(xp, self._flat(p.grad, mine)) for p, mine, _ in self.segments
                  if p.grad is not None and id(p) not in skip]

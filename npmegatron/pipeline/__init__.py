@@ -3,7 +3,7 @@ holds (stages.py), the point-to-point exchange between neighbours (exchange.py),
 which each neighbour sends (order.py: receives are posted in it, as NCCL matches without tags)
 and the schedules that order forward and backward passes over micro-batches (schedules.py)."""
 from .exchange import StageExchange
-from .layout import StageSpec, default_layout, parse_layout, plan_stages
+from ..pipeline_layout import StageSpec, default_layout, parse_layout, plan_stages
 from .schedules import SCHEDULES, MemoryProbe, build_actions, run_schedule
 from .stages import PipelineModel
 

@@ -28,7 +28,7 @@ FORWARD_COMPUTE, BACKWARD_COMPUTE, PIPELINE_WAIT = "forward-compute", "backward-
 
 
 def no_timers():
-    from ..training.timers import NO_TIMERS
+    from ..timers import NO_TIMERS
     return NO_TIMERS
 
 

@@ -86,8 +86,8 @@ def precision_note(cfg):
 
 def memory_note(trainer):
     """Bytes per parameter on this rank and activation bytes kept per layer and micro-batch, as
-    the run's precision, optimizer and recomputation imply (bench/plan/memory.py's formulas)."""
-    from ..bench.plan.memory import Layout, chunk_activation_bytes
+    the run's precision, optimizer and recomputation imply (perf/memory.py's formulas)."""
+    from ..perf.memory import Layout, chunk_activation_bytes
     cfg, grid, config = trainer.cfg, trainer.grid, trainer.config
     w = numpy.dtype(cfg.dtype).itemsize
     shard = grid.dp_size if config.parallel.use_distributed_optimizer else 1

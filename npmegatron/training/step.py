@@ -7,8 +7,8 @@ import math
 from .. import comm
 from ..autograd.backend import to_numpy
 from ..pipeline import run_schedule
-from .optimizer import clip_gradients, grad_norm_squared
-from .timers import FINALIZE_GRADS, NO_TIMERS
+from ..optim.adamw import clip_gradients, grad_norm_squared
+from ..timers import FINALIZE_GRADS, NO_TIMERS
 
 
 @contextlib.contextmanager

@@ -17,18 +17,18 @@ import numpy
 from .. import comm
 from ..autograd import InputError
 from ..autograd.backend import to_numpy
-from ..build import build_grid, build_model
+from ..run import build_grid, build_model
 from ..config import TrainConfig
 from ..data import TrainingData
 from ..data_parallel import GradientBuckets
 from ..pipeline import StageExchange, run_schedule
-from . import checkpoint
+from ..checkpointing import checkpoint
 from .log import TrainingLog
-from .loss_scale import build_loss_scale
-from .optimizer import AdamW, learning_rate
-from .save_folder import SaveFolder
+from ..optim.loss_scale import build_loss_scale
+from ..optim.adamw import AdamW, learning_rate
+from ..checkpointing.save_folder import SaveFolder
 from .step import clip_after_step, schedule_options, setup_objects_frozen, sum_losses, train_step
-from .timers import NO_TIMERS, OPTIMIZER
+from ..timers import NO_TIMERS, OPTIMIZER
 
 
 def build_optimizer(model, params, grid, config):

@@ -10,8 +10,8 @@ from npmegatron.autograd import Tensor
 from npmegatron.autograd.ops import _attention_cpu, _dropout_cpu, _gelu_cpu, attention, elementwise, nn
 from npmegatron.autograd.ops.elementwise import bias_gelu_tanh, bias_gelu_tanh_backward
 from npmegatron.tensor_parallel.random import MODEL_PARALLEL, RNGTracker
-from npmegatron.training import _adamw_cpu
-from npmegatron.training.optimizer import AdamW, adamw_update_
+from npmegatron.optim import _adamw_cpu
+from npmegatron.optim.adamw import AdamW, adamw_update_
 
 RNG = np.random.default_rng(11)
 
@@ -189,7 +189,7 @@ def test_adamw_kernel_is_the_chains_arithmetic_in_float64():
 
 
 def test_adamw_takes_the_kernel_for_large_float32_parameters(monkeypatch):
-    from npmegatron.training import optimizer
+    from npmegatron.optim import adamw as optimizer
     results, (p, g, _, _) = [], adamw_state(np.float32, 3000)
     for size in (1, 1 << 62):
         monkeypatch.setattr(optimizer, "COMPILED_UPDATE_SIZE", size)

@@ -15,7 +15,7 @@ from scipy.special import erf
 
 import npmegatron.autograd as ag
 from npmegatron.autograd import InputError, Tensor, fusion, gradcheck
-from npmegatron.training import optimizer
+from npmegatron.optim import adamw as optimizer
 
 RNG = np.random.default_rng(0)
 SHAPE = (2, 3, 5)

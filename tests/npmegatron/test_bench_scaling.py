@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from npmegatron.cli import main
 from npmegatron.comm.stats import record, reset_stats
-from npmegatron.training.timers import NO_TIMERS, PHASES, TP_COMM, Timers
+from npmegatron.timers import NO_TIMERS, PHASES, TP_COMM, Timers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CLI = [sys.executable, "-m", "npmegatron.cli", "bench", "scaling"]

@@ -45,7 +45,7 @@ def test_each_rank_holds_one_dp_th_of_the_optimizer_state(dp):
     """Measured: the moments' bytes on each DP rank (construction does not communicate)."""
     from npmegatron.data_parallel.distributed_optimizer import DistributedAdamW, ShardedGradientBuckets
     from npmegatron.model import GPT, GPTConfig
-    from npmegatron.training.optimizer import AdamW
+    from npmegatron.optim.adamw import AdamW
     cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64)
     state = lambda opt: sum(a.nbytes for kind in (opt.exp_avg, opt.exp_avg_sq) for a in kind)
     whole = state(AdamW(GPT(cfg).parameters()))
@@ -57,7 +57,7 @@ def test_each_rank_holds_one_dp_th_of_the_optimizer_state(dp):
     padding = 2 * 8 * dp * 4 * len(ShardedGradientBuckets(GPT(cfg).parameters(), FakeGroup(dp, 0), 4000).buckets)
     assert len(set(per_rank)) == 1
     assert whole / dp <= per_rank[0] <= whole / dp + padding
-    from npmegatron.bench.plan.memory import Layout, memory_plan
+    from npmegatron.perf.memory import Layout, memory_plan
     planned = memory_plan(cfg, Layout(dp=dp, seq=32, global_batch=dp, distributed_optimizer=True))
     assert planned["ranks"][0]["optimizer"] == pytest.approx(per_rank[0], abs=padding)
 

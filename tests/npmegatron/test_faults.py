@@ -10,7 +10,7 @@ import time
 import pytest
 
 from helpers import ROOT, mpiexec_path, rank_environment
-from npmegatron.training import checkpoint
+from npmegatron.checkpointing import checkpoint
 from npmegatron.autograd import InputError
 from npmegatron.training import TrainConfig, train
 

@@ -17,8 +17,9 @@ from hostile import BUDGETS, check_property, one_sentence, opened_paths
 from npmegatron.autograd import InputError
 from npmegatron.comm import ProcessGrid
 from npmegatron.model import GPT
-from npmegatron.training import TrainConfig, checkpoint, reshard, train
-from npmegatron.training.optimizer import AdamW
+from npmegatron.checkpointing import checkpoint, reshard
+from npmegatron.training import TrainConfig, train
+from npmegatron.optim.adamw import AdamW
 
 SHARD = "mp_rank_00_000.safetensors"
 

@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 
 from hostile import BUDGETS, check_property, one_sentence
 from npmegatron.autograd import InputError
-from npmegatron.bench.plan import Layout, load_profile
-from npmegatron.bench.plan.profiles import resolve
-from npmegatron.bench.plan.search import plan
+from npmegatron.perf import Layout, load_profile
+from npmegatron.perf.profiles import resolve
+from npmegatron.perf.search import plan
 from npmegatron.cli import main
 from npmegatron.config import GPTConfig
 

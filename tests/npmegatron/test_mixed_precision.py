@@ -10,7 +10,7 @@ import pytest
 from helpers import launch, launch_logged, run_ranks
 from npmegatron.autograd import precision
 from npmegatron.training import TrainConfig
-from npmegatron.training.loss_scale import DynamicLossScale, LossScale
+from npmegatron.optim.loss_scale import DynamicLossScale, LossScale
 from npmegatron.training.trainer import Trainer
 
 SMALL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, micro_batch_size=4,
@@ -154,7 +154,7 @@ def test_resume_is_bitwise_with_masters_and_scaler(tmp_path, ranks, extra):
 
 
 def test_the_plan_and_the_header_count_16_bit_weights_with_float32_gradients_and_masters():
-    from npmegatron.bench.plan.memory import Layout, rank_memory
+    from npmegatron.perf.memory import Layout, rank_memory
     from npmegatron.model import GPTConfig
     layout = Layout(dp=2, global_batch=2, distributed_optimizer=True)
     plain = rank_memory(GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4), layout, 0)

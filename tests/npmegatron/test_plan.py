@@ -9,12 +9,12 @@ import pytest
 from click.testing import CliRunner
 
 from npmegatron.autograd import InputError
-from npmegatron.bench.plan import Layout, load_profile, memory_plan, step_time
+from npmegatron.perf import Layout, load_profile, memory_plan, step_time
 from npmegatron.bench.plan import calibrate as calibrate_module
-from npmegatron.bench.plan.memory import korthikanti_bytes, layer_activation_bytes, rank_parameters
-from npmegatron.bench.plan.search import paper_weak_scaling, search
-from npmegatron.bench.plan.time_model import all_gather_time, all_reduce_time, p2p_time, rank_flops
-from npmegatron.build import build_model
+from npmegatron.perf.memory import korthikanti_bytes, layer_activation_bytes, rank_parameters
+from npmegatron.perf.search import paper_weak_scaling, search
+from npmegatron.perf.time_model import all_gather_time, all_reduce_time, p2p_time, rank_flops
+from npmegatron.run import build_model
 from npmegatron.cli import main
 from npmegatron.comm import ProcessGrid
 from npmegatron.config import GPTConfig
@@ -90,7 +90,7 @@ def test_project_accounting_is_the_autograd_tape_of_one_layer(dropout, seq):
     float32 CPU kernel, which keeps no tanh."""
     from npmegatron.autograd.memory import saved_bytes_by_function
     from npmegatron.model import GPT
-    from npmegatron.bench.plan.memory import layer_parameters
+    from npmegatron.perf.memory import layer_parameters
     kw = dict(hidden_size=64, num_attention_heads=4, vocab_size=64, max_position_embeddings=seq,
               hidden_dropout=dropout, attention_dropout=dropout)
     ids = numpy.random.default_rng(0).integers(0, 64, (2, seq + 1))

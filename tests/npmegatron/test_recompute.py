@@ -9,7 +9,7 @@ import pytest
 
 from npmegatron.autograd import InputError
 from npmegatron.autograd.memory import saved_bytes_by_function
-from npmegatron.bench.plan.memory import Layout, layer_activation_bytes
+from npmegatron.perf.memory import Layout, layer_activation_bytes
 from npmegatron.config import GPTConfig, TrainConfig
 from npmegatron.model import GPT
 from npmegatron.recompute import recompute_segments
@@ -142,7 +142,7 @@ def test_tp2_pp2_one_schedule_quick(mpirun):
 @pytest.mark.parametrize("variant", VARIANTS[1:3], ids=["uniform-2", "block-3"])
 def test_plan_counts_the_segments_recompute_keeps(variant):
     """plan's chunk_activation_bytes against the tape: what layers 3 and 4 add under each method."""
-    from npmegatron.bench.plan.memory import chunk_activation_bytes
+    from npmegatron.perf.memory import chunk_activation_bytes
     cfg = small("float32", hidden_dropout=0.0, attention_dropout=0.0, **variant)
     layout = Layout(seq=16, micro_batch=2, recompute="full", recompute_method=variant["recompute_method"],
                     recompute_num_layers=variant["recompute_num_layers"])

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from npmegatron.autograd import Tensor
-from npmegatron.training.optimizer import AdamW, clip_grad_norm, learning_rate
+from npmegatron.optim.adamw import AdamW, clip_grad_norm, learning_rate
 from npmegatron.training import TrainConfig, train
 
 

@@ -15,10 +15,10 @@ import numpy as np
 
 def main(folder, tokens_path, out):
     from npmegatron.autograd.backend import to_numpy
-    from npmegatron.build import build_grid, build_model
+    from npmegatron.run import build_grid, build_model
     from npmegatron.pipeline import StageExchange, run_schedule
-    from npmegatron.training import checkpoint
-    from npmegatron.training.reshard import places
+    from npmegatron.checkpointing import checkpoint
+    from npmegatron.checkpointing.reshard import places
 
     grid = build_grid(2, 2)
     _, manifest = checkpoint.read_manifest(folder)

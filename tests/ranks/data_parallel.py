@@ -51,7 +51,7 @@ def buckets_overlap_backward():
 
 
 def save_and_resume(mode, checkpoint_dir, straight_dir, log_file):
-    from npmegatron.training import checkpoint
+    from npmegatron.checkpointing import checkpoint
     from npmegatron.training import TrainConfig, train
     real = checkpoint._write_synced
 

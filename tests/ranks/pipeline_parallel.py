@@ -25,7 +25,7 @@ def check(cases):
     from npmegatron.autograd.backend import to_numpy
     from npmegatron.data_parallel import GradientBuckets
     from npmegatron.model import GPT, GPTConfig
-    from npmegatron.build import build_model
+    from npmegatron.run import build_model
     from npmegatron.pipeline import StageExchange, default_layout
     from npmegatron.training import train_step
 

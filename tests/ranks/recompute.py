@@ -17,7 +17,7 @@ import numpy as np
 
 def run(cfg, grid, layout, schedule, batches, steps=2):
     from npmegatron.autograd.backend import to_numpy
-    from npmegatron.build import build_model
+    from npmegatron.run import build_model
     from npmegatron.data_parallel import GradientBuckets
     from npmegatron.pipeline import StageExchange
     from npmegatron.training import train_step

@@ -102,8 +102,8 @@ def plan_command(ctx, layout, recompute, recompute_method, recompute_num_layers,
     """Predict memory per rank and step time of a model on a layout from a machine profile."""
     if ctx.invoked_subcommand is not None:
         return
-    from . import Layout, load_profile
-    from .search import paper_weak_scaling, plan, search
+    from ...perf import Layout, load_profile
+    from ...perf.search import paper_weak_scaling, plan, search
     machine = load_profile(profile)
     if weak_scaling:
         rows = paper_weak_scaling(machine)

@@ -24,7 +24,7 @@ share of the node's network bandwidth (node bandwidth / devices per node).
 import json
 import os
 
-from ...autograd import InputError
+from ..autograd import InputError
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "sendrecv")
 PROFILE_DIR = os.path.join(os.path.dirname(__file__), "profiles")
@@ -61,7 +61,7 @@ def _number(raw, key, path, where=""):
     value = raw.get(key) if isinstance(raw, dict) else None
     if value is None:
         raise InputError(f"profile {path} lacks the key '{where}{key}'; add it (see "
-                         "npmegatron/bench/plan/profiles.py for the schema)")
+                         "npmegatron/perf/profiles.py for the schema)")
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 \
             or value == float("inf"):
         raise InputError(f"profile {path} has '{where}{key}' = {value!r}; it must be a finite "
@@ -83,7 +83,7 @@ def _links(raw, path, name):
 
 def normalise(raw, path="<profile>"):
     if not isinstance(raw, dict):
-        raise InputError(f"profile {path} is not a JSON object; see npmegatron/bench/plan/profiles.py")
+        raise InputError(f"profile {path} is not a JSON object; see npmegatron/perf/profiles.py")
     profile = dict(raw)
     profile.setdefault("name", os.path.splitext(os.path.basename(path))[0])
     if not isinstance(profile["name"], str):

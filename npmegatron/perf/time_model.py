@@ -28,8 +28,10 @@ group spanning nodes uses "inter", whose beta is one device's share of the node'
 members of a ring on one node cross the node boundary once between them, so their ring runs at
 k shares: beta / k.
 """
-from ...model import gpt_num_parameters, model_flops
-from .memory import check_layout, element_bytes, rank_parameters
+from ..model import gpt_num_parameters, model_flops
+from ..recompute import recompute_segments
+from ..tensor_parallel import pad_vocab_size
+from .memory import _recompute_config, check_layout, element_bytes, rank_parameters
 
 RECOMPUTE_COST = {"none": 1.0, "selective": 1.0, "full": 4.0 / 3.0}
 
@@ -84,8 +86,6 @@ def recomputed_share(cfg, layout):
     """The share of layers whose forward runs twice (recompute.py's segments of one model chunk)."""
     if layout.recompute != "full":
         return 0.0
-    from .memory import _recompute_config
-    from ...recompute import recompute_segments
     layers = cfg.num_layers // (layout.pp * layout.virtual)
     segments = recompute_segments(_recompute_config(cfg, layout), layers)
     return sum(stop - first for first, stop, again in segments if again) / layers
@@ -134,7 +134,6 @@ def step_time(cfg, layout, profile):
                          dp_total - profile["dp_overlap"] * last_backward)
     embedding = 0.0
     if p > 1:
-        from ...tensor_parallel import pad_vocab_size
         padded = pad_vocab_size(cfg.vocab_size, t, cfg.make_vocab_size_divisible_by)
         embedding = all_reduce_time(2, padded // t * h * w,
                                     *group_links(profile, "all_reduce", place["pp"][0], 1))

@@ -48,11 +48,11 @@ from dataclasses import dataclass, replace
 
 import numpy
 
-from ...autograd import InputError
-from ...pipeline import default_layout, parse_layout, plan_stages
-from ...pipeline.schedules import BACKWARD, build_actions
-from ...recompute import recompute_segments
-from ...tensor_parallel import pad_vocab_size
+from ..autograd import InputError
+from ..pipeline_layout import default_layout, parse_layout, plan_stages
+from ..pipeline.schedules import BACKWARD, build_actions
+from ..recompute import recompute_segments
+from ..tensor_parallel import pad_vocab_size
 
 RECOMPUTE = ("none", "selective", "full")
 MIXED_PRECISION_BYTES_PER_PARAM = 16     # fp16 param 2 + fp16 grad 2 + fp32 master, m, v 12
@@ -98,7 +98,6 @@ def check_layout(cfg, layout):
     if layout.recompute not in RECOMPUTE:
         raise InputError(f"recompute {layout.recompute!r} is unknown; use one of {', '.join(RECOMPUTE)}")
     if layout.recompute == "full":
-        from ...recompute import recompute_segments
         recompute_segments(_recompute_config(cfg, layout), cfg.num_layers // (p * v))
     if cfg.num_attention_heads % t:
         raise InputError(f"{cfg.num_attention_heads} attention heads are not divisible by TP {t}; "
@@ -191,7 +190,7 @@ def layer_activation_bytes(cfg, layout, w, recompute=None, accounting="project")
 
 def _gelu_keeps_tanh(cfg, layout, w):
     """Whether bias-GeLU keeps tanh for backward: the chains do; the float32 CPU kernel does not."""
-    from ...autograd.ops.elementwise import compiled_gelu
+    from ..autograd.ops.elementwise import compiled_gelu
     elements = layout.seq * layout.micro_batch * cfg.ffn_hidden_size // layout.tp
     return not (w == 4 and compiled_gelu(cfg.gelu, cfg.dtype, elements, cfg.device == "cpu"))
 

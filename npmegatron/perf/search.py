@@ -2,8 +2,9 @@
 weak-scaling configurations (Shoeybi et al. 2019, Table 1) predicted on a profile."""
 from dataclasses import replace
 
-from ...autograd import InputError
-from ...config import GPTConfig
+from ..autograd import InputError
+from ..config import GPTConfig
+from ..model import gpt_num_parameters
 from .memory import Layout, check_layout, memory_plan
 from .time_model import step_time
 
@@ -68,5 +69,4 @@ def paper_weak_scaling(profile):
 
 
 def cfg_params(cfg):
-    from ...model import gpt_num_parameters
     return gpt_num_parameters(cfg)

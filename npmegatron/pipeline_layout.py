@@ -4,7 +4,7 @@ layer), `L`, `|` between stages, `x*n` and `(...)*n` repetition, commas and spac
 Stage i runs on pipeline rank i mod PP as its virtual stage i div PP."""
 from dataclasses import dataclass
 
-from ..autograd import InputError
+from .autograd import InputError
 
 
 @dataclass

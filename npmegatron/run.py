@@ -1,7 +1,8 @@
 """One way to build: the process grid (one process, or the ranks mpirun started) and the model of
 any pipeline layout. Training, the benchmarks, generation and the tests all build through here."""
 from . import comm
-from .pipeline import PipelineModel, default_layout, parse_layout, plan_stages
+from .pipeline import PipelineModel
+from .pipeline_layout import default_layout, parse_layout, plan_stages
 
 
 def build_grid(tp=1, pp=1):

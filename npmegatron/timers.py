@@ -24,7 +24,7 @@ import time
 
 import numpy
 
-from .. import comm
+from . import comm
 
 FORWARD, BACKWARD, TP_COMM, DP_COMM, PIPELINE_WAIT, FINALIZE_GRADS, OPTIMIZER = (
     "forward-compute", "backward-compute", "tp-comm", "dp-comm", "pipeline-wait", "finalize-grads",
