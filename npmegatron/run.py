@@ -1,8 +1,47 @@
-"""One way to build: the process grid (one process, or the ranks mpirun started) and the model of
-any pipeline layout. Training, the benchmarks, generation and the tests all build through here."""
+"""The one place a run is assembled: from a TrainConfig, the process grid, this rank's model
+stages, the pipeline exchange, the data-parallel gradient buckets and the optimizer. The Trainer,
+the benchmarks (`bench step`, `bench scaling`, `bench pipeline`), generation and the tests build
+through here, so what is measured or tested is what trains."""
+import dataclasses
+from dataclasses import dataclass
+
 from . import comm
-from .pipeline import PipelineModel
+from .config import RunPlan, TrainConfig
+from .data_parallel import GradientBuckets
+from .data_parallel.distributed_optimizer import DistributedAdamW, ShardedGradientBuckets
+from .optim.adamw import AdamW
+from .pipeline import PipelineModel, StageExchange
 from .pipeline_layout import default_layout, parse_layout, plan_stages
+
+
+@dataclass
+class Run:
+    """What a training step needs on this rank (training/step.py's train_step takes its parts)."""
+    config: TrainConfig
+    plan: RunPlan
+    grid: object                # comm.ProcessGrid
+    cfg: object                 # the model's GPTConfig (its vocabulary the data's)
+    model: PipelineModel
+    schedule: str               # 1f1b, afab or interleaved
+    exchange: StageExchange
+    params: list
+    buckets: GradientBuckets
+    optimizer: AdamW
+    norm_skip: object           # what counts once in the global gradient norm
+
+
+def assemble(config: TrainConfig, vocab_size=None, world_size=None):
+    """The Run of `config` on the ranks mpirun started (`world_size` ranks; one without mpirun),
+    with the model's vocabulary set to `vocab_size` when given (the training data's)."""
+    plan = config.plan(comm.launch_size() if world_size is None else world_size)
+    grid = build_grid(plan.tp, plan.pp)
+    cfg = config.model if vocab_size is None else dataclasses.replace(config.model, vocab_size=vocab_size)
+    model = build_model(cfg, grid, plan.layout)
+    schedule = config.parallel.pipeline_schedule or ("interleaved" if model.virtual_size > 1 else "1f1b")
+    exchange = StageExchange(grid, cfg.dtype, model.xp, plan.micro_batches, config.parallel.variable_seq_lengths)
+    params = model.parameters()
+    buckets, optimizer = build_optimizer(model, params, grid, config)
+    return Run(config, plan, grid, cfg, model, schedule, exchange, params, buckets, optimizer, model.norm_skip())
 
 
 def build_grid(tp=1, pp=1):
@@ -18,3 +57,16 @@ def build_model(cfg, grid, layout=None):
     the pipeline ranks) that this rank holds, as one model."""
     layout = layout or default_layout(cfg.num_layers, grid.pp_size)
     return PipelineModel(cfg, grid, plan_stages(parse_layout(layout), cfg.num_layers, grid.pp_size, layout))
+
+
+def build_optimizer(model, params, grid, config):
+    """(gradient buckets, optimizer): AdamW over DP all-reduced buckets, or with
+    --use-distributed-optimizer each DP rank's share of AdamW over reduce-scattered buckets."""
+    bucket_size, lr, decay = config.parallel.ddp_bucket_size, config.lr, config.weight_decay
+    storage = config.model.storage_format     # --fp16/--bf16: float32 master weights
+    if not config.parallel.use_distributed_optimizer:
+        return (GradientBuckets(params, grid.dp_group, bucket_size),
+                AdamW(params, lr=lr, weight_decay=decay, storage=storage))
+    tied = getattr(model, "tied", None)
+    buckets = ShardedGradientBuckets(params, grid.dp_group, bucket_size, alone=[tied.weight] if tied else [])
+    return buckets, DistributedAdamW(buckets, lr=lr, weight_decay=decay, storage=storage)

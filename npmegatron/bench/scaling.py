@@ -36,8 +36,15 @@ import time
 
 import numpy
 
+from .. import comm
 from ..autograd import InputError
-from ..timers import PHASES
+from ..autograd.backend import to_numpy
+from ..config import GPTConfig, ParallelConfig, TrainConfig
+from ..model import gpt_num_parameters, model_flops
+from ..pipeline_layout import default_layout
+from ..run import assemble
+from ..timers import OPTIMIZER, PHASES, Timers
+from ..training.step import clip_after_step, setup_objects_frozen, train_step
 
 RECORD_PREFIX = "SCALING-RECORD "
 PHASE_LABELS = {"forward-compute": "fwd", "backward-compute": "bwd", "tp-comm": "tp", "dp-comm": "dp",
@@ -107,8 +114,6 @@ def plan_runs(cfg, layouts, mode, micro_batch, seq, global_batch=None, sequence_
     """One spec per layout: its model config, global batch and micro-batches, checked here, in
     the parent, so a bad layout is one sentence before anything is launched. sequence_parallel:
     on for the layouts with TP > 1 (with TP = 1 there is nothing to shard)."""
-    from ..model import gpt_num_parameters
-    from ..pipeline import default_layout
     if mode == "strong" and global_batch is None:
         global_batch = micro_batch * max(dp for _, _, dp in layouts) * 2
     if mode == "weak" and global_batch is None:
@@ -149,7 +154,6 @@ def plan_runs(cfg, layouts, mode, micro_batch, seq, global_batch=None, sequence_
 # ----------------------------------------------------------------------------- running (parent)
 
 def rank_environment(ranks, threads):
-    from .. import comm
     env = dict(os.environ, **comm.blas_thread_environment(threads), PYTHONUNBUFFERED="1")
     if ranks > cores():
         env["MPIR_CVAR_CH4_PROGRESS_THROTTLE"] = "true"
@@ -163,7 +167,6 @@ class ChildFailed(Exception):
 def run_layout(spec, warmup, iters, timeout=None, threads=None):
     """Launch one layout's child under mpiexec; its record (a dict). threads: BLAS and CPU-engine
     threads per rank (default: the cores shared among the ranks)."""
-    from .. import comm
     threads = threads or threads_per_rank(spec["ranks"])
     child = dict(spec, warmup=warmup, iters=iters, threads_per_rank=threads)
     command = [comm.mpiexec_path(), "-n", str(spec["ranks"]), sys.executable, "-m", "npmegatron.bench.scaling",
@@ -331,49 +334,37 @@ def environment(device, threads):
 
 
 class ChildRun:
-    """One layout's training step on the ranks mpiexec started: the model, its micro-batches of
-    synthetic tokens, buckets, exchange and AdamW, built the way the Trainer builds them."""
+    """One layout's training step on the ranks mpiexec started: the run assembled as the Trainer
+    assembles it (run.py), fed micro-batches of synthetic tokens."""
 
     def __init__(self, spec):
-        from .. import comm
-        from ..run import build_grid, build_model
-        from ..config import GPTConfig
-        from ..data_parallel import GradientBuckets
-        from ..pipeline import StageExchange
-        from ..optim.adamw import AdamW
-        from ..timers import Timers
-
         world = comm.init()
         if world.size != spec["ranks"]:
             raise InputError(f"layout {spec['layout']} needs {spec['ranks']} ranks, mpiexec started {world.size}")
-        self.spec, self.grid = spec, build_grid(spec["tp"], spec["pp"])
-        self.cfg = GPTConfig(**spec["cfg"])
-        self.model = build_model(self.cfg, self.grid)
-        xp, mb, m = self.model.xp, spec["micro_batch"], spec["micro_batches"]
+        parallel = ParallelConfig(tensor_model_parallel_size=spec["tp"], pipeline_model_parallel_size=spec["pp"])
+        config = TrainConfig(model=GPTConfig(**spec["cfg"]), parallel=parallel, seq_length=spec["seq"],
+                             micro_batch_size=spec["micro_batch"], global_batch_size=spec["global_batch"],
+                             lr=1e-4, min_lr=0.0)
+        self.spec, self.run = spec, assemble(config)
+        self.grid, self.cfg, xp = self.run.grid, self.run.cfg, self.run.model.xp
+        mb, m = spec["micro_batch"], spec["micro_batches"]
         ids = numpy.random.default_rng(self.cfg.seed).integers(0, self.cfg.vocab_size,
                                                               (spec["global_batch"], spec["seq"] + 1))
         mine = ids[self.grid.dp_rank * m * mb:(self.grid.dp_rank + 1) * m * mb]
         self.batches = [(xp.asarray(mine[j * mb:(j + 1) * mb, :-1]), xp.asarray(mine[j * mb:(j + 1) * mb, 1:]))
                         for j in range(m)]
-        self.exchange = StageExchange(self.grid, self.cfg.dtype, xp, m)
-        self.params = self.model.parameters()
-        self.buckets = GradientBuckets(self.params, self.grid.dp_group)
-        self.optimizer = AdamW(self.params, lr=1e-4)
-        self.norm_skip = self.model.norm_skip()
         self.timers = Timers(xp, comm_groups=(self.grid.tp_group.name,))
 
     def step(self):
         """One training step, as Trainer.train_step and step() make it."""
-        from ..training.step import clip_after_step, train_step
-        from ..timers import OPTIMIZER
-        loss_sum = train_step(self.model, self.exchange, self.batches, self.buckets, "1f1b", self.timers)
+        run = self.run
+        loss_sum = train_step(run.model, run.exchange, self.batches, run.buckets, run.schedule, self.timers)
         with self.timers(OPTIMIZER):
-            clip_after_step(self.model, self.params, loss_sum, self.norm_skip, 1.0)
-            self.optimizer.step(1e-4)
+            clip_after_step(run.model, run.params, loss_sum, run.norm_skip, 1.0)
+            run.optimizer.step(1e-4)
 
     def measure(self):
         """(this rank's step times, its mean seconds per phase) over the timed steps."""
-        from .. import comm
         times, phase_sums = [], {p: 0.0 for p in PHASES}
         for i in range(self.spec["warmup"] + self.spec["iters"]):
             comm.barrier(self.grid.world)
@@ -394,10 +385,6 @@ class ChildRun:
 
 def run_child(spec):
     """One layout on the ranks mpiexec started; rank 0 returns the record (others None)."""
-    from .. import comm
-    from ..autograd.backend import to_numpy
-    from ..model import model_flops
-    from ..training.step import setup_objects_frozen
     run = ChildRun(spec)
     grid, cfg, seq = run.grid, run.cfg, spec["seq"]
     with setup_objects_frozen():

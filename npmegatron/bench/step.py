@@ -8,9 +8,12 @@ import time
 import numpy
 
 from ..autograd.backend import array_module_for
-from ..model import GPT, GPTConfig, model_flops
-from ..optim.adamw import AdamW
-from ..training.step import setup_objects_frozen
+from ..autograd.profile import op_profile
+from ..autograd.threads import set_cpu_threads
+from ..config import TrainConfig
+from ..model import GPTConfig, model_flops
+from ..run import assemble
+from ..training.step import setup_objects_frozen, train_step
 
 
 def _synchronize(xp):
@@ -83,21 +86,19 @@ def op_kinds(table):
     return seconds
 
 
-def _timed_steps(model, inputs, targets, optimizer, xp, warmup, iters, profile, ceiling):
+def _timed_steps(run, batch, warmup, iters, profile, ceiling):
     """(step seconds, GEMM round seconds, optimizer seconds, op table) of the timed steps, a
     round of the ceiling's GEMMs timed right after each."""
-    from ..autograd.profile import op_profile
+    xp = run.model.xp
     times, rounds, optimizer_s, table = [], [], 0.0, {}
     for i in range(warmup + iters):
         timed = i >= warmup
         _synchronize(xp)
         start = time.perf_counter()
         with op_profile() if profile and timed else contextlib.nullcontext() as ops:
-            model.zero_grad()
-            _, loss = model(inputs, targets)
-            loss.backward()
+            train_step(run.model, run.exchange, [batch], run.buckets, run.schedule)
         before_update = time.perf_counter()
-        optimizer.step()
+        run.optimizer.step()
         _synchronize(xp)
         if timed:
             times.append(time.perf_counter() - start)
@@ -114,7 +115,6 @@ def bench_step(cfg: GPTConfig, batch, seq, warmup=2, iters=5, threads=None, prof
     """threads: BLAS threads for this run (threadpoolctl; default: the library's own), which are
     also the CPU engine's (autograd/threads.py); profile: also report seconds per step by kind
     of op, the optimizer, and the autograd's own overhead (the step minus both)."""
-    from ..autograd.threads import set_cpu_threads
     previous = set_cpu_threads(threads)
     try:
         return _bench_step(cfg, batch, seq, warmup, iters, threads, profile)
@@ -125,15 +125,14 @@ def bench_step(cfg: GPTConfig, batch, seq, warmup=2, iters=5, threads=None, prof
 def _bench_step(cfg, batch, seq, warmup, iters, threads, profile):
     from threadpoolctl import threadpool_limits
     with threadpool_limits(limits=threads) if threads else contextlib.nullcontext():
-        model = GPT(cfg)
-        xp = model.xp
-        rng = numpy.random.default_rng(cfg.seed)
-        ids = rng.integers(0, cfg.vocab_size, (batch, seq + 1))
-        inputs, targets = xp.asarray(ids[:, :-1]), xp.asarray(ids[:, 1:])
-        optimizer = AdamW(model.parameters(), lr=1e-4, storage=cfg.storage_format)
+        # One process, one micro-batch: the Trainer's step on the serial layout.
+        run = assemble(TrainConfig(model=cfg, seq_length=seq, micro_batch_size=batch, lr=1e-4, min_lr=0.0),
+                       world_size=1)
+        model, xp = run.model, run.model.xp
+        ids = numpy.random.default_rng(cfg.seed).integers(0, cfg.vocab_size, (batch, seq + 1))
         ceiling = GemmCeiling(cfg, batch, seq)
         with setup_objects_frozen():
-            times, rounds, optimizer_s, table = _timed_steps(model, inputs, targets, optimizer, xp,
+            times, rounds, optimizer_s, table = _timed_steps(run, (xp.asarray(ids[:, :-1]), xp.asarray(ids[:, 1:])),
                                                              warmup, iters, profile, ceiling)
     step_s = statistics.median(times)
     flops = model_flops(cfg, model.num_parameters(), batch, seq)

@@ -17,32 +17,17 @@ import numpy
 from .. import comm
 from ..autograd import InputError
 from ..autograd.backend import to_numpy
-from ..run import build_grid, build_model
+from ..checkpointing import checkpoint
+from ..checkpointing.save_folder import SaveFolder
 from ..config import TrainConfig
 from ..data import TrainingData
-from ..data_parallel import GradientBuckets
-from ..pipeline import StageExchange, run_schedule
-from ..checkpointing import checkpoint
-from .log import TrainingLog
+from ..optim.adamw import learning_rate
 from ..optim.loss_scale import build_loss_scale
-from ..optim.adamw import AdamW, learning_rate
-from ..checkpointing.save_folder import SaveFolder
-from .step import clip_after_step, schedule_options, setup_objects_frozen, sum_losses, train_step
+from ..pipeline import run_schedule
+from ..run import assemble
 from ..timers import NO_TIMERS, OPTIMIZER
-
-
-def build_optimizer(model, params, grid, config):
-    """(gradient buckets, optimizer): AdamW over DP all-reduced buckets, or with
-    --use-distributed-optimizer each DP rank's share of AdamW over reduce-scattered buckets."""
-    bucket_size, lr, decay = config.parallel.ddp_bucket_size, config.lr, config.weight_decay
-    storage = config.model.storage_format     # --fp16/--bf16: float32 master weights
-    if not config.parallel.use_distributed_optimizer:
-        return (GradientBuckets(params, grid.dp_group, bucket_size),
-                AdamW(params, lr=lr, weight_decay=decay, storage=storage))
-    from ..data_parallel.distributed_optimizer import DistributedAdamW, ShardedGradientBuckets
-    tied = getattr(model, "tied", None)
-    buckets = ShardedGradientBuckets(params, grid.dp_group, bucket_size, alone=[tied.weight] if tied else [])
-    return buckets, DistributedAdamW(buckets, lr=lr, weight_decay=decay, storage=storage)
+from .log import TrainingLog
+from .step import clip_after_step, schedule_options, setup_objects_frozen, sum_losses, train_step
 
 
 class TrainingDiverged(InputError):
@@ -56,21 +41,13 @@ class Trainer:
         if config.use_checkpoint_args:
             config = config.with_checkpoint_args(checkpoint.read_manifest(config.load)[1])
         self.config, self.timers = config, timers     # timers.py: off unless a Timers is passed
-        self.plan = plan = config.plan(comm.launch_size())
-        self.grid = grid = build_grid(plan.tp, plan.pp)
         self.data = TrainingData(config.data_path, config.split)
-        self.cfg = dataclasses.replace(config.model, vocab_size=self.data.vocab_size)
-        self.model = build_model(self.cfg, grid, plan.layout)
-        self.schedule = config.parallel.pipeline_schedule or (
-            "interleaved" if self.model.virtual_size > 1 else "1f1b")
-        self.exchange = StageExchange(grid, self.cfg.dtype, self.model.xp, plan.micro_batches,
-                                      config.parallel.variable_seq_lengths)
-        seed = self.cfg.seed
-        self.sampler = self.data.sampler("train", config.seq_length, seed)
-        self.valid_sampler = self.data.sampler("valid", config.seq_length, seed + 1)
-        self.params = self.model.parameters()
-        self.buckets, self.optimizer = build_optimizer(self.model, self.params, grid, config)
-        self.norm_skip = self.model.norm_skip()    # what counts once in the global norm
+        run = assemble(config, vocab_size=self.data.vocab_size)
+        self.plan, self.grid, self.cfg, self.model, self.schedule = run.plan, run.grid, run.cfg, run.model, run.schedule
+        self.exchange, self.params, self.buckets, self.optimizer = run.exchange, run.params, run.buckets, run.optimizer
+        self.norm_skip = run.norm_skip            # what counts once in the global norm
+        self.sampler = self.data.sampler("train", config.seq_length, self.cfg.seed)
+        self.valid_sampler = self.data.sampler("valid", config.seq_length, self.cfg.seed + 1)
         self.loss_scale = build_loss_scale(config)  # --fp16 (loss_scale.py), else None
         self.iteration, self.last_saved, self.skipped = 0, None, 0
         self.run_id = uuid.uuid4().hex      # rank 0's is the one recorded; a resumed run keeps its own
@@ -78,7 +55,7 @@ class Trainer:
             self._resume()
         self.save_folder = None
         if config.save:
-            self.save_folder = SaveFolder(config.save, self.run_id, grid.world, config.overwrite,
+            self.save_folder = SaveFolder(config.save, self.run_id, self.grid.world, config.overwrite,
                                           resuming=resumes_in_place(config.load, config.save))
 
     def _resume(self):

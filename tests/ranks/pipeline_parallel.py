@@ -23,21 +23,20 @@ def check(cases):
     import npmegatron.autograd as ag
     from npmegatron import comm
     from npmegatron.autograd.backend import to_numpy
-    from npmegatron.data_parallel import GradientBuckets
+    from npmegatron.config import ParallelConfig, TrainConfig
     from npmegatron.model import GPT, GPTConfig
-    from npmegatron.run import build_model
-    from npmegatron.pipeline import StageExchange, default_layout
+    from npmegatron.pipeline import default_layout
+    from npmegatron.run import assemble
     from npmegatron.training import train_step
 
     world = comm.init()
     worst = 0.0
     for case in cases:
-        grid = comm.ProcessGrid(tp=case["tp"], pp=case["pp"])
         layers = case.get("layers", 4)
         cfg = GPTConfig(num_layers=layers, hidden_size=16, num_attention_heads=4, vocab_size=50,
                         max_position_embeddings=12, dtype="float64", hidden_dropout=0.0,
                         attention_dropout=0.0, sequence_parallel=case.get("sp", False))
-        m, dp = case["m"], grid.dp_size
+        m, dp = case["m"], world.size // (case["tp"] * case["pp"])
         rng = np.random.default_rng(7)
         lengths = [4 + 2 * (i % 4) if case.get("variable") else 12 for i in range(m * dp)]
         batches = [(ids[:, :-1], ids[:, 1:]) for ids in (rng.integers(0, 50, (2, n + 1)) for n in lengths)]
@@ -50,12 +49,15 @@ def check(cases):
             total += loss.item()
         reference = dict(serial.named_parameters())
 
-        layout = case.get("layout") or default_layout(layers, case["pp"], case.get("virtual", 1))
-        model = build_model(dataclasses.replace(cfg, device=case.get("device", "cpu")), grid, layout)
-        exchange = StageExchange(grid, "float64", model.xp, m, case.get("variable", False))
-        buckets = GradientBuckets(model.parameters(), grid.dp_group, bucket_size=3000)
+        parallel = ParallelConfig(
+            tensor_model_parallel_size=case["tp"], pipeline_model_parallel_size=case["pp"], num_micro_batches=m,
+            pipeline_model_parallel_layout=case.get("layout") or default_layout(layers, case["pp"], case.get("virtual", 1)),
+            pipeline_schedule=case["schedule"], variable_seq_lengths=case.get("variable", False), ddp_bucket_size=3000)
+        run = assemble(TrainConfig(model=dataclasses.replace(cfg, device=case.get("device", "cpu")), parallel=parallel,
+                                   seq_length=12, micro_batch_size=2))
+        grid, model = run.grid, run.model
         mine = batches[grid.dp_rank * m:(grid.dp_rank + 1) * m]
-        loss_sum = train_step(model, exchange, mine, buckets, case["schedule"], overlap=case.get("overlap", True))
+        loss_sum = train_step(model, run.exchange, mine, run.buckets, run.schedule, overlap=case.get("overlap", True))
         loss_sum = model.xp.asarray(loss_sum).reshape(1)
         loss = to_numpy(comm.all_reduce(comm.all_reduce(loss_sum, grid.pp_group), grid.dp_group))[0] / (m * dp)
         errors = [abs(loss - total / (m * dp)) / abs(total / (m * dp))]

@@ -15,20 +15,21 @@ import sys
 import numpy as np
 
 
-def run(cfg, grid, layout, schedule, batches, steps=2):
+def run(cfg, layout, schedule, batches, steps=2):
     from npmegatron.autograd.backend import to_numpy
-    from npmegatron.run import build_model
-    from npmegatron.data_parallel import GradientBuckets
-    from npmegatron.pipeline import StageExchange
+    from npmegatron.config import ParallelConfig, TrainConfig
+    from npmegatron.run import assemble
     from npmegatron.training import train_step
 
-    model = build_model(cfg, grid, layout)
-    exchange = StageExchange(grid, cfg.dtype, model.xp, len(batches))
-    buckets = GradientBuckets(model.parameters(), grid.dp_group)
+    parallel = ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                              pipeline_model_parallel_layout=layout, pipeline_schedule=schedule,
+                              num_micro_batches=len(batches))
+    built = assemble(TrainConfig(model=cfg, parallel=parallel, seq_length=8, micro_batch_size=2))
+    model = built.model
     losses, grads = [], []
     for iteration in range(steps):
         model.rng.iteration = iteration          # as the trainer does: new dropout masks per step
-        losses.append(to_numpy(train_step(model, exchange, batches, buckets, schedule)))
+        losses.append(to_numpy(train_step(model, built.exchange, batches, built.buckets, built.schedule)))
         grads.append([to_numpy(p.grad).copy() for p in model.parameters()])
     return losses, grads
 
@@ -39,7 +40,6 @@ def main(cases):
     from npmegatron.pipeline import default_layout
 
     world = comm.init()
-    grid = comm.ProcessGrid(tp=2, pp=2)
     rng = np.random.default_rng(3)
     batches = [(ids[:, :-1], ids[:, 1:]) for ids in (rng.integers(0, 50, (2, 9)) for _ in range(4))]
     for case in cases:
@@ -47,8 +47,8 @@ def main(cases):
                          max_position_embeddings=8, dtype=case["dtype"], hidden_dropout=0.2,
                          attention_dropout=0.2, sequence_parallel=True)
         layout = default_layout(4, 2, case.get("virtual", 1))
-        plain = run(base, grid, layout, case["schedule"], batches)
-        again = run(dataclasses.replace(base, **case["recompute"]), grid, layout, case["schedule"], batches)
+        plain = run(base, layout, case["schedule"], batches)
+        again = run(dataclasses.replace(base, **case["recompute"]), layout, case["schedule"], batches)
         for (loss, grads), (loss2, grads2) in zip(zip(*plain), zip(*again)):
             assert np.array_equal(loss, loss2), (case, loss, loss2)
             assert all(np.array_equal(a, b) for a, b in zip(grads, grads2)), case
