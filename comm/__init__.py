@@ -11,9 +11,10 @@ from .collectives import (all_gather, all_reduce, all_reduce_async, barrier, bro
 from .debug import CommMismatchError
 from .grid import ProcessGrid, grid_coordinates, grid_ranks
 from .group import Group
-from .p2p import P2POp, Request, batch_isend_irecv, irecv, isend, recv, send, sendrecv, wait_all
-from .runtime import (blas_thread_environment, blas_threads, device_index, init, launch_rank, launch_size,
-                      launched_by_mpi, local_rank, local_size, mpiexec_path, report_and_abort,
+from .launch import blas_thread_environment, launch_rank, launch_size, launched_by_mpi, mpiexec_path
+from .p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send, sendrecv, wait_all
+from .request import Request
+from .runtime import (blas_threads, device_index, init, local_rank, local_size, report_and_abort,
                       reports_input_error)
 from .signals import ExitSignal
 from .stats import Stats, reset_stats, stats

@@ -319,16 +319,23 @@ def one_gpu_per_rank(bus_ids):
     return bool(bus_ids) and None not in bus_ids and len(set(bus_ids)) == len(bus_ids)
 
 
+_local_bus_ids = []     # each local rank's GPU, handed over by runtime.init (where all are present)
+
+
+def use_local_bus_ids(bus_ids):
+    """runtime.init: the PCI bus id of each local rank's GPU (None for a rank without one)."""
+    _local_bus_ids[:] = bus_ids
+    nccl_usable.cache_clear()
+
+
 @functools.lru_cache(maxsize=None)
 def nccl_usable():
-    """True when CuPy's NCCL binding has libnccl behind it and each local rank has a GPU of its own
-    (bus ids gathered by runtime.init, where every rank is present)."""
+    """True when CuPy's NCCL binding has libnccl behind it and each local rank has a GPU of its own."""
     try:
         from cupy.cuda import nccl
     except Exception:
         return False
-    from .runtime import local_bus_ids
-    return nccl_loaded(nccl) and one_gpu_per_rank(local_bus_ids())
+    return nccl_loaded(nccl) and one_gpu_per_rank(_local_bus_ids)
 
 
 @functools.lru_cache(maxsize=None)

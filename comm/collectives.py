@@ -10,6 +10,7 @@ from npmegatron.autograd.errors import InputError
 
 from . import debug
 from .backends import backend_for
+from .request import Request
 from .stats import record
 
 REDUCE_OPS = ("sum", "max", "min")
@@ -49,7 +50,6 @@ def all_reduce_async(x, group, op="sum"):
     """Start an all-reduce of the contiguous array x in place and return a Request; wait() gives
     the reduced array (x itself on host). Lets gradient buckets reduce while backward runs, and
     tensor parallelism's backward compute weight gradients meanwhile. Recorded as "all_reduce"."""
-    from .p2p import Request
     _check_op(op)
     if group.size == 1:
         return _Done(x)
@@ -66,7 +66,6 @@ def reduce_scatter_async(x, group, op="sum"):
     """Start the reduction of all ranks' contiguous 1-D x, split evenly: rank i gets block i.
     Returns a Request whose wait() gives this rank's block (the distributed optimizer's
     gradient buckets, reduced while backward runs)."""
-    from .p2p import Request
     _check_op(op)
     if group.size == 1:
         return _Done(x)

@@ -6,6 +6,7 @@ ranks (one node on a cluster), then data parallel, then pipeline stages.
 from npmegatron.autograd.errors import InputError
 
 from .group import Group
+from .runtime import init
 
 
 def grid_coordinates(rank, tp, dp):
@@ -48,7 +49,6 @@ class ProcessGrid:
     """Tensor x pipeline x data parallel groups over the world, with axis-prefixed attributes."""
 
     def __init__(self, tp=1, pp=1, dp=None, world=None):
-        from .runtime import init
         world = world or init()
         if dp is None:
             if world.size % (tp * pp):

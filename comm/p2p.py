@@ -15,34 +15,14 @@ from npmegatron.autograd.errors import InputError
 
 from .backends import backend_for
 from .collectives import contiguous
+from .request import Request
+from .runtime import init
 from .stats import record
-
-
-class Request:
-    """A posted send or receive; wait() returns the received array (None for a send)."""
-
-    def __init__(self, inner, op, group, nbytes, started_s=0.0):
-        self.inner, self.op, self.group, self.nbytes = inner, op, group, nbytes
-        self.started_s = started_s          # seconds the call took to start, recorded with the wait
-        self.done, self.value = False, None
-
-    def test(self):
-        """Give the transfer a chance to progress without blocking."""
-        return self.done or bool(self.inner.test())
-
-    def wait(self):
-        if not self.done:
-            start = time.perf_counter()
-            self.value = self.inner.wait()
-            record(self.op, self.group.name, self.nbytes, self.started_s + time.perf_counter() - start)
-            self.done = True
-        return self.value
 
 
 def _world(group):
     if group is not None:
         return group
-    from .runtime import init
     return init()
 
 

@@ -14,7 +14,10 @@ import traceback
 from npmegatron.autograd.errors import InputError
 from npmegatron.autograd.threads import set_cpu_threads
 
+from . import backends
 from .group import Group
+from .launch import launch_size
+from .signals import install_interrupt_watchdog
 
 # An error that every rank raises reaches every rank's handler within this window (ranks are at
 # most seconds apart, even 8 ranks on 2 cores); past it, the ranks that did not raise are waiting
@@ -47,7 +50,6 @@ def init():
         return _state["world"]
     _throttle_polling_when_oversubscribed()
     if launch_size() > 1:
-        from .signals import install_interrupt_watchdog
         install_interrupt_watchdog()
     from mpi4py import MPI
     from threadpoolctl import threadpool_limits
@@ -65,6 +67,7 @@ def init():
     # Gathered here, where every local rank is present: gathered lazily at a rank's first GPU
     # call, it would hang whenever another local rank's next call is not on the GPU.
     _state["local_bus_ids"] = local.allgather(_bus_id(_state["device"]))
+    backends.use_local_bus_ids(_state["local_bus_ids"])     # whether NCCL can serve these ranks
     if world.Get_size() > 1:
         sys.excepthook = _end_on_uncaught
     # Only for agreeing on errors: a communicator of its own never matches a model collective.
@@ -103,26 +106,12 @@ def _bus_id(device):
     return cupy.cuda.Device(device).pci_bus_id
 
 
-def launched_by_mpi():
-    """True inside an mpiexec/mpirun launch (MPICH's PMI or Open MPI's variables are set)."""
-    return any(v in os.environ for v in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK"))
 
 
-def launch_rank():
-    """This process's rank from the launcher's environment (0 outside mpirun), without MPI."""
-    return _launch_variable(("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"), 0)
 
 
-def launch_size():
-    """The number of ranks the launcher started (1 outside mpirun), without MPI."""
-    return _launch_variable(("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE"), 1)
 
 
-def _launch_variable(names, default):
-    for name in names:
-        if name in os.environ:
-            return int(os.environ[name])
-    return default
 
 
 def local_size():
@@ -152,20 +141,8 @@ def blas_threads():
     return _state["blas_threads"]
 
 
-def blas_thread_environment(threads):
-    """The variables that give a process to be started `threads` BLAS threads."""
-    return {name: str(threads) for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
 
 
-def mpiexec_path():
-    """The mpiexec beside this Python (the mpich wheel's), else the one on PATH."""
-    import shutil
-    path = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    found = path if os.path.exists(path) else shutil.which("mpiexec") or shutil.which("mpirun")
-    if found is None:
-        raise InputError("no mpiexec found; install the MPI extra (pip install 'npmegatron[mpi]') "
-                         "or launch this command with your MPI's mpirun")
-    return found
 
 
 def _end_on_uncaught(exc_type, exc, tb):

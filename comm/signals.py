@@ -14,7 +14,10 @@ import sys
 import threading
 import time
 
-from .runtime import launch_rank
+import numpy
+
+from .collectives import all_reduce
+from .launch import launch_rank
 
 INTERRUPTED_EXIT_CODE = 130     # 128 + SIGINT, what a shell reports for Ctrl-C
 # Ranks other than 0 wait this long before reporting, so an interrupt that reached every rank is
@@ -73,8 +76,6 @@ class ExitSignal:
 
     def received(self, group):
         """Collective over `group`: True on every rank when any rank has seen the signal."""
-        import numpy
-        from .collectives import all_reduce
         return bool(all_reduce(numpy.array([int(self.seen)]), group, op="max")[0])
 
     @property

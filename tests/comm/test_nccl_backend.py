@@ -9,7 +9,7 @@ import pytest
 
 from fakes.fake_cupy import FakeCupy
 
-from npmegatron.comm import backends, runtime
+from npmegatron.comm import backends
 from npmegatron.comm.group import Group
 
 
@@ -231,7 +231,7 @@ def cupy_with(monkeypatch):
         monkeypatch.setitem(sys.modules, "cupy", fake)
         monkeypatch.setitem(sys.modules, "cupy.cuda", fake.cuda)
         monkeypatch.setitem(sys.modules, "cupy.cuda.nccl", nccl)
-        monkeypatch.setattr(runtime, "local_bus_ids", lambda: bus_ids)
+        monkeypatch.setattr(backends, "_local_bus_ids", list(bus_ids))
         backends.nccl_usable.cache_clear()
     yield install
     backends.nccl_usable.cache_clear()

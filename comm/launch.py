@@ -1,0 +1,45 @@
+"""What the launcher (mpiexec, mpirun) tells a process through its environment, read without
+starting MPI: whether it was launched, its rank and the number of ranks; and what a process to be
+launched needs (the mpiexec to use, its BLAS thread count)."""
+import os
+import shutil
+import sys
+
+from npmegatron.autograd.errors import InputError
+
+
+def launched_by_mpi():
+    """True inside an mpiexec/mpirun launch (MPICH's PMI or Open MPI's variables are set)."""
+    return any(v in os.environ for v in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK"))
+
+
+def launch_rank():
+    """This process's rank from the launcher's environment (0 outside mpirun), without MPI."""
+    return _launch_variable(("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"), 0)
+
+
+def launch_size():
+    """The number of ranks the launcher started (1 outside mpirun), without MPI."""
+    return _launch_variable(("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE"), 1)
+
+
+def _launch_variable(names, default):
+    for name in names:
+        if name in os.environ:
+            return int(os.environ[name])
+    return default
+
+
+def blas_thread_environment(threads):
+    """The variables that give a process to be started `threads` BLAS threads."""
+    return {name: str(threads) for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+
+
+def mpiexec_path():
+    """The mpiexec beside this Python (the mpich wheel's), else the one on PATH."""
+    path = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    found = path if os.path.exists(path) else shutil.which("mpiexec") or shutil.which("mpirun")
+    if found is None:
+        raise InputError("no mpiexec found; install the MPI extra (pip install 'npmegatron[mpi]') "
+                         "or launch this command with your MPI's mpirun")
+    return found
