@@ -6,7 +6,7 @@ pipeline stage may free an output after sending it and still backpropagate throu
 """
 from .backend import get_array_module
 from .errors import InputError
-from .graph import edge
+from .graph import edge_of
 
 
 def _count_consumers(roots):
@@ -108,7 +108,7 @@ def _release(node, consumers, ready, buffers):
 
 
 def _make_accumulator(t):
-    return edge(t)[0]
+    return edge_of(t)[0]
 
 
 def _accumulate(buffers, node, index, g):

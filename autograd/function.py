@@ -6,7 +6,7 @@ reads `ctx.needs_input_grad` so it never computes a gradient nobody wants.
 from . import precision as _precision
 from . import profile as _profile
 from . import tensor as _tensor
-from .graph import edge
+from .graph import edge_of
 from .tensor import Tensor
 
 
@@ -81,7 +81,7 @@ class Function:
             outs = tuple(_precision.round_(o, storage) for o in outs)
         tensors = tuple(Tensor(o, requires_grad=record) for o in outs)
         if record:
-            node = Node(cls, ctx, tuple(edge(x) for x in inputs), len(outs))
+            node = Node(cls, ctx, tuple(edge_of(x) for x in inputs), len(outs))
             node.storage = storage
             for i, t in enumerate(tensors):
                 t.grad_fn, t.output_index = node, i

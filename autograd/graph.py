@@ -38,15 +38,7 @@ def grad_accumulator(leaf):
     return leaf._accumulator
 
 
-def _edge(x):
-    if not isinstance(x, Tensor) or not x.requires_grad:
-        return None
-    if x.grad_fn is not None:
-        return (x.grad_fn, x.output_index)
-    return (grad_accumulator(x), 0)
-
-
-def edge(x):
+def edge_of(x):
     """(node, output index) a gradient for `x` flows to, or None when none is wanted (a plain
     array, or a tensor that does not require grad)."""
     if not getattr(x, "requires_grad", False):

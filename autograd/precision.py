@@ -7,7 +7,7 @@ included, while every op computes in float32 from them, as tensor cores accumula
 and Megatron computes LayerNorm, softmax and the loss in fp32. A Function whose output stays in
 float32 (the loss) says so with `float32_output = True`. Parameter gradients are accumulated in
 float32 (AccumulateGrad does not round), as Megatron's main_grad buffers; the optimizer keeps
-float32 master weights (training/optimizer.py).
+float32 master weights (npmegatron/optim/adamw.py).
 
 Why rounding rather than 16-bit arrays: NumPy has no 16-bit matmul (float16 runs in a scalar loop,
 hundreds of times slower than float32 BLAS) and bfloat16 (ml_dtypes) has none at all, so every op

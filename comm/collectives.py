@@ -1,7 +1,11 @@
-"""Collectives on a group: all_reduce, all_gather, reduce_scatter, broadcast, barrier.
+"""Collectives on a group: all_reduce, all_gather, reduce_scatter, broadcast, barrier, and the
+asynchronous all_reduce_async and reduce_scatter_async, which return a Request (request.py).
 
-Each returns at once when its group has one rank, accepts non-contiguous input, checks
-agreement in debug mode and records op, group, bytes and seconds for comm.stats().
+Each returns at once when its group has one rank, checks agreement in debug mode and records op,
+group, bytes and seconds for comm.stats(). The blocking ones accept non-contiguous input; the
+asynchronous ones work in place and need contiguous arrays. The backend (backends.py) is MPI
+for host arrays, with node shared memory for mid-sized all-reduces (shared_memory.py), and NCCL
+for GPU arrays when each rank has its own GPU.
 """
 import time
 

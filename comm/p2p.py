@@ -4,7 +4,6 @@ Peers are ranks of the group passed (the world by default, so global ranks). A b
 receive and send non-blocking (inside one NCCL group call on GPUs) before waiting, so it cannot
 deadlock whatever order neighbouring ranks list their operations in.
 """
-import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -17,7 +16,6 @@ from .backends import backend_for
 from .collectives import contiguous
 from .request import Request
 from .runtime import init
-from .stats import record
 
 
 def _world(group):

@@ -254,9 +254,9 @@ def bench_scaling_command(mode, layouts, ranks, parallel, global_batch_size, war
             sys.exit(1)
         raise click.ClickException("bench scaling launches its own mpiexec job per layout; run it "
                                    "without mpirun")
-    from .bench.scaling import ChildFailed, bench_scaling, format_table, parse_layouts, write_output
+    from .bench.scaling import ChildFailed, bench_scaling, format_table, parse_grid_shapes, write_output
     cfg = bench_model_config(options)
-    parsed = parse_layouts(layouts, ranks, parallel)
+    parsed = parse_grid_shapes(layouts, ranks, parallel)
     try:
         records = bench_scaling(cfg, parsed, mode, options["micro_batch_size"], options["seq_length"],
                                 global_batch_size, warmup, iters, threads=threads_per_rank,

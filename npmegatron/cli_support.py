@@ -10,6 +10,7 @@ from dataclasses import fields
 
 import click
 
+from . import comm
 from .autograd import InputError
 from .config import field_default
 
@@ -45,7 +46,6 @@ def user_errors(command):
         try:
             return command(*args, **kwargs)
         except InputError as error:
-            from . import comm
             error = InputError(in_flag_names(str(error)))
             if comm.launch_size() > 1 and not comm.reports_input_error(error):
                 sys.exit(1)
@@ -76,8 +76,7 @@ class OneRankUsageErrors:
         try:
             return super().parse_args(ctx, args)
         except click.UsageError as error:
-            from .comm import launch_rank
-            if launch_rank() != 0:
+            if comm.launch_rank() != 0:
                 raise click.exceptions.Exit(error.exit_code) from None
             raise
 
@@ -95,6 +94,5 @@ Group.group_class = Group
 
 def relaunch_under_mpiexec(ranks):
     """Run this same command line on `ranks` ranks with the environment's mpiexec."""
-    from . import comm
     command = [comm.mpiexec_path(), "-n", str(ranks), sys.executable, "-m", "npmegatron.cli"] + sys.argv[1:]
     return subprocess.call(command)

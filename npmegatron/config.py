@@ -1,7 +1,10 @@
-"""The one source of configuration: the model (GPTConfig), the parallel layout (ParallelConfig)
-and the training run (TrainConfig, which nests the other two), each field with its default, its
-help and its check written once. The click commands are generated from these fields (cli.py), so
-a new flag is a new field here and nowhere else. Flags are Megatron-LM's names.
+"""The one source of a run's configuration: the model (GPTConfig), the parallel layout
+(ParallelConfig) and the training run (TrainConfig, which nests the other two), each field with
+its default, its help and its check written once. `train`'s flags are generated from these fields
+(cli_support.config_options), so a new training flag is a new field here and nowhere else; bench,
+plan and generate take the fields they share with training from here too, and declare beside
+their commands only what is theirs (generate's sampling, the benchmarks' timing, plan's machine
+profile and its own `--recompute none|selective|full`). Flags are Megatron-LM's names.
 
 `TrainConfig.plan(world_size)` turns a configuration into the run's shape (DP size, micro-batches
 per step, pipeline layout and schedule): every check that needs the number of ranks is there.

@@ -36,8 +36,14 @@ import re
 import numpy
 
 from .autograd import InputError
+from .autograd.backend import to_numpy
+from .checkpointing import checkpoint
+from .comm import ProcessGrid
 from .config import GPTConfig
 from .hf_folder import PREFIX, check_hf_target, inside_folder, is_mask_buffer, read_hf_folder, write_hf_folder
+from .model import GPT
+from .module import load_masters
+from .optim.adamw import AdamW
 from .safetensors_header import one_line, shown as _shown
 
 ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}   # HF -> GPTConfig.gelu
@@ -274,11 +280,6 @@ def import_hf(hf_dir, save):
     dtype is float64 when the weights are, else float32; a tokenizer.json beside them goes along."""
     import uuid
 
-    from .comm import ProcessGrid
-    from .model import GPT
-    from .module import load_masters
-    from .checkpointing import checkpoint
-    from .optim.adamw import AdamW
     if os.path.isdir(save) and os.listdir(save):
         raise InputError(f"--save {save} is not empty; give a new folder for the converted checkpoint")
     cfg, masters = read_hf_model(hf_dir)
@@ -299,10 +300,6 @@ def export_hf(load, hf_dir, overwrite=False):
     model.safetensors, the run's tokenizer.json if it had one) that GPT2LMHeadModel.from_pretrained
     loads. Under --fp16/--bf16 the float32 master weights are written. A folder that already holds
     weights is written into only with `overwrite`."""
-    from .autograd.backend import to_numpy
-    from .comm import ProcessGrid
-    from .model import GPT
-    from .checkpointing import checkpoint
     check_hf_target(hf_dir, overwrite)
     folder, manifest = checkpoint.read_manifest(load)
     cfg = checkpoint.saved_config(manifest, fp16=False, bf16=False, sequence_parallel=False,

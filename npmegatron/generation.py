@@ -10,8 +10,15 @@ import math
 import numpy
 
 from . import autograd as ag
+from . import comm
 from .autograd import InputError
 from .autograd.backend import to_numpy
+from .checkpointing import checkpoint
+from .data import tokenizer_from_spec
+from .model import GPT
+from .pipeline import StageExchange, run_schedule
+from .pipeline_layout import default_layout
+from .run import build_grid, build_model
 
 
 class LayerCache:
@@ -61,7 +68,6 @@ def without_sequence_parallel(model):
     """The same weights (shared, not copied) in a model with sequence parallelism off: one new
     token cannot be split over the TP ranks, and the weights' layout does not depend on SP."""
     import dataclasses
-    from .model import GPT
     twin = GPT(dataclasses.replace(model.cfg, sequence_parallel=False), model.grid)
     mine = dict(model.named_parameters())
     for name, param in twin.named_parameters():
@@ -114,8 +120,6 @@ def _generate_pipelined(model, ids, max_new_tokens, draw):
     """Several pipeline stages: each token runs the whole sequence through the stages (no key/
     value cache crosses stages here, so a token costs the prefix again), the last stage draws it,
     and the last pipeline rank broadcasts it to the others."""
-    from . import comm
-    from .pipeline import StageExchange, run_schedule
     if model.cfg.sequence_parallel:
         raise InputError("generation over pipeline stages needs sequence parallelism off (one new "
                          "token cannot be split over ranks); build the model without it")
@@ -137,11 +141,6 @@ def load_for_generation(path, device="cpu", tp=None, pp=1):
     """(model, tokenizer) from a checkpoint saved at any layout, resharded to TP x PP ranks (TP
     default: the launched ranks / PP; one process without mpirun); sequence parallelism and
     dropout off."""
-    from . import comm
-    from .run import build_grid, build_model
-    from .data import tokenizer_from_spec
-    from .pipeline import default_layout
-    from .checkpointing import checkpoint
     folder, manifest = checkpoint.read_manifest(path)
     world = comm.launch_size()
     tp = tp or max(1, world // pp)

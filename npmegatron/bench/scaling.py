@@ -1,8 +1,8 @@
 """`npmegatron bench scaling`: strong and weak scaling over TP x PP x DP layouts, with each
-step's time split into phases by the training step's timers (training/timers.py).
+step's time split into phases by the training step's timers (npmegatron/timers.py).
 
 The parent is a plain process (it never starts MPI): for each layout it launches one
-`mpiexec -n TP*PP*DP python -m npmegatron.bench.scaling '<spec JSON>'` child, whose rank 0
+`mpiexec -n TP*PP*DP python -m npmegatron.bench.scaling_child '<spec JSON>'` child (scaling_child.py), whose rank 0
 prints one JSON record on a line starting with RECORD_PREFIX. Every child gets
 max(1, cores // ranks) BLAS threads per rank (OMP/OPENBLAS/MKL_NUM_THREADS here, threadpoolctl in
 comm.init()), so every layout runs on the same cores.
@@ -27,34 +27,23 @@ import dataclasses
 import json
 import math
 import os
-import platform
-import resource
 import statistics
 import subprocess
 import sys
-import time
 
 import numpy
 
 from .. import comm
 from ..autograd import InputError
-from ..autograd.backend import to_numpy
-from ..config import GPTConfig, ParallelConfig, TrainConfig
-from ..model import gpt_num_parameters, model_flops
+from ..model import gpt_num_parameters
 from ..pipeline_layout import default_layout
-from ..run import assemble
-from ..timers import OPTIMIZER, PHASES, Timers
-from ..training.step import clip_after_step, setup_objects_frozen, train_step
+from ..timers import PHASES
+from .scaling_child import RECORD_PREFIX, cores
 
-RECORD_PREFIX = "SCALING-RECORD "
 PHASE_LABELS = {"forward-compute": "fwd", "backward-compute": "bwd", "tp-comm": "tp", "dp-comm": "dp",
                 "pipeline-wait": "pp", "finalize-grads": "fin", "optimizer": "opt", "other": "other"}
 AXES = {"tp": 0, "pp": 1, "dp": 2}
 MAX_RANKS_PER_CORE = 8
-
-
-def cores():
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def threads_per_rank(ranks):
@@ -63,7 +52,7 @@ def threads_per_rank(ranks):
 
 # ----------------------------------------------------------------------------- layouts (parent)
 
-def parse_layouts(layouts, ranks, parallel):
+def parse_grid_shapes(layouts, ranks, parallel):
     """[(tp, pp, dp)] from --layouts "1x1x1,2x1x1" or from --ranks "1,2,4" with --parallel."""
     if layouts is not None and ranks is not None:
         raise InputError("give either --layouts or --ranks with --parallel, not both")
@@ -106,7 +95,7 @@ def _positive(text, what):
     return value
 
 
-def layout_name(tp, pp, dp):
+def grid_shape_name(tp, pp, dp):
     return f"{tp}x{pp}x{dp}"
 
 
@@ -121,7 +110,7 @@ def plan_runs(cfg, layouts, mode, micro_batch, seq, global_batch=None, sequence_
     limit = MAX_RANKS_PER_CORE * cores()
     specs = []
     for tp, pp, dp in layouts:
-        name, ranks = layout_name(tp, pp, dp), tp * pp * dp
+        name, ranks = grid_shape_name(tp, pp, dp), tp * pp * dp
         if ranks > limit:
             raise InputError(f"layout {name} needs {ranks} ranks, more than {MAX_RANKS_PER_CORE} per core "
                              f"on this machine's {cores()} cores; use smaller layouts")
@@ -169,7 +158,7 @@ def run_layout(spec, warmup, iters, timeout=None, threads=None):
     threads per rank (default: the cores shared among the ranks)."""
     threads = threads or threads_per_rank(spec["ranks"])
     child = dict(spec, warmup=warmup, iters=iters, threads_per_rank=threads)
-    command = [comm.mpiexec_path(), "-n", str(spec["ranks"]), sys.executable, "-m", "npmegatron.bench.scaling",
+    command = [comm.mpiexec_path(), "-n", str(spec["ranks"]), sys.executable, "-m", "npmegatron.bench.scaling_child",
                json.dumps(child)]
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     done = subprocess.run(command, env=rank_environment(spec["ranks"], threads), capture_output=True, text=True,
@@ -307,123 +296,3 @@ def plot(records, mode, folder):
     fig.tight_layout()
     fig.savefig(os.path.join(folder, "breakdown.png"), dpi=100)
     pyplot.close(fig)
-
-
-# ----------------------------------------------------------------------------- one layout (child)
-
-def git_commit():
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
-                             capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def environment(device, threads):
-    from mpi4py import MPI
-    import mpi4py
-    from threadpoolctl import threadpool_info
-    blas = [{k: i.get(k) for k in ("internal_api", "version", "num_threads", "threading_layer")}
-            for i in threadpool_info() if i.get("user_api") == "blas"]
-    return {"git_commit": git_commit(), "python": platform.python_version(), "numpy": numpy.__version__,
-            "mpi4py": mpi4py.__version__, "mpi_library": MPI.Get_library_version().strip().splitlines()[0],
-            "blas": blas, "cores": cores(), "threads_per_rank": threads,
-            "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
-            "device": device, "machine": platform.machine(), "node": platform.node()}
-
-
-class ChildRun:
-    """One layout's training step on the ranks mpiexec started: the run assembled as the Trainer
-    assembles it (run.py), fed micro-batches of synthetic tokens."""
-
-    def __init__(self, spec):
-        world = comm.init()
-        if world.size != spec["ranks"]:
-            raise InputError(f"layout {spec['layout']} needs {spec['ranks']} ranks, mpiexec started {world.size}")
-        parallel = ParallelConfig(tensor_model_parallel_size=spec["tp"], pipeline_model_parallel_size=spec["pp"])
-        config = TrainConfig(model=GPTConfig(**spec["cfg"]), parallel=parallel, seq_length=spec["seq"],
-                             micro_batch_size=spec["micro_batch"], global_batch_size=spec["global_batch"],
-                             lr=1e-4, min_lr=0.0)
-        self.spec, self.run = spec, assemble(config)
-        self.grid, self.cfg, xp = self.run.grid, self.run.cfg, self.run.model.xp
-        mb, m = spec["micro_batch"], spec["micro_batches"]
-        ids = numpy.random.default_rng(self.cfg.seed).integers(0, self.cfg.vocab_size,
-                                                              (spec["global_batch"], spec["seq"] + 1))
-        mine = ids[self.grid.dp_rank * m * mb:(self.grid.dp_rank + 1) * m * mb]
-        self.batches = [(xp.asarray(mine[j * mb:(j + 1) * mb, :-1]), xp.asarray(mine[j * mb:(j + 1) * mb, 1:]))
-                        for j in range(m)]
-        self.timers = Timers(xp, comm_groups=(self.grid.tp_group.name,))
-
-    def step(self):
-        """One training step, as Trainer.train_step and step() make it."""
-        run = self.run
-        loss_sum = train_step(run.model, run.exchange, self.batches, run.buckets, run.schedule, self.timers)
-        with self.timers(OPTIMIZER):
-            clip_after_step(run.model, run.params, loss_sum, run.norm_skip, 1.0)
-            run.optimizer.step(1e-4)
-
-    def measure(self):
-        """(this rank's step times, its mean seconds per phase) over the timed steps."""
-        times, phase_sums = [], {p: 0.0 for p in PHASES}
-        for i in range(self.spec["warmup"] + self.spec["iters"]):
-            comm.barrier(self.grid.world)
-            self.timers.synchronize()
-            self.timers.reset()
-            start = time.perf_counter()
-            self.step()
-            self.timers.synchronize()
-            seconds = time.perf_counter() - start
-            if i >= self.spec["warmup"]:
-                times.append(seconds)
-                for name, value in self.timers.elapsed().items():
-                    phase_sums[name] = phase_sums.get(name, 0.0) + value
-        phases = {name: total / len(times) for name, total in phase_sums.items()}
-        phases["other"] = statistics.fmean(times) - sum(phases.values())
-        return times, phases
-
-
-def run_child(spec):
-    """One layout on the ranks mpiexec started; rank 0 returns the record (others None)."""
-    run = ChildRun(spec)
-    grid, cfg, seq = run.grid, run.cfg, spec["seq"]
-    with setup_objects_frozen():
-        times, phases = run.measure()
-    # The slowest rank's step times (each step ends with collectives, so they are close).
-    slowest = to_numpy(comm.all_reduce(numpy.asarray(times), grid.world, "max"))
-    rank0_mean = statistics.fmean(times)
-    peak = to_numpy(comm.all_reduce(numpy.asarray([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss],
-                                                  numpy.float64), grid.world, "max"))[0]
-    if grid.rank != 0:
-        return None
-    step_s = statistics.median(slowest)
-    flops = model_flops(cfg, spec["parameters"], spec["global_batch"], seq)
-    record = {k: spec[k] for k in ("layout", "tp", "pp", "dp", "ranks", "global_batch", "micro_batch",
-                                   "micro_batches", "seq", "parameters", "threads_per_rank")}
-    record.update({
-        "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
-        "num_attention_heads": cfg.num_attention_heads, "vocab_size": cfg.vocab_size, "dtype": cfg.dtype,
-        "device": cfg.device, "schedule": "1f1b", "warmup": spec["warmup"], "iters": spec["iters"],
-        "step_s": step_s, "step_min_s": float(min(slowest)), "step_max_s": float(max(slowest)),
-        "step_times_s": [float(t) for t in slowest],
-        "tokens_per_s": spec["global_batch"] * seq / step_s,
-        "model_flops_per_step": flops, "model_flops_per_s": flops / step_s,
-        "model_flops_per_s_per_rank": flops / step_s / spec["ranks"],
-        "phases_s": phases, "phases_of": "rank 0, mean seconds per measured step",
-        "rank0_step_mean_s": rank0_mean,
-        "phases_sum_ratio": sum(v for k, v in phases.items() if k != "other") / rank0_mean,
-        "peak_rss_MiB_max_over_ranks": float(peak) / 1024,
-        "environment": environment(cfg.device, spec["threads_per_rank"]),
-    })
-    return record
-
-
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    record = run_child(json.loads(argv[0]))
-    if record is not None:
-        print(RECORD_PREFIX + json.dumps(record), flush=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -111,7 +111,7 @@ def save(root, iteration, model, optimizer, grid, extra, files=None):
     _agree_or_clean(error, partial, world)
     if world.rank == 0:
         manifest = {"format": FORMAT, "iteration": iteration, "model": dict(vars(model.cfg)),
-                    "layout": {"tp": grid.tp_size, "pp": grid.pp_size, "dp": grid.dp_size},
+                    "grid": {"tp": grid.tp_size, "pp": grid.pp_size, "dp": grid.dp_size},
                     "optimizer": state["hyperparameters"],
                     "ranks": [{k: r[k] for k in ("rank", "tp", "pp", "dp", "rng")} for r in records],
                     "shards": {r["shard"]["file"]: {k: r["shard"][k] for k in ("bytes", "sha256", "places")}
@@ -280,7 +280,7 @@ def verify_shards(folder, manifest):
 
 
 def same_layout(manifest, grid, pipeline_layout):
-    layout = manifest["layout"]
+    layout = manifest["grid"]
     saved_layout = manifest.get("pipeline_layout")
     return ((layout["tp"], layout["pp"]) == (grid.tp_size, grid.pp_size)
             and (pipeline_layout is None or saved_layout is None or saved_layout == pipeline_layout))

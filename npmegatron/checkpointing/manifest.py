@@ -93,19 +93,21 @@ def _optional_text(value, path, field):
 def check(manifest, folder, path):
     """Every field a load, a resume, generation or conversion reads, checked against the form the
     saver writes. Raises InputError naming the manifest and the field."""
-    _mapping(manifest, path, "the manifest", ("format", "iteration", "model", "layout", "optimizer",
+    if isinstance(manifest, dict) and "grid" not in manifest and "layout" in manifest:
+        manifest["grid"] = manifest.pop("layout")      # the grid's name in earlier checkpoints
+    _mapping(manifest, path, "the manifest", ("format", "iteration", "model", "grid", "optimizer",
                                               "ranks", "shards"))
     if manifest["format"] != FORMAT:
         raise InputError(f"{path} is not an npmegatron checkpoint manifest (format "
                          f"{_shown(manifest['format'])}, expected {FORMAT!r})")
     _check_iteration(manifest["iteration"], folder, path)
     check_model(manifest["model"], path)
-    layout = _mapping(manifest["layout"], path, "'layout'", ("tp", "pp", "dp"))
+    grid = _mapping(manifest["grid"], path, "'grid'", ("tp", "pp", "dp"))
     for axis in ("tp", "pp", "dp"):
-        _integer(layout[axis], path, f"layout {axis}", minimum=1, maximum=2 ** 16)
+        _integer(grid[axis], path, f"grid {axis}", minimum=1, maximum=2 ** 16)
     _check_optimizer(manifest["optimizer"], path)
-    _check_ranks(manifest["ranks"], layout, path)
-    _check_shards(manifest["shards"], layout, folder, path)
+    _check_ranks(manifest["ranks"], grid, path)
+    _check_shards(manifest["shards"], grid, folder, path)
     _check_run(manifest, path)
 
 
@@ -162,10 +164,10 @@ def _check_optimizer(optimizer, path):
         raise _lie(path, "optimizer betas", betas, "two numbers in [0, 1)")
 
 
-def _check_ranks(ranks, layout, path):
-    world = layout["tp"] * layout["pp"] * layout["dp"]
+def _check_ranks(ranks, grid, path):
+    world = grid["tp"] * grid["pp"] * grid["dp"]
     if not (isinstance(ranks, list) and len(ranks) == world):
-        raise _lie(path, "'ranks'", ranks, f"a list of {world} records, one per rank of its layout")
+        raise _lie(path, "'ranks'", ranks, f"a list of {world} records, one per rank of its grid")
     for i, record in enumerate(ranks):
         _mapping(record, path, f"ranks[{i}]", ("rng",))
         rng = _mapping(record["rng"], path, f"ranks[{i}] rng", ("iteration", "micro_batch"))
@@ -174,17 +176,17 @@ def _check_ranks(ranks, layout, path):
             _integer(rng["micro_batch"], path, f"ranks[{i}] rng micro_batch")
 
 
-def _check_shards(shards, layout, folder, path):
-    """One shard per (TP rank, PP rank) of the saving layout, each named as the saver names it,
+def _check_shards(shards, grid, folder, path):
+    """One shard per (TP rank, PP rank) of the saving grid, each named as the saver names it,
     with its size, checksum and the places of its tensors."""
     _mapping(shards, path, "'shards'")
     for name in shards:
         shard_path(folder, name, path)
-    expected = {shard_name(t, p) for t in range(layout["tp"]) for p in range(layout["pp"])}
+    expected = {shard_name(t, p) for t in range(grid["tp"]) for p in range(grid["pp"])}
     if set(shards) != expected:
         odd = sorted(set(shards) ^ expected)[0]
         raise InputError(f"checkpoint manifest {path}: 'shards' does not list one shard per TP and "
-                         f"PP rank of layout {layout} ({odd} is {'extra' if odd in shards else 'missing'}); "
+                         f"PP rank of grid {grid} ({odd} is {'extra' if odd in shards else 'missing'}); "
                          f"{FIX}")
     for name, info in shards.items():
         _mapping(info, path, f"shard {name}", ("bytes", "sha256"))
@@ -254,7 +256,7 @@ def check_places_fit(saved, model, manifest, path):
     """Each saved place of this model's parameters has the parameter's number of axes and lies
     inside its shape (a vocabulary axis may run past the real size by the saving run's padding)."""
     divisible = manifest["model"].get("make_vocab_size_divisible_by", 128)
-    unit = _integer(divisible, path, "model make_vocab_size_divisible_by", minimum=1) * manifest["layout"]["tp"]
+    unit = _integer(divisible, path, "model make_vocab_size_divisible_by", minimum=1) * manifest["grid"]["tp"]
     for name, _, spec in model.named_specs():
         limits = list(spec.shape)
         if spec.padded_rows is not None:        # the vocabulary rows, padded to a multiple of unit

@@ -4,9 +4,11 @@ that start while backward is still running (PyTorch DDP's and Megatron's design)
 Every parameter's gradient lives in a flat bucket buffer (params in reverse order, since
 backward reaches the last layers first). Backward accumulates straight into those views; on the
 last micro-batch, a hook on each parameter's AccumulateGrad node counts it done, and a bucket
-whose parameters are all done is pre-divided by the DP size and handed to a non-blocking MPI
-all-reduce. Buckets are launched in a fixed order so every rank issues the same sequence of
-collectives. Earlier micro-batches only accumulate: one DP sync per optimizer step.
+whose parameters are all done is pre-divided by the DP size and handed to comm.all_reduce_async
+(MPI, node shared memory or NCCL, as comm chooses for the array). Buckets are launched in a fixed
+order so every rank issues the same sequence of collectives. Earlier micro-batches only
+accumulate: one DP sync per optimizer step. With one DP rank there are no buckets (the
+distributed optimizer's subclass keeps them, to shard AdamW's state).
 """
 from .. import comm
 from ..autograd import grad_accumulator
@@ -110,7 +112,7 @@ class GradientBuckets:
     def finish_sync(self, timers=None):
         """After the last backward: launch what is left (parameters that got no gradient
         contribute zeros) and wait; every parameter's grad is then the DP average. `timers`
-        (training/timers.py) counts this wait, the all-reduce backward did not hide, as dp-comm."""
+        (npmegatron/timers.py) counts this wait, the all-reduce backward did not hide, as dp-comm."""
         if not self.active:
             return
         timer = timers("dp-comm") if timers is not None else None

@@ -4,6 +4,7 @@ import math
 
 import numpy
 
+from .. import comm
 from ..autograd import get_array_module, precision
 from ..autograd.backend import to_numpy
 from ..autograd.fusion import fused
@@ -156,7 +157,6 @@ def grad_norm_squared(params, group=None, skip=()):
     else:
         total = xp.stack([sum_of_squares(xp, g) for g in grads]).astype(numpy.float64).sum().reshape(1)
     if group is not None and group.size > 1:
-        from .. import comm
         total = comm.all_reduce(total, group)
     return total
 

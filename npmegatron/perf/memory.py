@@ -1,4 +1,4 @@
-"""Memory per rank of a model config on a layout (TP x PP x DP, virtual stages, micro-batch,
+"""Memory per rank of a model config on a shape (TP x PP x DP, virtual stages, micro-batch,
 sequence, dtype, sequence parallelism, recomputation).
 
 Parameters, gradients and optimizer state are exact: they count the tensors this project
@@ -49,6 +49,7 @@ from dataclasses import dataclass, replace
 import numpy
 
 from ..autograd import InputError
+from ..autograd.ops.elementwise import compiled_gelu
 from ..pipeline_layout import default_layout, parse_layout, plan_stages
 from ..pipeline.schedules import BACKWARD, build_actions
 from ..recompute import recompute_segments
@@ -59,7 +60,7 @@ MIXED_PRECISION_BYTES_PER_PARAM = 16     # fp16 param 2 + fp16 grad 2 + fp32 mas
 
 
 @dataclass
-class Layout:
+class ParallelShape:
     tp: int = 1
     pp: int = 1
     dp: int = 1
@@ -92,13 +93,13 @@ class Layout:
         return f"{self.tp}x{self.pp}x{self.dp}" + (f" v{self.virtual}" if self.virtual > 1 else "")
 
 
-def check_layout(cfg, layout):
-    """InputError (one sentence) when the model cannot run on this layout."""
-    t, p, v = layout.tp, layout.pp, layout.virtual
-    if layout.recompute not in RECOMPUTE:
-        raise InputError(f"recompute {layout.recompute!r} is unknown; use one of {', '.join(RECOMPUTE)}")
-    if layout.recompute == "full":
-        recompute_segments(_recompute_config(cfg, layout), cfg.num_layers // (p * v))
+def check_shape(cfg, shape):
+    """InputError (one sentence) when the model cannot run on this shape."""
+    t, p, v = shape.tp, shape.pp, shape.virtual
+    if shape.recompute not in RECOMPUTE:
+        raise InputError(f"recompute {shape.recompute!r} is unknown; use one of {', '.join(RECOMPUTE)}")
+    if shape.recompute == "full":
+        recompute_segments(_recompute_config(cfg, shape), cfg.num_layers // (p * v))
     if cfg.num_attention_heads % t:
         raise InputError(f"{cfg.num_attention_heads} attention heads are not divisible by TP {t}; "
                          "choose a TP size that divides the number of heads")
@@ -107,28 +108,28 @@ def check_layout(cfg, layout):
     if cfg.num_layers % (p * v):
         raise InputError(f"{cfg.num_layers} layers do not split evenly over PP {p} x {v} virtual "
                          "stages; choose a PP size (and virtual stages) dividing the layers")
-    if layout.sequence_parallel and layout.seq % t:
-        raise InputError(f"sequence length {layout.seq} is not divisible by TP {t}, as sequence "
+    if shape.sequence_parallel and shape.seq % t:
+        raise InputError(f"sequence length {shape.seq} is not divisible by TP {t}, as sequence "
                          "parallelism needs; use a multiple of it")
-    per_step = layout.micro_batch * layout.dp
-    if layout.global_batch % per_step:
-        raise InputError(f"global batch {layout.global_batch} is not divisible by micro-batch x DP = "
-                         f"{layout.micro_batch} x {layout.dp} = {per_step}; use a multiple of {per_step}")
-    if layout.pipeline_schedule == "interleaved" and layout.micro_batches % p:
-        raise InputError(f"the interleaved schedule needs the micro-batches ({layout.micro_batches}) "
+    per_step = shape.micro_batch * shape.dp
+    if shape.global_batch % per_step:
+        raise InputError(f"global batch {shape.global_batch} is not divisible by micro-batch x DP = "
+                         f"{shape.micro_batch} x {shape.dp} = {per_step}; use a multiple of {per_step}")
+    if shape.pipeline_schedule == "interleaved" and shape.micro_batches % p:
+        raise InputError(f"the interleaved schedule needs the micro-batches ({shape.micro_batches}) "
                          f"to be a multiple of PP {p}; change the global batch")
-    if v > 1 and layout.pipeline_schedule == "1f1b":
+    if v > 1 and shape.pipeline_schedule == "1f1b":
         raise InputError(f"the 1f1b schedule runs one stage per rank, but this layout gives each rank "
                          f"{v}; use the interleaved (or afab) schedule")
-    if layout.seq > cfg.max_position_embeddings:
-        raise InputError(f"sequence length {layout.seq} is longer than the position table "
+    if shape.seq > cfg.max_position_embeddings:
+        raise InputError(f"sequence length {shape.seq} is longer than the position table "
                          f"({cfg.max_position_embeddings}); raise max_position_embeddings")
 
 
-def stages_of(cfg, layout):
+def stages_of(cfg, shape):
     """StageSpecs of every global stage (pipeline rank i holds stages i, i + PP, ...)."""
-    text = default_layout(cfg.num_layers, layout.pp, layout.virtual)
-    return plan_stages(parse_layout(text), cfg.num_layers, layout.pp, text)
+    text = default_layout(cfg.num_layers, shape.pp, shape.virtual)
+    return plan_stages(parse_layout(text), cfg.num_layers, shape.pp, text)
 
 
 def layer_parameters(cfg, tp):
@@ -138,16 +139,16 @@ def layer_parameters(cfg, tp):
     return (4 * h * h + 2 * h * f + 3 * h + f) // tp + 6 * h
 
 
-def rank_parameters(cfg, layout, pp_rank):
+def rank_parameters(cfg, shape, pp_rank):
     """Elements this (TP rank, pipeline rank) allocates: its layers, the padded vocabulary shard
     once if it holds the first or the last stage (one shared tensor when both), the position
     table on the first stage and the final LayerNorm on the last."""
-    stages = stages_of(cfg, layout)[pp_rank::layout.pp]
+    stages = stages_of(cfg, shape)[pp_rank::shape.pp]
     h = cfg.hidden_size
-    padded = pad_vocab_size(cfg.vocab_size, layout.tp, cfg.make_vocab_size_divisible_by)
-    count = sum(len(s.layers) for s in stages) * layer_parameters(cfg, layout.tp)
+    padded = pad_vocab_size(cfg.vocab_size, shape.tp, cfg.make_vocab_size_divisible_by)
+    count = sum(len(s.layers) for s in stages) * layer_parameters(cfg, shape.tp)
     if any(s.pre_process or s.post_process for s in stages):
-        count += padded // layout.tp * h
+        count += padded // shape.tp * h
     if any(s.pre_process for s in stages):
         count += cfg.max_position_embeddings * h
     if any(s.post_process for s in stages):
@@ -155,10 +156,10 @@ def rank_parameters(cfg, layout, pp_rank):
     return count
 
 
-def in_flight_chunks(layout, pp_rank):
+def in_flight_chunks(shape, pp_rank):
     """Peak stage-chunks whose activations this rank holds at once, from the schedule's actions."""
-    m = layout.micro_batches
-    actions = build_actions(layout.pipeline_schedule, pp_rank, layout.pp, layout.virtual, m)
+    m = shape.micro_batches
+    actions = build_actions(shape.pipeline_schedule, pp_rank, shape.pp, shape.virtual, m)
     held = peak = 0
     for kind, _, _ in actions:
         held += -1 if kind == BACKWARD else 1
@@ -166,49 +167,48 @@ def in_flight_chunks(layout, pp_rank):
     return peak
 
 
-def layer_activation_bytes(cfg, layout, w, recompute=None, accounting="project"):
+def layer_activation_bytes(cfg, shape, w, recompute=None, accounting="project"):
     """Bytes one transformer layer keeps for backward for one micro-batch (module docstring):
     `accounting` "project" counts this project's autograd tape, "korthikanti" the paper's."""
-    s, b, h, a, t = layout.seq, layout.micro_batch, cfg.hidden_size, cfg.num_attention_heads, layout.tp
-    recompute = recompute or layout.recompute
-    sp_div = t if layout.sequence_parallel else 1
+    s, b, h, a, t = shape.seq, shape.micro_batch, cfg.hidden_size, cfg.num_attention_heads, shape.tp
+    recompute = recompute or shape.recompute
+    sp_div = t if shape.sequence_parallel else 1
     if recompute == "full":
         return s * b * h * w / sp_div
-    hidden_masks = 2 * layout.mask_bytes if cfg.hidden_dropout > 0 else 0
+    hidden_masks = 2 * shape.mask_bytes if cfg.hidden_dropout > 0 else 0
     if accounting != "korthikanti":
         log_sum_exp = a * s * b * w / t
-        per_head_share = (16 if _gelu_keeps_tanh(cfg, layout, w) else 12) * w / t
+        per_head_share = (16 if _gelu_keeps_tanh(cfg, shape, w) else 12) * w / t
         return s * b * h * ((2 * w + hidden_masks) / sp_div + 2 * w + per_head_share) + log_sum_exp
     per_sbh = (4 * w + hidden_masks) / sp_div + 12 * w / t
     attn_dropout = cfg.attention_dropout > 0
-    scores = (w * (2 if attn_dropout else 1) + (layout.mask_bytes if attn_dropout else 0)) / t
+    scores = (w * (2 if attn_dropout else 1) + (shape.mask_bytes if attn_dropout else 0)) / t
     total = s * b * h * per_sbh
     if recompute == "none":
         total += a * s * s * b * scores
     return total
 
 
-def _gelu_keeps_tanh(cfg, layout, w):
+def _gelu_keeps_tanh(cfg, shape, w):
     """Whether bias-GeLU keeps tanh for backward: the chains do; the float32 CPU kernel does not."""
-    from ..autograd.ops.elementwise import compiled_gelu
-    elements = layout.seq * layout.micro_batch * cfg.ffn_hidden_size // layout.tp
+    elements = shape.seq * shape.micro_batch * cfg.ffn_hidden_size // shape.tp
     return not (w == 4 and compiled_gelu(cfg.gelu, cfg.dtype, elements, cfg.device == "cpu"))
 
 
-def _recompute_config(cfg, layout):
-    return replace(cfg, recompute_granularity="full", recompute_method=layout.recompute_method,
-                   recompute_num_layers=layout.recompute_num_layers)
+def _recompute_config(cfg, shape):
+    return replace(cfg, recompute_granularity="full", recompute_method=shape.recompute_method,
+                   recompute_num_layers=shape.recompute_num_layers)
 
 
-def chunk_activation_bytes(cfg, layout, w, layers):
+def chunk_activation_bytes(cfg, shape, w, layers):
     """(bytes one model chunk of `layers` layers keeps for one micro-batch, bytes of the segment
     being recomputed in backward, held once): full recomputation keeps one layer input per
     recomputed segment (recompute.py: chunks of N layers, or the first N layers alone)."""
-    whole = layer_activation_bytes(cfg, layout, w, "none")
-    if layout.recompute != "full":
-        return layers * layer_activation_bytes(cfg, layout, w), 0
-    segments = recompute_segments(_recompute_config(cfg, layout), layers)
-    kept = sum(layer_activation_bytes(cfg, layout, w, "full") if again else (stop - first) * whole
+    whole = layer_activation_bytes(cfg, shape, w, "none")
+    if shape.recompute != "full":
+        return layers * layer_activation_bytes(cfg, shape, w), 0
+    segments = recompute_segments(_recompute_config(cfg, shape), layers)
+    kept = sum(layer_activation_bytes(cfg, shape, w, "full") if again else (stop - first) * whole
                for first, stop, again in segments)
     workspace = max((stop - first) * whole for first, stop, again in segments if again)
     return kept, workspace
@@ -224,19 +224,19 @@ def korthikanti_bytes(s, b, h, a, t=1, sp=False, recompute="none"):
     return s * b * h * (10 + (24 + attention) / t)
 
 
-def element_bytes(cfg, layout):
+def element_bytes(cfg, shape):
     """Bytes of a parameter or activation: 2 under --fp16/--bf16, else the model's dtype's."""
-    return layout.element_bytes or (2 if cfg.storage_format else numpy.dtype(cfg.dtype).itemsize)
+    return shape.element_bytes or (2 if cfg.storage_format else numpy.dtype(cfg.dtype).itemsize)
 
 
-def rank_memory(cfg, layout, pp_rank):
+def rank_memory(cfg, shape, pp_rank):
     """{'parameters', 'gradients', 'optimizer', 'activations', 'total', ...} in bytes for one rank."""
-    w = element_bytes(cfg, layout)
-    params = rank_parameters(cfg, layout, pp_rank)
-    stages = stages_of(cfg, layout)[pp_rank::layout.pp]
-    layers_per_chunk = cfg.num_layers // (layout.pp * layout.virtual)
-    chunks = in_flight_chunks(layout, pp_rank)
-    kept, workspace = chunk_activation_bytes(cfg, layout, w, layers_per_chunk)
+    w = element_bytes(cfg, shape)
+    params = rank_parameters(cfg, shape, pp_rank)
+    stages = stages_of(cfg, shape)[pp_rank::shape.pp]
+    layers_per_chunk = cfg.num_layers // (shape.pp * shape.virtual)
+    chunks = in_flight_chunks(shape, pp_rank)
+    kept, workspace = chunk_activation_bytes(cfg, shape, w, layers_per_chunk)
     activations = chunks * kept + workspace
     # --fp16/--bf16: gradients accumulate in float32 (Megatron's main_grad), and the optimizer
     # keeps float32 master weights beside m and v; else all in the parameters' dtype.
@@ -245,28 +245,24 @@ def rank_memory(cfg, layout, pp_rank):
         "pp_rank": pp_rank, "layers": sum(len(s.layers) for s in stages),
         "parameter_count": params, "parameters": params * w, "gradients": params * grad_w,
         # 1/DP of the optimizer state with the distributed optimizer
-        "optimizer": params * optimizer_w / (layout.dp if layout.distributed_optimizer else 1),
+        "optimizer": params * optimizer_w / (shape.dp if shape.distributed_optimizer else 1),
         "chunks_in_flight": chunks, "activations": activations,
     }
     result["total"] = result["parameters"] + result["gradients"] + result["optimizer"] + activations
     # 16-bit parameter and gradient (4 B), fp32 master weights, m and v (12 B, sharded over DP by
     # the distributed optimizer)
-    shard = layout.dp if layout.distributed_optimizer else 1
+    shard = shape.dp if shape.distributed_optimizer else 1
     result["mixed_precision_states"] = params * (4 + (MIXED_PRECISION_BYTES_PER_PARAM - 4) / shard)
     result["mixed_precision_total"] = result["mixed_precision_states"] + activations * 2 / w
     return result
 
 
-def memory_plan(cfg, layout, device_memory=None):
+def memory_plan(cfg, shape, device_memory=None):
     """Memory of every pipeline rank; 'peak' is the largest total, 'fits' compares it with
     device_memory (bytes; None: not judged)."""
-    check_layout(cfg, layout)
-    ranks = [rank_memory(cfg, layout, r) for r in range(layout.pp)]
+    check_shape(cfg, shape)
+    ranks = [rank_memory(cfg, shape, r) for r in range(shape.pp)]
     peak = max(ranks, key=lambda r: r["total"])
     return {"ranks": ranks, "peak": peak["total"], "peak_pp_rank": peak["pp_rank"],
             "device_memory": device_memory,
             "fits": None if device_memory is None else peak["total"] <= device_memory}
-
-
-def with_layout(layout, **changes):
-    return replace(layout, **changes)

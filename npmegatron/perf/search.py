@@ -1,22 +1,22 @@
-"""Plans: memory + step time of one layout, every layout of N ranks ranked, and the paper's
+"""Plans: memory + step time of one shape, every shape of N ranks ranked, and the paper's
 weak-scaling configurations (Shoeybi et al. 2019, Table 1) predicted on a profile."""
 from dataclasses import replace
 
 from ..autograd import InputError
 from ..config import GPTConfig
 from ..model import gpt_num_parameters
-from .memory import Layout, check_layout, memory_plan
+from .memory import ParallelShape, check_shape, memory_plan
 from .time_model import step_time
 
 
-def plan(cfg, layout, profile, device_memory=None):
+def plan(cfg, shape, profile, device_memory=None):
     device_memory = profile["device_memory_bytes"] if device_memory is None else device_memory
-    return {"layout": layout.name(), "tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
-            "virtual": layout.virtual, "micro_batches": layout.micro_batches,
-            "memory": memory_plan(cfg, layout, device_memory), "time": step_time(cfg, layout, profile)}
+    return {"layout": shape.name(), "tp": shape.tp, "pp": shape.pp, "dp": shape.dp,
+            "virtual": shape.virtual, "micro_batches": shape.micro_batches,
+            "memory": memory_plan(cfg, shape, device_memory), "time": step_time(cfg, shape, profile)}
 
 
-def layouts_of(n):
+def shapes_of(n):
     return [(t, p, n // (t * p)) for t in range(1, n + 1) if n % t == 0
             for p in range(1, n // t + 1) if (n // t) % p == 0]
 
@@ -25,14 +25,14 @@ def search(cfg, base, profile, n, device_memory=None):
     """Every TP x PP x DP = n the model can run on, fastest first (layouts that do not fit the
     device memory after those that do); InputError when none is valid."""
     plans, reasons = [], []
-    for t, p, d in layouts_of(n):
-        layout = replace(base, tp=t, pp=p, dp=d)
+    for t, p, d in shapes_of(n):
+        shape = replace(base, tp=t, pp=p, dp=d)
         try:
-            check_layout(cfg, layout)
+            check_shape(cfg, shape)
         except InputError as error:
             reasons.append(f"{t}x{p}x{d}: {error}")
             continue
-        plans.append(plan(cfg, layout, profile, device_memory))
+        plans.append(plan(cfg, shape, profile, device_memory))
     if not plans:
         raise InputError(f"no layout of {n} ranks is valid for this model (e.g. {reasons[-1]}); "
                          "choose another rank count, batch or model shape")
@@ -53,10 +53,10 @@ def paper_weak_scaling(profile):
         for h, a, layers, t in PAPER_MODELS:
             cfg = GPTConfig(num_layers=layers, hidden_size=h, num_attention_heads=a, vocab_size=51200,
                             max_position_embeddings=1024, hidden_dropout=0.1, attention_dropout=0.1)
-            layout = Layout(tp=t, pp=1, dp=dp, micro_batch=8, global_batch=global_batch, seq=1024,
+            shape = ParallelShape(tp=t, pp=1, dp=dp, micro_batch=8, global_batch=global_batch, seq=1024,
                             recompute="full", element_bytes=2)
-            timing = step_time(cfg, layout, profile)
-            memory = memory_plan(cfg, layout, profile["device_memory_bytes"])
+            timing = step_time(cfg, shape, profile)
+            memory = memory_plan(cfg, shape, profile["device_memory_bytes"])
             if base is None:
                 base = timing["flops_per_device"]
             rows.append({"hidden": h, "heads": a, "layers": layers, "tp": t, "dp": dp, "gpus": t * dp,

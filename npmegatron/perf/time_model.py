@@ -31,7 +31,7 @@ k shares: beta / k.
 from ..model import gpt_num_parameters, model_flops
 from ..recompute import recompute_segments
 from ..tensor_parallel import pad_vocab_size
-from .memory import _recompute_config, check_layout, element_bytes, rank_parameters
+from .memory import _recompute_config, check_shape, element_bytes, rank_parameters
 
 RECOMPUTE_COST = {"none": 1.0, "selective": 1.0, "full": 4.0 / 3.0}
 
@@ -60,54 +60,54 @@ def group_links(profile, op, span, members_per_node):
     return link["alpha_s"], link["beta_s_per_byte"] / max(1, members_per_node)
 
 
-def placement(layout, profile):
+def placement(shape, profile):
     """Span and members per node of the TP group, the DP group and pipeline neighbours."""
-    dpn, t, d, p = profile["devices_per_node"], layout.tp, layout.dp, layout.pp
+    dpn, t, d, p = profile["devices_per_node"], shape.tp, shape.dp, shape.pp
     return {"tp": (t, min(t, dpn)),
             "dp": (t * (d - 1) + 1, 1 if t >= dpn else max(1, min(d, dpn // t))),
             "pp": (t * d * p if p > 1 else 1, 1)}
 
 
-def rank_flops(profile, layout):
-    """One rank's FLOP/s. On a CPU profile (`ranks_share_flops`) the layout's ranks all run on the
+def rank_flops(profile, shape):
+    """One rank's FLOP/s. On a CPU profile (`ranks_share_flops`) the shape's ranks all run on the
     one machine: each gets max(1, cores // ranks) BLAS threads (as bench scaling sets them) and
     the rate measured with that many threads (`flops_by_threads`, the nearest count measured),
     shared further when ranks outnumber the cores."""
     if not profile.get("ranks_share_flops"):
         return profile["flops"]
     cores = profile["devices_per_node"]
-    threads = max(1, cores // layout.ranks)
+    threads = max(1, cores // shape.ranks)
     rates = {int(k): v for k, v in (profile.get("flops_by_threads") or {cores: profile["flops"]}).items()}
     nearest = min(rates, key=lambda n: (abs(n - threads), n))
-    return rates[nearest] * min(1.0, cores / layout.ranks)
+    return rates[nearest] * min(1.0, cores / shape.ranks)
 
 
-def recomputed_share(cfg, layout):
+def recomputed_share(cfg, shape):
     """The share of layers whose forward runs twice (recompute.py's segments of one model chunk)."""
-    if layout.recompute != "full":
+    if shape.recompute != "full":
         return 0.0
-    layers = cfg.num_layers // (layout.pp * layout.virtual)
-    segments = recompute_segments(_recompute_config(cfg, layout), layers)
+    layers = cfg.num_layers // (shape.pp * shape.virtual)
+    segments = recompute_segments(_recompute_config(cfg, shape), layers)
     return sum(stop - first for first, stop, again in segments if again) / layers
 
 
-def step_time(cfg, layout, profile):
+def step_time(cfg, shape, profile):
     """{'compute', 'tp_comm', 'pp_comm', 'bubble', 'dp_comm_exposed', 'total', ...} in seconds."""
-    check_layout(cfg, layout)
-    w = element_bytes(cfg, layout)
-    t, p, d, v, m = layout.tp, layout.pp, layout.dp, layout.virtual, layout.micro_batches
-    s, b, h = layout.seq, layout.micro_batch, cfg.hidden_size
-    place = placement(layout, profile)
-    flops = model_flops(cfg, gpt_num_parameters(cfg), layout.global_batch, s)
-    again = recomputed_share(cfg, layout)
+    check_shape(cfg, shape)
+    w = element_bytes(cfg, shape)
+    t, p, d, v, m = shape.tp, shape.pp, shape.dp, shape.virtual, shape.micro_batches
+    s, b, h = shape.seq, shape.micro_batch, cfg.hidden_size
+    place = placement(shape, profile)
+    flops = model_flops(cfg, gpt_num_parameters(cfg), shape.global_batch, s)
+    again = recomputed_share(cfg, shape)
     factor = (1 + (RECOMPUTE_COST["full"] - 1) * again) / RECOMPUTE_COST[profile["flops_recompute"]]
-    compute = flops / layout.ranks / rank_flops(profile, layout) * factor
+    compute = flops / shape.ranks / rank_flops(profile, shape) * factor
 
     sbh = s * b * h * w
     tp_comm = 0.0
     if t > 1:
         per_layer_count = 2 + again + 2           # forward's two, the recomputation's, backward's two
-        if layout.sequence_parallel:
+        if shape.sequence_parallel:
             ag = all_gather_time(t, sbh, *group_links(profile, "all_gather", *place["tp"]))
             rs = reduce_scatter_time(t, sbh, *group_links(profile, "reduce_scatter", *place["tp"]))
             one = ag + rs
@@ -117,18 +117,18 @@ def step_time(cfg, layout, profile):
 
     pp_comm = 0.0
     if p > 1:
-        nbytes = sbh / (t if layout.sequence_parallel else 1)
+        nbytes = sbh / (t if shape.sequence_parallel else 1)
         pp_comm = 2 * m * v * p2p_time(nbytes, *group_links(profile, "sendrecv", *place["pp"]))
 
     ideal = compute + tp_comm + pp_comm
     bubble = (p - 1) / (m * v) * ideal
 
-    grad_bytes = max(rank_parameters(cfg, layout, r) for r in range(p)) * w
+    grad_bytes = max(rank_parameters(cfg, shape, r) for r in range(p)) * w
     dp_total = dp_exposed = 0.0
     if d > 1:
         links = group_links(profile, "all_reduce", *place["dp"])
         dp_total = all_reduce_time(d, grad_bytes, *links)
-        bucket = min(grad_bytes, getattr(layout, "bucket_elements", 2 ** 20) * w)
+        bucket = min(grad_bytes, getattr(shape, "bucket_elements", 2 ** 20) * w)
         last_backward = compute * 2 / 3 / m
         dp_exposed = max(all_reduce_time(d, bucket, *links),
                          dp_total - profile["dp_overlap"] * last_backward)
@@ -141,5 +141,5 @@ def step_time(cfg, layout, profile):
     return {"compute": compute, "tp_comm": tp_comm, "pp_comm": pp_comm, "bubble": bubble,
             "dp_comm": dp_total, "dp_comm_exposed": dp_exposed, "embedding_comm": embedding,
             "total": total, "model_flops": flops,
-            "flops_per_device": flops / total / layout.ranks,
-            "samples_per_s": layout.global_batch / total}
+            "flops_per_device": flops / total / shape.ranks,
+            "samples_per_s": shape.global_batch / total}

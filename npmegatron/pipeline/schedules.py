@@ -19,17 +19,11 @@ import numpy
 from .. import autograd as ag
 from ..autograd import InputError
 from ..autograd.memory import saved_bytes_by_function
+from ..timers import BACKWARD as BACKWARD_COMPUTE, FORWARD as FORWARD_COMPUTE, NO_TIMERS, PIPELINE_WAIT
 from .exchange import ACTIVATION, GRADIENT, deallocate
 from .order import BACKWARD, FORWARD, ReceiveOrder
 
 SCHEDULES = ("1f1b", "afab", "interleaved")
-# Phase names of training/timers.py (imported there lazily: training imports this package).
-FORWARD_COMPUTE, BACKWARD_COMPUTE, PIPELINE_WAIT = "forward-compute", "backward-compute", "pipeline-wait"
-
-
-def no_timers():
-    from ..timers import NO_TIMERS
-    return NO_TIMERS
 
 
 def build_actions(schedule, pp_rank, pp, virtual, num_micro_batches):
@@ -82,7 +76,7 @@ class ScheduleRun:
     def __init__(self, model, exchange, batches, overlap, deallocate_outputs, forward_only, order,
                  timers=None, loss_scale=1.0, outputs=None):
         self.model, self.exchange, self.batches, self.order = model, exchange, batches, order
-        self.timers = timers or no_timers()
+        self.timers = timers or NO_TIMERS
         self.overlap, self.deallocate_outputs, self.forward_only = overlap, deallocate_outputs, forward_only
         self.posted = {}        # (kind, stage, micro-batch) -> a posted receive not yet waited on
         self.inputs = {}        # (chunk, micro-batch) -> received activation, None on the first stage
@@ -229,14 +223,14 @@ def run_schedule(model, exchange, batches, schedule="1f1b", on_last_backward=Non
     """Forward (and backward) every micro-batch through this rank's stages. `batches` is the
     list of M (inputs, targets) for this data-parallel rank; every pipeline rank passes the same.
     `on_last_backward` is called right before this rank's last backward (data parallelism
-    starts its gradient sync there). `timers` (training/timers.py) splits the time into forward
+    starts its gradient sync there). `timers` (npmegatron/timers.py) splits the time into forward
     and backward compute, TP communication inside them, and pipeline waits. Returns the sum of
     the micro-batch losses on the rank holding the loss, else zero: a float64 array of shape ()
     on the model's device. `loss_scale` multiplies the gradient backward starts from (--fp16).
     `outputs`: a list the last stage appends each micro-batch's logits (this TP rank's vocabulary
     shard) to; targets may then be None (no loss)."""
     grid, virtual, num_micro_batches = model.grid, model.virtual_size, len(batches)
-    timers = timers or no_timers()
+    timers = timers or NO_TIMERS
 
     def actions_of(pp_rank):
         if forward_only:

@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from ..autograd import InputError
 from ..model import model_flops
+from ..perf.memory import ParallelShape, chunk_activation_bytes
 
 
 class TrainingLog:
@@ -87,12 +88,11 @@ def precision_note(cfg):
 def memory_note(trainer):
     """Bytes per parameter on this rank and activation bytes kept per layer and micro-batch, as
     the run's precision, optimizer and recomputation imply (perf/memory.py's formulas)."""
-    from ..perf.memory import Layout, chunk_activation_bytes
     cfg, grid, config = trainer.cfg, trainer.grid, trainer.config
     w = numpy.dtype(cfg.dtype).itemsize
     shard = grid.dp_size if config.parallel.use_distributed_optimizer else 1
     granularity = cfg.recompute_granularity or "none"
-    layout = Layout(tp=grid.tp_size, seq=config.seq_length, micro_batch=config.micro_batch_size,
+    layout = ParallelShape(tp=grid.tp_size, seq=config.seq_length, micro_batch=config.micro_batch_size,
                     sequence_parallel=cfg.sequence_parallel, recompute=granularity,
                     recompute_method=cfg.recompute_method or "uniform",
                     recompute_num_layers=cfg.recompute_num_layers or 1)

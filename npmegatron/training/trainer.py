@@ -21,6 +21,7 @@ from ..checkpointing import checkpoint
 from ..checkpointing.save_folder import SaveFolder
 from ..config import TrainConfig
 from ..data import TrainingData
+from ..generation import generate
 from ..optim.adamw import learning_rate
 from ..optim.loss_scale import build_loss_scale
 from ..pipeline import run_schedule
@@ -208,7 +209,6 @@ class Trainer:
         """Text generated from the first 32 validation tokens (over the pipeline stages when PP > 1)."""
         if self.model.whole is None and self.cfg.sequence_parallel:
             return "no sample: generation over pipeline stages needs sequence parallelism off"
-        from ..generation import generate
         prompt = [int(t) for t in self.valid_sampler.tokens[:32]]
         ids = generate(self.model, prompt, self.config.sample_tokens, temperature=0.8, top_k=40,
                        seed=self.cfg.seed)

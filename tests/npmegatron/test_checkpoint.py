@@ -46,7 +46,7 @@ def test_manifest_holds_config_layout_optimizer_rng_and_data_position(tmp_path):
     assert sorted(os.listdir(tmp_path / "ck")) == [".npmegatron.lock", "iter_0000002", "iter_0000004", "latest"]
     m = json.loads((tmp_path / "ck" / "iter_0000004" / "manifest.json").read_text())
     assert m["iteration"] == 4 and m["model"]["hidden_size"] == 32
-    assert m["layout"] == {"tp": 1, "pp": 1, "dp": 1}
+    assert m["grid"] == {"tp": 1, "pp": 1, "dp": 1}
     assert m["optimizer"]["step"] == 4
     assert m["data"]["consumed_samples"] == 32 and m["data"]["global_batch_size"] == 8
     assert set(m["ranks"][0]["rng"]) == {"iteration", "micro_batch"}     # stateless dropout: a position

@@ -57,8 +57,8 @@ def test_each_rank_holds_one_dp_th_of_the_optimizer_state(dp):
     padding = 2 * 8 * dp * 4 * len(ShardedGradientBuckets(GPT(cfg).parameters(), FakeGroup(dp, 0), 4000).buckets)
     assert len(set(per_rank)) == 1
     assert whole / dp <= per_rank[0] <= whole / dp + padding
-    from npmegatron.perf.memory import Layout, memory_plan
-    planned = memory_plan(cfg, Layout(dp=dp, seq=32, global_batch=dp, distributed_optimizer=True))
+    from npmegatron.perf.memory import ParallelShape, memory_plan
+    planned = memory_plan(cfg, ParallelShape(dp=dp, seq=32, global_batch=dp, distributed_optimizer=True))
     assert planned["ranks"][0]["optimizer"] == pytest.approx(per_rank[0], abs=padding)
 
 

@@ -132,9 +132,9 @@ LIES = [
                  "model hidden_dropout is nan", id="model-nan"),
     pytest.param(_manifest(lambda m: m["model"].pop("vocab_size")), "'model' has no 'vocab_size' entry",
                  id="model-missing-field"),
-    pytest.param(_manifest(lambda m: m.update(layout={"tp": 0, "pp": 1, "dp": 1})), "layout tp is 0",
-                 id="layout-zero"),
-    pytest.param(_manifest(lambda m: m.update(layout=[1, 1, 1])), "'layout' is [1, 1, 1]", id="layout-type"),
+    pytest.param(_manifest(lambda m: m.update(grid={"tp": 0, "pp": 1, "dp": 1})), "grid tp is 0",
+                 id="grid-zero"),
+    pytest.param(_manifest(lambda m: m.update(grid=[1, 1, 1])), "'grid' is [1, 1, 1]", id="grid-type"),
     pytest.param(_place("wpe", [[0, 16], [0, 64]]), "places parameter wpe at [[0, 16], [0, 64]], outside its shape",
                  id="place-outside-parameter"),
     pytest.param(_place("wpe", [[0, 16]]), "places parameter wpe with 1 axes, but it has 2", id="place-axes"),
@@ -277,6 +277,14 @@ def test_damaged_manifest_bytes_are_refused_in_one_sentence(saved, tmp_path_fact
         shutil.rmtree(root)
 
     check_property(st.tuples(st.floats(0, 1), st.integers(0, 2 ** 20), st.binary(max_size=8)), check, examples)
+
+
+def test_a_checkpoint_that_names_its_grid_layout_still_loads(saved, tmp_path):
+    """Earlier versions wrote the saving grid's shape under "layout"."""
+    root, iteration = fresh_copy(saved, tmp_path)
+    edit_manifest(iteration, lambda m: m.update(layout=m.pop("grid")))
+    model, before = loaded_model(root)
+    assert not all(np.array_equal(p.data, b) for p, b in zip(model.parameters(), before))
 
 
 def test_a_nan_in_json_is_caught_as_a_lie_not_a_number(saved, tmp_path):

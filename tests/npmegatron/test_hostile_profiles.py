@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from hostile import BUDGETS, check_property, one_sentence
 from npmegatron.autograd import InputError
-from npmegatron.perf import Layout, load_profile
+from npmegatron.perf import ParallelShape, load_profile
 from npmegatron.perf.profiles import resolve
 from npmegatron.perf.search import plan
 from npmegatron.cli import main
@@ -22,7 +22,7 @@ CFG = GPTConfig(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=
 
 
 def planned(profile_file):
-    return plan(CFG, Layout(tp=2, pp=2, dp=1, seq=64, micro_batch=2, global_batch=8), load_profile(profile_file), None)
+    return plan(CFG, ParallelShape(tp=2, pp=2, dp=1, seq=64, micro_batch=2, global_batch=8), load_profile(profile_file), None)
 
 
 def written(tmp_path, change):

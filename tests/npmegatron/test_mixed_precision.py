@@ -1,4 +1,4 @@
-"""--fp16 and --bf16 (autograd/precision.py, training/loss_scale.py): Megatron's loss-scaling
+"""--fp16 and --bf16 (autograd/precision.py, optim/loss_scale.py): Megatron's loss-scaling
 rules, float32 master weights behind 16-bit parameters, a planted overflow skipped with the scale
 halved (also when only one tensor-parallel rank overflows), pipeline stages that round as the
 serial model does, and checkpoints that resume bitwise with the masters and the scaler."""
@@ -154,9 +154,9 @@ def test_resume_is_bitwise_with_masters_and_scaler(tmp_path, ranks, extra):
 
 
 def test_the_plan_and_the_header_count_16_bit_weights_with_float32_gradients_and_masters():
-    from npmegatron.perf.memory import Layout, rank_memory
+    from npmegatron.perf.memory import ParallelShape, rank_memory
     from npmegatron.model import GPTConfig
-    layout = Layout(dp=2, global_batch=2, distributed_optimizer=True)
+    layout = ParallelShape(dp=2, global_batch=2, distributed_optimizer=True)
     plain = rank_memory(GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4), layout, 0)
     mixed = rank_memory(GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, bf16=True), layout, 0)
     n = mixed["parameter_count"]

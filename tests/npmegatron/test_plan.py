@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from npmegatron.autograd import InputError
-from npmegatron.perf import Layout, load_profile, memory_plan, step_time
+from npmegatron.perf import ParallelShape, load_profile, memory_plan, step_time
 from npmegatron.bench.plan import calibrate as calibrate_module
 from npmegatron.perf.memory import korthikanti_bytes, layer_activation_bytes, rank_parameters
 from npmegatron.perf.search import paper_weak_scaling, search
@@ -33,7 +33,7 @@ def allocated(model):
 def test_states_equal_allocated_bytes_single_process(dtype):
     cfg = GPTConfig(**SMALL, dtype=dtype)
     model = build_model(cfg, ProcessGrid.single())
-    rank = memory_plan(cfg, Layout(seq=32, micro_batch=2, global_batch=2))["ranks"][0]
+    rank = memory_plan(cfg, ParallelShape(seq=32, micro_batch=2, global_batch=2))["ranks"][0]
     assert rank["parameters"] == rank["gradients"] == allocated(model)
     assert rank["optimizer"] == 2 * allocated(model)       # AdamW's m and v, zeros_like(param)
 
@@ -55,7 +55,7 @@ def test_sharded_states_equal_allocated_bytes(tp, pp):
     for pp_rank in range(pp):
         counts = [allocated(build_model(cfg, fake_grid(tp, r, pp, pp_rank))) for r in range(tp)]
         assert len(set(counts)) == 1
-        assert rank_parameters(cfg, Layout(tp=tp, pp=pp), pp_rank) * 4 == counts[0]
+        assert rank_parameters(cfg, ParallelShape(tp=tp, pp=pp), pp_rank) * 4 == counts[0]
 
 
 def test_tp2_specs_arithmetic():
@@ -65,7 +65,7 @@ def test_tp2_specs_arithmetic():
     h, layers = cfg.hidden_size, cfg.num_layers
     padded = pad_vocab_size(cfg.vocab_size, 2)
     replicated = layers * 6 * h + cfg.max_position_embeddings * h + 2 * h
-    total = 2 * rank_parameters(cfg, Layout(tp=2), 0)
+    total = 2 * rank_parameters(cfg, ParallelShape(tp=2), 0)
     assert total == gpt_num_parameters(cfg) + (padded - cfg.vocab_size) * h + replicated
 
 
@@ -78,7 +78,7 @@ def test_korthikanti_formula_by_hand():
     cfg = GPTConfig(num_layers=1, hidden_size=h, num_attention_heads=a, max_position_embeddings=s)
     for t, sp in ((1, False), (8, False), (8, True)):
         for recompute in ("none", "selective", "full"):
-            layout = Layout(tp=t, seq=s, micro_batch=b, sequence_parallel=sp, recompute=recompute)
+            layout = ParallelShape(tp=t, seq=s, micro_batch=b, sequence_parallel=sp, recompute=recompute)
             assert layer_activation_bytes(cfg, layout, 2, accounting="korthikanti") == pytest.approx(
                 korthikanti_bytes(s, b, h, a, t, sp, recompute))
 
@@ -99,7 +99,7 @@ def test_project_accounting_is_the_autograd_tape_of_one_layer(dropout, seq):
         _, loss = GPT(GPTConfig(num_layers=layers, **kw))(ids[:, :-1], ids[:, 1:])
         kept.append(sum(saved_bytes_by_function([loss]).values()))
     cfg = GPTConfig(num_layers=1, **kw)
-    per_layer = layer_activation_bytes(cfg, Layout(seq=seq, micro_batch=2), 4)
+    per_layer = layer_activation_bytes(cfg, ParallelShape(seq=seq, micro_batch=2), 4)
     # (LayerNorm's 1/std per token and the biases Linear does not keep: within 1 %)
     assert kept[1] - kept[0] - layer_parameters(cfg, 1) * 4 == pytest.approx(per_layer, rel=0.01)
 
@@ -107,7 +107,7 @@ def test_project_accounting_is_the_autograd_tape_of_one_layer(dropout, seq):
 def test_in_flight_micro_batches_follow_the_schedule():
     cfg = GPTConfig(**SMALL)
     base = dict(pp=2, micro_batch=1, global_batch=8, seq=32)
-    per = lambda **kw: [r["chunks_in_flight"] for r in memory_plan(cfg, Layout(**{**base, **kw}))["ranks"]]
+    per = lambda **kw: [r["chunks_in_flight"] for r in memory_plan(cfg, ParallelShape(**{**base, **kw}))["ranks"]]
     assert per() == [2, 1]                     # 1F1B: PP - rank
     assert per(schedule="afab") == [8, 8]      # AFAB: M
     assert per(virtual=2) == [5, 3]            # interleaved: (PP - rank - 1) * 2 + (V - 1) * PP + 1
@@ -134,23 +134,23 @@ def test_step_time_parts():
     profile = load_profile("dgx2h")
     cfg = GPTConfig(num_layers=4, hidden_size=512, num_attention_heads=8, vocab_size=256,
                     max_position_embeddings=256)
-    one = step_time(cfg, Layout(seq=256, micro_batch=8, global_batch=8), profile)
+    one = step_time(cfg, ParallelShape(seq=256, micro_batch=8, global_batch=8), profile)
     assert one["tp_comm"] == one["bubble"] == one["dp_comm"] == 0
-    tp = step_time(cfg, Layout(tp=2, seq=256, micro_batch=8, global_batch=8), profile)
+    tp = step_time(cfg, ParallelShape(tp=2, seq=256, micro_batch=8, global_batch=8), profile)
     assert tp["compute"] == pytest.approx(one["compute"] / 2) and tp["tp_comm"] > 0
-    pp = step_time(cfg, Layout(pp=2, seq=256, micro_batch=8, global_batch=32), profile)
+    pp = step_time(cfg, ParallelShape(pp=2, seq=256, micro_batch=8, global_batch=32), profile)
     assert pp["bubble"] == pytest.approx((pp["compute"] + pp["pp_comm"]) / 4)
 
 
 def test_search_ranks_and_refuses():
     cfg = GPTConfig(**SMALL)
     profile = load_profile("dgx2h")
-    results = search(cfg, Layout(seq=32, micro_batch=2, global_batch=16), profile, 4)
+    results = search(cfg, ParallelShape(seq=32, micro_batch=2, global_batch=16), profile, 4)
     assert {r["layout"] for r in results} == {"1x1x4", "1x2x2", "1x4x1", "2x1x2", "2x2x1", "4x1x1"}
     times = [r["time"]["total"] for r in results]
     assert times == sorted(times)
     with pytest.raises(InputError, match="no layout of 3 ranks"):
-        search(cfg, Layout(seq=32, micro_batch=2, global_batch=2), profile, 3)
+        search(cfg, ParallelShape(seq=32, micro_batch=2, global_batch=2), profile, 3)
 
 
 @pytest.mark.parametrize("content,needle", [

@@ -9,7 +9,7 @@ import pytest
 
 from npmegatron.autograd import InputError
 from npmegatron.autograd.memory import saved_bytes_by_function
-from npmegatron.perf.memory import Layout, layer_activation_bytes
+from npmegatron.perf.memory import ParallelShape, layer_activation_bytes
 from npmegatron.config import GPTConfig, TrainConfig
 from npmegatron.model import GPT
 from npmegatron.recompute import recompute_segments
@@ -73,10 +73,10 @@ def test_full_recomputation_keeps_one_layer_input_per_layer_or_chunk():
     base = small("float32", hidden_dropout=0.0, attention_dropout=0.0)
     s, b, h, w = 16, 2, 32, 4
     none = kept_bytes_per_layer(base)
-    assert none == pytest.approx(layer_activation_bytes(base, Layout(seq=s, micro_batch=b), w), rel=0.01)
+    assert none == pytest.approx(layer_activation_bytes(base, ParallelShape(seq=s, micro_batch=b), w), rel=0.01)
     assert kept_bytes_per_layer(dataclasses.replace(base, recompute_granularity="selective")) == none
     full = kept_bytes_per_layer(dataclasses.replace(base, recompute_granularity="full"))
-    assert full == s * b * h * w == layer_activation_bytes(base, Layout(seq=s, micro_batch=b, recompute="full"), w)
+    assert full == s * b * h * w == layer_activation_bytes(base, ParallelShape(seq=s, micro_batch=b, recompute="full"), w)
     two = kept_bytes_per_layer(dataclasses.replace(base, recompute_granularity="full", recompute_num_layers=2))
     assert two == s * b * h * w / 2
     assert none > 10 * full
@@ -144,7 +144,7 @@ def test_plan_counts_the_segments_recompute_keeps(variant):
     """plan's chunk_activation_bytes against the tape: what layers 3 and 4 add under each method."""
     from npmegatron.perf.memory import chunk_activation_bytes
     cfg = small("float32", hidden_dropout=0.0, attention_dropout=0.0, **variant)
-    layout = Layout(seq=16, micro_batch=2, recompute="full", recompute_method=variant["recompute_method"],
+    layout = ParallelShape(seq=16, micro_batch=2, recompute="full", recompute_method=variant["recompute_method"],
                     recompute_num_layers=variant["recompute_num_layers"])
     planned = chunk_activation_bytes(cfg, layout, 4, 4)[0] - chunk_activation_bytes(cfg, layout, 4, 2)[0]
     assert 2 * kept_bytes_per_layer(cfg) == pytest.approx(planned, rel=0.01)

@@ -1,4 +1,4 @@
-"""Resharding on load (training/reshard.py): a checkpoint saved at one layout resumes at another
+"""Resharding on load (checkpointing/reshard.py): a checkpoint saved at one layout resumes at another
 (TP, PP, DP, pipeline layout, distributed optimizer or not) on the losses of an uninterrupted run,
 to 1e-12 relative in float64 with dropout off; generation loads any checkpoint at any layout."""
 

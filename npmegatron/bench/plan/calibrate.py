@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 
+from ... import comm
 from ...autograd import InputError
 from ..comm import alpha_beta_fit
 
@@ -21,7 +22,6 @@ from ..comm import alpha_beta_fit
 def run_bench(args, threads=None):
     """The JSON object printed last by `npmegatron bench ARGS` (with `threads` BLAS threads)."""
     command = [sys.executable, "-m", "npmegatron.cli", "bench"] + [str(a) for a in args]
-    from ... import comm
     env = dict(os.environ, **(comm.blas_thread_environment(threads) if threads is not None else {}))
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]

@@ -6,6 +6,9 @@ import click
 from ...autograd import InputError
 from ...cli_support import Group, config_options, user_errors
 from ...config import GPTConfig, ParallelConfig, TrainConfig
+from ...perf import ParallelShape, load_profile
+from ...perf.search import paper_weak_scaling, plan, search
+from .calibrate import calibrate
 
 MODEL_FIELDS = {"num_layers", "hidden_size", "num_attention_heads", "vocab_size", "dtype", "fp16", "bf16",
                 "sequence_parallel", "hidden_dropout", "attention_dropout"}
@@ -14,7 +17,8 @@ REFERENCE = {"num_layers": 4, "hidden_size": 512, "num_attention_heads": 8, "voc
 GB = 1e9
 
 
-def parse_layout(text):
+def parse_grid_shape(text):
+    """"TPxPPxDP" (the shape of the rank grid, as --layout gives it) -> (tp, pp, dp)."""
     parts = text.lower().split("x")
     if len(parts) != 3 or not all(p.isascii() and p.isdigit() and 1 <= int(p) <= 2 ** 16 for p in parts):
         raise InputError(f"--layout {text!r} is not TPxPPxDP with positive integers up to 65536; "
@@ -102,8 +106,6 @@ def plan_command(ctx, layout, recompute, recompute_method, recompute_num_layers,
     """Predict memory per rank and step time of a model on a layout from a machine profile."""
     if ctx.invoked_subcommand is not None:
         return
-    from ...perf import Layout, load_profile
-    from ...perf.search import paper_weak_scaling, plan, search
     machine = load_profile(profile)
     if weak_scaling:
         rows = paper_weak_scaling(machine)
@@ -118,7 +120,7 @@ def plan_command(ctx, layout, recompute, recompute_method, recompute_num_layers,
     per_virtual = options.pop("num_layers_per_virtual_pipeline_stage")
     schedule = options.pop("pipeline_schedule")
     cfg = GPTConfig(**options, max_position_embeddings=seq)
-    t, p, d = parse_layout(layout)
+    t, p, d = parse_grid_shape(layout)
     if search_ranks is not None and layout != "1x1x1":
         if t * p * d != search_ranks:
             raise InputError(f"--layout {layout} has {t * p * d} ranks but --search asks for {search_ranks}; "
@@ -131,7 +133,7 @@ def plan_command(ctx, layout, recompute, recompute_method, recompute_num_layers,
             raise InputError(f"--num-layers-per-virtual-pipeline-stage {per_virtual} does not split "
                              f"{cfg.num_layers} layers over PP {p}; choose a divisor of num-layers / PP")
         virtual = cfg.num_layers // (p * per_virtual)
-    base = Layout(tp=t, pp=p, dp=d, virtual=virtual, micro_batch=micro_batch,
+    base = ParallelShape(tp=t, pp=p, dp=d, virtual=virtual, micro_batch=micro_batch,
                   global_batch=global_batch or micro_batch * d, seq=seq,
                   sequence_parallel=cfg.sequence_parallel, recompute=recompute, schedule=schedule,
                   recompute_method=recompute_method, recompute_num_layers=recompute_num_layers,
@@ -155,7 +157,6 @@ def plan_command(ctx, layout, recompute, recompute_method, recompute_num_layers,
 @user_errors
 def calibrate_command(output, ranks, max_bytes, iters):
     """Write a profile of this machine from `bench step` (on the plan's model) and `bench comm`."""
-    from .calibrate import calibrate
     parent = click.get_current_context().parent.params
     model_args = []
     for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "dtype",
