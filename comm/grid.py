@@ -64,8 +64,6 @@ class ProcessGrid:
         self.pp_group = _split(world, "pp", layout["pp"])
         self.mp_group = _split(world, "mp", layout["mp"])
         self.embedding_group = _split(world, "embd", layout["embd"])
-        self.pp_is_first = self.pp_rank == 0
-        self.pp_is_last = self.pp_rank == pp - 1
         ring = self.pp_group.ranks
         self.pp_next_rank = ring[(self.pp_rank + 1) % pp]     # global ranks, wrapping as Megatron
         self.pp_prev_rank = ring[(self.pp_rank - 1) % pp]
@@ -81,7 +79,6 @@ class ProcessGrid:
         for name in ("tp", "dp", "pp", "mp"):
             setattr(grid, f"{name}_group", Group.single(name))
         grid.embedding_group = Group.single("embd")
-        grid.pp_is_first = grid.pp_is_last = True
         grid.pp_next_rank = grid.pp_prev_rank = 0
         return grid
 

@@ -119,3 +119,14 @@ def pipeline_cases(ranks, **extra):
         cases += [dict(tp=2, pp=4, m=4, schedule="interleaved", layout="Et|t|t|t|t|t|t|tL", layers=8,
                        variable=True, sp=True)]
     return [dict(case, **extra) for case in cases]
+
+
+def write_indexed_dataset(prefix, documents, dtype):
+    """PREFIX.bin and PREFIX.idx holding `documents` (arrays of token ids), one sequence each,
+    written by the project's Megatron-format writer."""
+    from npmegatron.data.indexed import IndexedDatasetWriter
+    with IndexedDatasetWriter(prefix, dtype) as writer:
+        for ids in documents:
+            writer.add_document(ids)
+        writer.commit()
+    return writer

@@ -97,15 +97,6 @@ def write_index(path, dtype, lengths, document_indices):
         f.write(numpy.asarray(document_indices, "<i8").tobytes())
 
 
-def write_indexed_dataset(prefix, documents, dtype):
-    """PREFIX.bin and PREFIX.idx holding `documents` (arrays of token ids), one sequence each."""
-    with IndexedDatasetWriter(prefix, dtype) as writer:
-        for ids in documents:
-            writer.add_document(ids)
-        writer.commit()
-    return writer
-
-
 # ---- reading ------------------------------------------------------------------------------------
 
 def read_index(path):
@@ -182,7 +173,3 @@ class IndexedDataset:
 
     def __getitem__(self, i):
         return self.tokens[self.sequence_starts[i]:self.sequence_starts[i + 1]]
-
-    def document(self, d):
-        """The tokens of document d (all its sequences)."""
-        return self.tokens[self.document_offsets[d]:self.document_offsets[d + 1]]

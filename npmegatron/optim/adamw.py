@@ -6,7 +6,6 @@ import numpy
 
 from .. import comm
 from ..autograd import get_array_module, precision
-from ..autograd.backend import to_numpy
 from ..autograd.fusion import fused
 
 
@@ -188,11 +187,3 @@ def clip_gradients(params, norm, max_norm, loss_scale=1.0):
         for p in params:
             if p.grad is not None:
                 p.grad *= p.dtype.type(factor)
-
-
-def clip_grad_norm(params, max_norm, group=None, skip=()):
-    """Scale all gradients so their global L2 norm is at most max_norm; returns the norm before
-    (reading it is one host synchronisation on a GPU)."""
-    norm = math.sqrt(float(to_numpy(grad_norm_squared(params, group, skip))[0]))
-    clip_gradients(params, norm, max_norm)
-    return norm

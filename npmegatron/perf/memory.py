@@ -214,16 +214,6 @@ def chunk_activation_bytes(cfg, shape, w, layers):
     return kept, workspace
 
 
-def korthikanti_bytes(s, b, h, a, t=1, sp=False, recompute="none"):
-    """The paper's per-layer formulas in 16-bit, as printed (for the tests and the report)."""
-    if recompute == "full":
-        return 2 * s * b * h / (t if sp else 1)
-    attention = 5 * a * s / h if recompute == "none" else 0
-    if sp:
-        return s * b * h * (34 + attention) / t
-    return s * b * h * (10 + (24 + attention) / t)
-
-
 def element_bytes(cfg, shape):
     """Bytes of a parameter or activation: 2 under --fp16/--bf16, else the model's dtype's."""
     return shape.element_bytes or (2 if cfg.storage_format else numpy.dtype(cfg.dtype).itemsize)

@@ -10,8 +10,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT, mpiexec_path, rank_environment
-from npmegatron.data.indexed import write_indexed_dataset
+from helpers import ROOT, mpiexec_path, rank_environment, write_indexed_dataset
 
 TRAIN = [sys.executable, "scripts/train.py", "--num-layers", "1", "--hidden-size", "32",
          "--num-attention-heads", "2", "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "2",

@@ -15,7 +15,8 @@ from hostile import BUDGETS, check_property, one_sentence
 from npmegatron.autograd import InputError
 from npmegatron.data import (TrainingData, open_dataset, parse_blend, parse_split, preprocess,
                              preprocess_megatron)
-from npmegatron.data.indexed import HEADER, IndexedDataset, write_indexed_dataset
+from helpers import write_indexed_dataset
+from npmegatron.data.indexed import HEADER, IndexedDataset
 
 DOCUMENTS = [np.array([1, 2]), np.array([3]), np.array([4, 5, 6])]
 SIDECAR = {"format": "npmegatron-megatron-sidecar-1", "vocab_size": 256, "tokenizer": {"type": "bytes"}}

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from helpers import write_indexed_dataset
 from npmegatron.autograd import InputError
 from npmegatron.cli import main
 from npmegatron.config import TrainConfig
 from npmegatron.data import (BlendedSampler, TrainingData, open_dataset, parse_blend, parse_split,
                              preprocess, split_boundaries)
-from npmegatron.data.indexed import (IndexedDataset, megatron_token_dtype, read_index,
-                                     write_indexed_dataset)
+from npmegatron.data.indexed import IndexedDataset, megatron_token_dtype, read_index
 
 WORDS = ["[UNK]", "<|endoftext|>", "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog"]
 DOCUMENTS = [np.array([5, 1, 2]), np.array([7]), np.array([3, 3, 3, 3, 9]), np.array([], np.int64),
@@ -47,7 +47,7 @@ def test_a_dataset_written_in_megatron_format_reads_back_identically(tmp_path):
     assert isinstance(data.tokens, np.memmap) and data.tokens.dtype == np.uint16 and len(data) == 5
     for i, document in enumerate(DOCUMENTS):
         np.testing.assert_array_equal(data[i], document)
-        np.testing.assert_array_equal(data.document(i), document)
+        np.testing.assert_array_equal(data.tokens[data.document_offsets[i]:data.document_offsets[i + 1]], document)
     np.testing.assert_array_equal(data.tokens, np.concatenate(DOCUMENTS))
     assert list(data.document_offsets) == [0, 3, 4, 9, 9, 11]
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".partial")]

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from npmegatron.autograd import InputError
 from npmegatron.perf import ParallelShape, load_profile, memory_plan, step_time
 from npmegatron.bench.plan import calibrate as calibrate_module
-from npmegatron.perf.memory import korthikanti_bytes, layer_activation_bytes, rank_parameters
+from npmegatron.perf.memory import layer_activation_bytes, rank_parameters
 from npmegatron.perf.search import paper_weak_scaling, search
 from npmegatron.perf.time_model import all_gather_time, all_reduce_time, p2p_time, rank_flops
 from npmegatron.run import build_model
@@ -67,6 +67,17 @@ def test_tp2_specs_arithmetic():
     replicated = layers * 6 * h + cfg.max_position_embeddings * h + 2 * h
     total = 2 * rank_parameters(cfg, ParallelShape(tp=2), 0)
     assert total == gpt_num_parameters(cfg) + (padded - cfg.vocab_size) * h + replicated
+
+
+def korthikanti_bytes(s, b, h, a, t=1, sp=False, recompute="none"):
+    """Korthikanti et al.'s per-layer activation bytes in 16-bit, as the paper prints them: the
+    reference the plan's "korthikanti" accounting must reproduce."""
+    if recompute == "full":
+        return 2 * s * b * h / (t if sp else 1)
+    attention = 5 * a * s / h if recompute == "none" else 0
+    if sp:
+        return s * b * h * (34 + attention) / t
+    return s * b * h * (10 + (24 + attention) / t)
 
 
 def test_korthikanti_formula_by_hand():

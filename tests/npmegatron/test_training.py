@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from npmegatron.autograd import Tensor
-from npmegatron.optim.adamw import AdamW, clip_grad_norm, learning_rate
+from npmegatron.autograd.backend import to_numpy
+from npmegatron.optim.adamw import AdamW, clip_gradients, grad_norm_squared, learning_rate
 from npmegatron.training import TrainConfig, train
 
 
@@ -24,6 +25,14 @@ def test_adamw_matches_the_formula_and_skips_decay_on_1d():
     # first step: m/sqrt(v) with bias correction is sign(g); decay only on the matrix
     np.testing.assert_allclose(w.data, np.array([[1.0, -2.0]]) * (1 - 0.05) - 0.1, rtol=1e-6)
     np.testing.assert_allclose(b.data, [0.5 - 0.1], rtol=1e-6)
+
+
+def clip_grad_norm(params, max_norm, group=None, skip=()):
+    """Scale all gradients so their global L2 norm is at most max_norm; returns the norm before
+    (reading it is one host synchronisation on a GPU)."""
+    norm = math.sqrt(float(to_numpy(grad_norm_squared(params, group, skip))[0]))
+    clip_gradients(params, norm, max_norm)
+    return norm
 
 
 def test_clip_grad_norm():
