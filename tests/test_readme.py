@@ -5,11 +5,13 @@ in a scratch folder that holds links to what the commands read (README.md, docs/
     <!-- test: quick -->   run by the quick selection (pytest -m "not slow")
     <!-- test: slow -->    run, after the quick blocks, only with -m slow
 
-Unmarked blocks are not run, only checked: every `npmegatron ...` names real commands and
-options, every `python scripts/*.py` and `pytest` path exists, every `mpiexec` is installed and
-every `pip install -e ".[extras]"` names extras setup.py declares. Those blocks hold what a test
-must not run: pip install and python -m venv (they change the environment), pytest (the suite
-itself), the main job and the benchmarks (minutes each); a marked block may hold none of them."""
+Unmarked blocks are not run, only checked, and so are the ```bash blocks of docs/*.md: every
+`npmegatron ...` names real commands and options, every `python scripts/*.py` and `pytest` path
+exists, every `mpiexec` is installed and every `pip install -e ".[extras]"` names extras setup.py
+declares. Unmarked blocks hold what a test must not run: pip install and python -m venv (they
+change the environment), pytest (the suite itself), the main job and the benchmarks (minutes
+each); a marked block may hold none of them."""
+import glob
 import importlib.metadata
 import os
 import re
@@ -32,9 +34,9 @@ NOT_IN_A_RUN = re.compile(r"(^|[\s;&|])(pip|pytest|python -m venv)\b")
 MAX_LINES = 300
 
 
-def readme_blocks():
-    """[(mark or None, text, line number of the fence)] for every ```bash block of README.md."""
-    with open(README, encoding="utf-8") as f:
+def bash_blocks(path=README):
+    """[(mark or None, text, line number of the fence)] for every ```bash block of a Markdown file."""
+    with open(path, encoding="utf-8") as f:
         lines = f.read().splitlines()
     blocks, previous, index = [], "", 0
     while index < len(lines):
@@ -94,16 +96,21 @@ def long_flags(words):
 def check_command(words, where):
     """Problems with one simple command (empty when it names only what exists)."""
     problems = []
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):      # VAR=value before a command
+        words = words[1:]
+    if not words:
+        return problems
     if words[0] in ("mpiexec", "mpirun"):
         if not (os.path.exists(os.path.join(os.path.dirname(sys.executable), words[0]))
                 or shutil.which(words[0])):
             problems.append(f"{where}: {words[0]} is not installed")
-        assert words[1:2] == ["-n"] and words[2].isdigit(), f"{where}: launch as `{words[0]} -n N ...`"
+        if words[1:2] != ["-n"] or not words[2:3] or not words[2].isdigit():
+            return problems + [f"{where}: launch as `{words[0]} -n N ...`"]
         words = words[3:]
     if words[0] == "npmegatron":
         command, used = cli_command(words[1:])
         if used == 0:
-            problems.append(f"{where}: `npmegatron {words[1]}` is not a command")
+            return problems + [f"{where}: `{' '.join(words[:2])}` is not a command"]
         unknown = [f for f in long_flags(words[1 + used:]) if f not in option_names(command)]
         if unknown:
             problems.append(f"{where}: `npmegatron {' '.join(words[1:1 + used])}` has no {', '.join(unknown)}")
@@ -138,14 +145,43 @@ def test_readme_is_a_short_guide():
 
 def test_every_command_and_flag_exists():
     problems = []
-    for _, block, line in readme_blocks():
-        for words in simple_commands(block):
-            problems += check_command(words, f"README.md:{line}")
+    for path in [README] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))):
+        for _, block, line in bash_blocks(path):
+            for words in simple_commands(block):
+                problems += check_command(words, f"{os.path.relpath(path, ROOT)}:{line}")
+    assert not problems, "\n".join(problems)
+
+
+def anchors(path):
+    """GitHub's anchor for each heading of a Markdown file."""
+    headings, fenced = [], False
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            fenced ^= line.startswith("```")
+            if not fenced and re.match(r"#{1,6} ", line):
+                headings.append(line.lstrip("#").strip())
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+
+
+def test_links_between_the_pages_resolve():
+    problems = []
+    for path in [README] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))):
+        with open(path, encoding="utf-8") as f:
+            targets = re.findall(r"\]\(([^)\s]+)\)", f.read())
+        for target in targets:
+            if re.match(r"[a-z]+://", target):
+                continue
+            file, _, anchor = target.partition("#")
+            linked = os.path.normpath(os.path.join(os.path.dirname(path), file)) if file else path
+            if not os.path.exists(linked):
+                problems.append(f"{os.path.relpath(path, ROOT)}: {target} does not exist")
+            elif anchor and linked.endswith(".md") and anchor not in anchors(linked):
+                problems.append(f"{os.path.relpath(path, ROOT)}: {target} names no heading")
     assert not problems, "\n".join(problems)
 
 
 def test_marked_blocks_only_run_what_a_test_may():
-    blocks = readme_blocks()
+    blocks = bash_blocks()
     assert {mark for mark, _, _ in blocks} <= {None, "quick", "slow"}
     for mark, block, line in blocks:
         if mark:
@@ -159,7 +195,7 @@ def run_blocks(marks, folder, timeout):
     for name in READ_BY_COMMANDS:
         os.symlink(os.path.join(ROOT, name), folder / name)
     env = rank_environment({"PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")})
-    for mark, block, line in readme_blocks():
+    for mark, block, line in bash_blocks():
         if mark not in marks:
             continue
         proc = subprocess.Popen(["bash", "-euo", "pipefail", "-c", block], cwd=folder, env=env, text=True,
