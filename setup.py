@@ -38,7 +38,8 @@ setup(
     extras_require={
         "mpi": ["mpich"],               # MPI itself from PyPI; leave out on clusters with a system MPI
         "hf": ["tokenizers>=0.15"],     # a local Hugging Face tokenizer.json for preprocess
-        "test": ["pytest>=7", "tokenizers>=0.15", "ml_dtypes>=0.3", "hypothesis>=6.80"],   # ml_dtypes: the bfloat16 reference; hypothesis: hostile-file tests
+        # ml_dtypes: the bfloat16 reference; hypothesis: the hostile-file tests; import-linter: the layers
+        "test": ["pytest>=7", "tokenizers>=0.15", "ml_dtypes>=0.3", "hypothesis>=6.80", "import-linter>=2.1"],
         # cupy-cuda13x for CUDA 13. CuPy pinned to the versions whose NCCL API comm uses (13: the
         # unique id is a tuple, 14: bytes; comm passes it through unchanged); libnccl itself does
         # not come with CuPy's wheel, and without it cupy.cuda.nccl imports but is unavailable.
