@@ -2,8 +2,9 @@
 while saving leaves the previous checkpoint whole.
 
     DIR/latest                      "iter_0000020", replaced (atomically) last of all
-    DIR/iter_0000020/manifest.json  config, layout, iteration, optimizer, RNG states, data position,
-                                    and the size and SHA-256 of every shard
+    DIR/iter_0000020/manifest.json  config, the saving grid, iteration, optimizer, the dropout
+                                    position, data position, and the size, SHA-256 and places of
+                                    every shard (checked field by field on loading: manifest.py)
     DIR/iter_0000020/mp_rank_00_000.safetensors   one per (TP rank, PP rank): parameters and
                                     AdamW moments; data-parallel replicas hold the same, so only
                                     DP rank 0 writes
