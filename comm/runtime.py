@@ -1,7 +1,8 @@
 """init(): MPI once, BLAS threads pinned, each rank bound to its GPU (where CuPy sees one), Ctrl-C
-that ends every rank, and the two ways a job ends on an error: when every rank hit it (a bad flag,
-a bad checkpoint) rank 0 prints it and all exit 1 normally; when one rank hit it, that rank reports
-and aborts the job instead of leaving a hang.
+that ends every rank, and the ways a job ends on an error: when every rank hit it (a bad flag, a
+bad checkpoint) rank 0 prints it and all exit 1 normally; when one rank hit it, that rank reports
+and aborts the job instead of leaving a hang; when a rank's process died (SIGKILL, out of memory),
+one sentence names it and the checkpoint to resume from (ending.py, sentinel.py).
 
 Why pin: on a 2-core machine two ranks with default BLAS threading ran a matmul + all-reduce loop
 80x slower than with one thread each (BLAS threads and MPI busy-polling fight for the cores).
@@ -14,7 +15,7 @@ import traceback
 from npmegatron.autograd.errors import InputError
 from npmegatron.autograd.threads import set_cpu_threads
 
-from . import backends
+from . import backends, ending
 from .group import Group
 from .launch import launch_size
 from .signals import install_interrupt_watchdog
@@ -49,6 +50,11 @@ def init():
     if "world" in _state:
         return _state["world"]
     _throttle_polling_when_oversubscribed()
+    # A rank reading a peer's memory (MPICH's single-copy path for large messages) just as that
+    # peer is killed meets an error MPICH treats as fatal whatever the error handler: it prints
+    # its error stack (15 lines) and aborts before Python runs again. Its last line alone says what
+    # failed; the sentence naming the stopped rank is the sentinel's (ending.py).
+    os.environ.setdefault("MPIR_CVAR_PRINT_ERROR_STACK", "0")
     if launch_size() > 1:
         install_interrupt_watchdog()
     from mpi4py import MPI
@@ -70,6 +76,7 @@ def init():
     backends.use_local_bus_ids(_state["local_bus_ids"])     # whether NCCL can serve these ranks
     if world.Get_size() > 1:
         sys.excepthook = _end_on_uncaught
+        ending.watch_processes(world, local)
     # Only for agreeing on errors: a communicator of its own never matches a model collective.
     _state["errors"] = world.Dup()
     _state["world"] = Group("world", world, range(world.Get_size()))
@@ -145,8 +152,17 @@ def blas_threads():
 
 
 
+class RankStopped(InputError):
+    """Another rank's process died: a sentence, not this rank's traceback."""
+
+
 def _end_on_uncaught(exc_type, exc, tb):
     """sys.excepthook under mpirun; Python exits with status 1 after it returns."""
+    stopped = ending.stopped_rank_sentence(exc)
+    if stopped == "":
+        os._exit(1)             # the sentinel names the rank; mpiexec ends the others
+    if stopped:
+        report_and_abort(RankStopped(stopped))
     if not isinstance(exc, InputError):
         report_and_abort(exc, tb)
     if reports_input_error(exc):
@@ -157,13 +173,7 @@ def every_rank_failed(within_s=AGREE_WITHIN_S):
     """Called by a rank that hit an error: True when every rank calls it within `within_s` (they
     all hit it, and can exit normally); otherwise False, and the caller should abort the job."""
     init()
-    request = _state["errors"].Ibarrier()
-    deadline = time.monotonic() + within_s
-    while not request.Test():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
+    return ending.all_arrive(_state["errors"], within_s)
 
 
 def reports_input_error(error):
@@ -190,5 +200,11 @@ def report_and_abort(exc, tb=None):
     sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in text.rstrip().splitlines()))
     sys.stderr.flush()
     time.sleep(OUTPUT_DRAIN_S)
-    world.Abort(1)
+    _abort()
+
+
+def _abort():
+    from mpi4py import MPI
+    ending.end_on_purpose()
+    MPI.COMM_WORLD.Abort(1)
     os._exit(1)     # Abort may return while the job is already being torn down: never fall through

@@ -4,8 +4,14 @@ Why a watchdog thread: mpiexec forwards Ctrl-C to every rank as SIGINT, but Pyth
 signal handler between bytecodes, so a rank blocked in a collective never sees KeyboardInterrupt,
 and a rank that does see it exits through MPI_Finalize, which waits for the blocked ones: the job
 hangs. Here the C-level handler wakes a thread through a socket (signal.set_wakeup_fd, which works
-while the main thread sits in MPI), and the thread exits the process without MPI_Finalize, which
-makes mpiexec end every other rank at once.
+while the main thread sits in MPI), and the thread exits the process without MPI_Finalize.
+
+Why every rank exits by itself, rank 0 first: mpiexec (hydra) SIGKILLs the ranks still running
+when one exits without MPI_Finalize, and a rank it killed while another rank's output was still
+open is reported as "BAD TERMINATION ... Killed (signal 9)", the job's status becoming 9 (measured:
+most Ctrl-Cs of 4 ranks). So when every rank got the SIGINT (mpiexec forwards Ctrl-C to all),
+the ranks other than 0 close their output, rank 0 prints the one line and exits 130, and the
+others exit 130 once it is gone (or mpiexec ends them): the job's status is 130, nothing more.
 """
 import os
 import signal
@@ -17,12 +23,18 @@ import time
 import numpy
 
 from .collectives import all_reduce
+from .ending import end_on_purpose, every_rank_interrupted, local_rank_pid, process_gone
 from .launch import launch_rank
 
 INTERRUPTED_EXIT_CODE = 130     # 128 + SIGINT, what a shell reports for Ctrl-C
-# Ranks other than 0 wait this long before reporting, so an interrupt that reached every rank is
-# reported once, by rank 0, whose exit ends the others first.
+# mpiexec forwards Ctrl-C to every rank within milliseconds; a rank whose main thread holds the
+# interpreter in a long computation answers later. Past this, only some ranks were interrupted.
+AGREE_WITHIN_S = 2.0
+# Before MPI is up, ranks other than 0 wait this long before reporting, so an interrupt that
+# reached every rank is reported once, by rank 0, whose exit ends the others first.
 REPORT_GRACE_S = 1.0
+# How long ranks other than 0 wait for rank 0's process to end (it frees its memory first).
+RANK_0_EXIT_S = 10.0
 
 _installed = {}
 
@@ -54,12 +66,62 @@ def _watch(reader):
 
 
 def _end_this_rank():
+    """On the watchdog thread of a rank that got SIGINT (see the module docstring)."""
     rank = launch_rank()
+    end_on_purpose()
+    together = every_rank_interrupted(AGREE_WITHIN_S)
+    if not together:                    # this rank alone (or MPI is not up): mpiexec ends the others
+        if together is None and rank != 0:
+            time.sleep(REPORT_GRACE_S)
+        _say_interrupted(rank)
+        os._exit(INTERRUPTED_EXIT_CODE)
+    if rank == 0:
+        _say_interrupted(rank)
+    else:
+        _close_output()
+    every_rank_interrupted(AGREE_WITHIN_S)      # every output but rank 0's is closed
     if rank != 0:
-        time.sleep(REPORT_GRACE_S)
+        _wait_until_rank_0_is_gone()
+    os._exit(INTERRUPTED_EXIT_CODE)
+
+
+def _say_interrupted(rank):
     sys.stderr.write(f"[rank {rank}] interrupted (SIGINT): ending every rank\n")
     sys.stderr.flush()
-    os._exit(INTERRUPTED_EXIT_CODE)     # no MPI_Finalize: mpiexec then ends the other ranks
+
+
+def _close_output():
+    """Point stdout, stderr and every copy of them the launcher left open in this process (hydra
+    leaves some) at /dev/null, so that mpiexec sees this rank's output end now."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    outputs = {_identity(fd) for fd in (1, 2)} - {None}
+    for fd in _open_descriptors():
+        if _identity(fd) in outputs:
+            os.dup2(null, fd)
+
+
+def _open_descriptors():
+    try:
+        return [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:
+        return [1, 2]
+
+
+def _identity(fd):
+    try:
+        status = os.fstat(fd)
+    except OSError:
+        return None
+    return status.st_dev, status.st_ino
+
+
+def _wait_until_rank_0_is_gone():
+    """Until rank 0's process has ended where it runs on this node (else a second), so that it
+    exits first; mpiexec usually ends this rank meanwhile."""
+    pid = local_rank_pid(0)
+    deadline = time.monotonic() + (RANK_0_EXIT_S if pid is not None else 1.0)
+    while time.monotonic() < deadline and not (pid is not None and process_gone(pid)):
+        time.sleep(0.01)
 
 
 class ExitSignal:

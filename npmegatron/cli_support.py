@@ -13,6 +13,7 @@ import click
 from . import comm
 from .autograd import InputError
 from .config import field_default
+from .perf.fit import out_of_memory
 
 
 def config_options(config_class, only=None, skip=(), defaults=None):
@@ -38,14 +39,16 @@ def click_option(spec, default):
 
 
 def user_errors(command):
-    """Bad input ends the command with its one-sentence message and a non-zero exit, no
-    traceback. Under mpirun it is printed once: by rank 0 when every rank hit it (then all exit
-    normally), else by the rank that hit it, which aborts the job."""
+    """Bad input, and an allocation that fails (the model does not fit), end the command with one
+    sentence and a non-zero exit, no traceback. Under mpirun it is printed once: by rank 0 when
+    every rank hit it (then all exit normally), else by the rank that hit it, which aborts the job."""
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
-        except InputError as error:
+        except (InputError, MemoryError) as error:
+            if isinstance(error, MemoryError):
+                error = InputError(out_of_memory(error))
             error = InputError(in_flag_names(str(error)))
             if comm.launch_size() > 1 and not comm.reports_input_error(error):
                 sys.exit(1)

@@ -24,6 +24,7 @@ from ..data import TrainingData
 from ..generation import generate
 from ..optim.adamw import learning_rate
 from ..optim.loss_scale import build_loss_scale
+from ..perf.fit import refuse_unless_fits, run_shape
 from ..pipeline import run_schedule
 from ..run import assemble
 from ..timers import NO_TIMERS, OPTIMIZER
@@ -43,6 +44,9 @@ class Trainer:
             config = config.with_checkpoint_args(checkpoint.read_manifest(config.load)[1])
         self.config, self.timers = config, timers     # timers.py: off unless a Timers is passed
         self.data = TrainingData(config.data_path, config.split)
+        # Before anything is allocated: a model too large for this rank's memory is one sentence.
+        refuse_unless_fits(dataclasses.replace(config.model, vocab_size=self.data.vocab_size),
+                           run_shape(config, config.plan(comm.launch_size())))
         run = assemble(config, vocab_size=self.data.vocab_size)
         self.plan, self.grid, self.cfg, self.model, self.schedule = run.plan, run.grid, run.cfg, run.model, run.schedule
         self.exchange, self.params, self.buckets, self.optimizer = run.exchange, run.params, run.buckets, run.optimizer
@@ -50,7 +54,7 @@ class Trainer:
         self.sampler = self.data.sampler("train", config.seq_length, self.cfg.seed)
         self.valid_sampler = self.data.sampler("valid", config.seq_length, self.cfg.seed + 1)
         self.loss_scale = build_loss_scale(config)  # --fp16 (loss_scale.py), else None
-        self.iteration, self.last_saved, self.skipped = 0, None, 0
+        self.iteration, self.last_saved, self.last_saved_in, self.skipped = 0, None, None, 0
         self.run_id = uuid.uuid4().hex      # rank 0's is the one recorded; a resumed run keeps its own
         if config.load:
             self._resume()
@@ -58,10 +62,12 @@ class Trainer:
         if config.save:
             self.save_folder = SaveFolder(config.save, self.run_id, self.grid.world, config.overwrite,
                                           resuming=resumes_in_place(config.load, config.save))
+        comm.set_resume_hint(self.resume_hint())
 
     def _resume(self):
         manifest = checkpoint.load(self.config.load, self.model, self.optimizer, self.grid, self.plan.layout)
         self.iteration = self.last_saved = manifest["iteration"]
+        self.last_saved_in = self.config.load
         self.run_id = manifest.get("run_id", self.run_id)
         self.skipped = manifest.get("skipped_iterations", 0)
         if self.loss_scale is not None and manifest.get("loss_scale"):
@@ -143,8 +149,16 @@ class Trainer:
         folder = checkpoint.save(config.save, self.iteration, self.model, self.optimizer, self.grid,
                                  extra, files)
         self.save_folder.saved(folder)
-        self.last_saved = self.iteration
+        self.last_saved, self.last_saved_in = self.iteration, config.save
+        comm.set_resume_hint(self.resume_hint())
         return folder
+
+    def resume_hint(self):
+        """Where a run stopped now would resume from: the sentence naming a rank whose process
+        died ends with it (comm.set_resume_hint)."""
+        if self.last_saved is None:
+            return "no checkpoint was saved yet" if self.config.save else "no checkpoint was saved (no --save)"
+        return f"resume with --load {self.last_saved_in} (latest: iter_{self.last_saved:07d})"
 
     def diverged(self, what, value):
         kept = (f"the last checkpoint (iteration {self.last_saved} in {self.config.save or self.config.load}) "

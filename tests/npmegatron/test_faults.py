@@ -1,12 +1,15 @@
-"""Faults a real run meets: Ctrl-C and SIGTERM under mpiexec, a full disk or a read-only folder
-while saving, a second run writing the same folder, a `latest` that points outside it."""
+"""Faults a real run meets: Ctrl-C and SIGTERM under mpiexec, a rank killed (SIGKILL, the
+out-of-memory killer), a model too large for the machine, a full disk or a read-only folder while
+saving, a second run writing the same folder, a `latest` that points outside it."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 
+import numpy
 import pytest
 
 from helpers import ROOT, mpiexec_path, rank_environment
@@ -107,6 +110,113 @@ def test_sigterm_without_the_flag_ends_the_job_quickly(tmp_path):
     os.kill(job.pid, signal.SIGTERM)
     code, out, err, taken = end_within(job, 10, log)
     assert code != 0 and taken < 10
+
+
+def sentinels_of(rank_pids):
+    """{pid: rank} of the sentinel (comm/sentinel.py) watching any of `rank_pids`, by sentinel pid."""
+    found = {}
+    for pid in processes_with("sentinel.py"):
+        try:
+            words = open(f"/proc/{pid}/cmdline", "rb").read().decode().split("\0")
+        except OSError:
+            continue
+        watched = dict(reversed([int(n) for n in w.split(":")]) for w in words if re.fullmatch(r"\d+:\d+", w))
+        if set(watched) & set(rank_pids):
+            found[pid] = watched
+    return found
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_killed_rank_is_named_once_with_the_checkpoint_to_resume_from(tmp_path, victim):
+    log, ck = str(tmp_path / "log.jsonl"), tmp_path / "ck"
+    job = start(2, FOREVER + ["--tp", "2", "--log-file", log, "--save", str(ck), "--save-interval", "1"])
+    wait_for_training(job, log)
+    ranks = rank_pids(log)
+    (watched,) = sentinels_of(ranks).values()           # one sentinel, beside rank 0
+    pid = next(pid for pid, rank in watched.items() if rank == victim)
+    os.kill(pid, signal.SIGKILL)
+    code, out, err, taken = end_within(job, 10, log)
+    deadline = time.monotonic() + 10 - taken
+    while sentinels_of(ranks) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not sentinels_of(ranks), "the sentinel outlived the job"
+    assert code != 0
+    lines = [line for line in err.splitlines() if " stopped (" in line]
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"error: rank {victim} stopped (its process died: killed, out of memory or "
+                               f"crashed), so the job is ending; resume with --load {ck} (latest: iter_"), err
+    named = int(re.search(r"\(latest: iter_(\d{7})\)$", lines[0]).group(1))
+    latest = int((ck / "latest").read_text()[len("iter_"):])
+    assert named in (latest - 1, latest) and named >= 1      # the kill may land between the two writes
+    assert "error stack" not in err and "Traceback" not in err and "Fatal error" not in err, err
+
+
+def test_a_killed_rank_without_save_says_no_checkpoint_was_saved(tmp_path):
+    log = str(tmp_path / "log.jsonl")
+    job = start(2, FOREVER + ["--tp", "2", "--log-file", log])
+    wait_for_training(job, log)
+    os.kill(rank_pids(log)[0], signal.SIGKILL)
+    code, out, err, taken = end_within(job, 10, log)
+    assert err.count(" stopped (") == 1, err
+    assert err.rstrip().endswith("so the job is ending; no checkpoint was saved (no --save)"), err
+
+
+@pytest.mark.parametrize("target", ["terminal", "mpiexec"])
+def test_ctrl_c_of_four_ranks_is_one_line_and_status_130(tmp_path, target):
+    """A terminal's Ctrl-C reaches mpiexec's process group; mpiexec forwards it to every rank."""
+    log = str(tmp_path / "log.jsonl")
+    job = start(4, FOREVER + ["--tp", "2", "--log-file", log])
+    wait_for_training(job, log)
+    if target == "terminal":
+        os.killpg(job.pid, signal.SIGINT)
+    else:
+        os.kill(job.pid, signal.SIGINT)
+    code, out, err, taken = end_within(job, 10, log)
+    assert code == 130, (out, err)
+    assert err.count("interrupted (SIGINT): ending every rank") == 1, err
+    assert "BAD TERMINATION" not in out and "signal 9" not in out, out
+
+
+def test_a_model_too_large_is_refused_before_it_is_built(tmp_path, monkeypatch):
+    from npmegatron.perf import fit
+    from npmegatron.training import trainer
+    monkeypatch.setattr(fit, "available_per_rank", lambda device: (512 << 10, "the test's memory"))
+    monkeypatch.setattr(trainer, "assemble", lambda *a, **k: pytest.fail("the model was built"))
+    with pytest.raises(InputError) as error:
+        quiet(small(tmp_path))
+    assert re.fullmatch(r"this run needs about [\d.]+ KiB of memory per rank \([\d.]+ KiB for the weights, "
+                        r"gradients and AdamW state, [\d.]+ KiB for activations\), but 512.0 KiB is available "
+                        r"to each \(the test's memory\); use fewer --num-layers or a smaller --hidden-size, "
+                        r"more ranks for --tp or --pp, --recompute-granularity full or a smaller "
+                        r"--micro-batch-size \(NPMEGATRON_MEMORY_CHECK=0 skips this check\)", str(error.value))
+    monkeypatch.setenv("NPMEGATRON_MEMORY_CHECK", "0")
+    with pytest.raises(pytest.fail.Exception, match="the model was built"):
+        quiet(small(tmp_path))
+
+
+def test_on_the_gpu_the_free_memory_of_the_card_is_shared_by_the_ranks_bound_to_it(monkeypatch):
+    from fakes.strict_cupy import strict_cupy
+    from npmegatron.perf import fit
+    monkeypatch.setenv("STRICT_CUPY_DEVICE_BYTES", str(3 << 30))
+    monkeypatch.setattr(fit.comm, "launched_by_mpi", lambda: True)
+    monkeypatch.setattr(fit.comm, "local_size", lambda: 4)
+    with strict_cupy(devices=2):
+        available, where = fit.available_per_rank("gpu")
+    assert available == (3 << 30) // 2
+    assert where == "3.0 GiB of the free memory of GPU 0 shared by 2 ranks"
+
+
+def test_an_allocation_that_fails_later_is_one_sentence(monkeypatch):
+    from click.testing import CliRunner
+    from npmegatron.cli import main
+    from npmegatron.training import trainer
+    monkeypatch.setattr(trainer, "assemble", lambda *a, **k: numpy.empty(1 << 62, numpy.uint8))
+    result = CliRunner().invoke(main, ["train"] + TINY + ["--train-iters", "1"])
+    assert result.exit_code == 1 and not isinstance(result.exception, MemoryError), result.output
+    assert result.output.splitlines() == [
+        "Error: out of memory: Unable to allocate 4.00 EiB for an array with shape (4611686018427387904,) "
+        "and data type uint8; use fewer --num-layers or a smaller --hidden-size, more ranks for --tp or --pp, "
+        "--recompute-granularity full or a smaller --micro-batch-size"], result.output
 
 
 def small(tmp_path, **kw):

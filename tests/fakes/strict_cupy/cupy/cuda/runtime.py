@@ -2,7 +2,8 @@
 
 Real CuPy (cupy_backends/cuda/api/runtime.pyx) raises CUDARuntimeError(status) for every CUDA
 error; `getDeviceCount` raises cudaErrorNoDevice (100) on a machine without GPU or driver, and
-`setDevice` raises cudaErrorInvalidDevice (101) for an index out of range."""
+`setDevice` raises cudaErrorInvalidDevice (101) for an index out of range. `memGetInfo` gives
+(free, total) bytes of the current device: env STRICT_CUPY_DEVICE_BYTES (default 80 GiB) for both."""
 import os
 
 from .. import _strict
@@ -50,6 +51,12 @@ def getDevice():
 
 def setDevice(index):
     _strict.set_current_device(check_device(int(index)))
+
+
+def memGetInfo():
+    getDeviceCount()
+    total = int(os.environ.get("STRICT_CUPY_DEVICE_BYTES", str(80 << 30)))
+    return total, total
 
 
 def deviceSynchronize():
