@@ -22,7 +22,8 @@ def test_every_group_of_a_2x2x2_grid(mpirun):
     assert len(reports) == 8
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
+# Four ranks on two cores take 10 s: the slow suite's.
+@pytest.mark.parametrize("n", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_large_all_reduces_through_shared_memory(mpirun, n):
     result = mpirun(n, RANKS, args=["shared-memory"], timeout=240)
     assert result.stdout.count("shared memory ok") == n
