@@ -107,11 +107,6 @@ def process_gone(pid):
         return False
 
 
-def local_rank_pid(rank):
-    """The process id of world rank `rank` when it runs on this node, else None."""
-    return _job.get("local_pids", {}).get(rank)
-
-
 def stopped_rank_sentence(error):
     """The one sentence for an MPI error that a stopped rank caused, else None: the rank of this
     node whose process is gone, or "a rank" for a communication failure when the job spans nodes;

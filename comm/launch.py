@@ -1,7 +1,8 @@
 """What the launcher (mpiexec, mpirun) tells a process through its environment, read without
-starting MPI: whether it was launched, its rank and the number of ranks; and what a process to be
-launched needs (the mpiexec to use, its BLAS thread count)."""
+starting MPI: whether it was launched, its rank and the number of ranks; telling it this process
+ends on purpose; and what a process to be launched needs (the mpiexec to use, its BLAS threads)."""
 import os
+import select
 import shutil
 import sys
 
@@ -28,6 +29,23 @@ def _launch_variable(names, default):
         if name in os.environ:
             return int(os.environ[name])
     return default
+
+
+def tell_launcher_finalized(timeout_s=1.0):
+    """Tell MPICH's mpiexec (hydra) that this process ends on purpose, as MPI_Finalize does, for a
+    process that exits without MPI_Finalize (its main thread may be blocked in MPI): hydra then
+    lets the other ranks end by themselves instead of SIGKILLing them, which it reports as "BAD
+    TERMINATION ... Killed (signal 9)". The simple PMI wire protocol on the socket hydra passes in
+    PMI_FD: `cmd=finalize`, answered `cmd=finalize_ack`. True when acknowledged."""
+    fd = os.environ.get("PMI_FD")
+    if fd is None or not fd.isdigit():
+        return False
+    try:
+        os.write(int(fd), b"cmd=finalize\n")
+        ready, _, _ = select.select([int(fd)], [], [], timeout_s)
+        return bool(ready) and os.read(int(fd), 1024).startswith(b"cmd=finalize_ack")
+    except OSError:
+        return False
 
 
 def blas_thread_environment(threads):

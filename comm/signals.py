@@ -6,12 +6,13 @@ and a rank that does see it exits through MPI_Finalize, which waits for the bloc
 hangs. Here the C-level handler wakes a thread through a socket (signal.set_wakeup_fd, which works
 while the main thread sits in MPI), and the thread exits the process without MPI_Finalize.
 
-Why every rank exits by itself, rank 0 first: mpiexec (hydra) SIGKILLs the ranks still running
-when one exits without MPI_Finalize, and a rank it killed while another rank's output was still
-open is reported as "BAD TERMINATION ... Killed (signal 9)", the job's status becoming 9 (measured:
-most Ctrl-Cs of 4 ranks). So when every rank got the SIGINT (mpiexec forwards Ctrl-C to all),
-the ranks other than 0 close their output, rank 0 prints the one line and exits 130, and the
-others exit 130 once it is gone (or mpiexec ends them): the job's status is 130, nothing more.
+Why each rank tells mpiexec it finalized before it exits: mpiexec (hydra) SIGKILLs the ranks
+still running when one exits without finalizing, and reports a rank it killed as "BAD TERMINATION
+... Killed (signal 9)", the job's status becoming 9 (measured: most Ctrl-Cs of 4 ranks). When every
+rank got the SIGINT (mpiexec forwards Ctrl-C to all; the ranks agree on it within 2 s), each tells
+hydra it ends on purpose (launch.tell_launcher_finalized), rank 0 prints the one line, and every
+rank exits 130 by itself: the job's status is 130, nothing more. An interrupt that reached only
+some ranks ends them as before, and mpiexec ends the others.
 """
 import os
 import signal
@@ -23,8 +24,8 @@ import time
 import numpy
 
 from .collectives import all_reduce
-from .ending import end_on_purpose, every_rank_interrupted, local_rank_pid, process_gone
-from .launch import launch_rank
+from .ending import end_on_purpose, every_rank_interrupted
+from .launch import launch_rank, tell_launcher_finalized
 
 INTERRUPTED_EXIT_CODE = 130     # 128 + SIGINT, what a shell reports for Ctrl-C
 # mpiexec forwards Ctrl-C to every rank within milliseconds; a rank whose main thread holds the
@@ -33,8 +34,6 @@ AGREE_WITHIN_S = 2.0
 # Before MPI is up, ranks other than 0 wait this long before reporting, so an interrupt that
 # reached every rank is reported once, by rank 0, whose exit ends the others first.
 REPORT_GRACE_S = 1.0
-# How long ranks other than 0 wait for rank 0's process to end (it frees its memory first).
-RANK_0_EXIT_S = 10.0
 
 _installed = {}
 
@@ -75,53 +74,18 @@ def _end_this_rank():
             time.sleep(REPORT_GRACE_S)
         _say_interrupted(rank)
         os._exit(INTERRUPTED_EXIT_CODE)
+    tell_launcher_finalized()
     if rank == 0:
         _say_interrupted(rank)
-    else:
-        _close_output()
-    every_rank_interrupted(AGREE_WITHIN_S)      # every output but rank 0's is closed
-    if rank != 0:
-        _wait_until_rank_0_is_gone()
+    # Exit together: a rank whose main thread still reads a peer's memory (MPICH's single-copy
+    # path for large messages) when that peer has gone meets a fatal MPI error.
+    every_rank_interrupted(AGREE_WITHIN_S)
     os._exit(INTERRUPTED_EXIT_CODE)
 
 
 def _say_interrupted(rank):
     sys.stderr.write(f"[rank {rank}] interrupted (SIGINT): ending every rank\n")
     sys.stderr.flush()
-
-
-def _close_output():
-    """Point stdout, stderr and every copy of them the launcher left open in this process (hydra
-    leaves some) at /dev/null, so that mpiexec sees this rank's output end now."""
-    null = os.open(os.devnull, os.O_WRONLY)
-    outputs = {_identity(fd) for fd in (1, 2)} - {None}
-    for fd in _open_descriptors():
-        if _identity(fd) in outputs:
-            os.dup2(null, fd)
-
-
-def _open_descriptors():
-    try:
-        return [int(name) for name in os.listdir("/proc/self/fd")]
-    except OSError:
-        return [1, 2]
-
-
-def _identity(fd):
-    try:
-        status = os.fstat(fd)
-    except OSError:
-        return None
-    return status.st_dev, status.st_ino
-
-
-def _wait_until_rank_0_is_gone():
-    """Until rank 0's process has ended where it runs on this node (else a second), so that it
-    exits first; mpiexec usually ends this rank meanwhile."""
-    pid = local_rank_pid(0)
-    deadline = time.monotonic() + (RANK_0_EXIT_S if pid is not None else 1.0)
-    while time.monotonic() < deadline and not (pid is not None and process_gone(pid)):
-        time.sleep(0.01)
 
 
 class ExitSignal:

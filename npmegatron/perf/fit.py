@@ -13,6 +13,7 @@ import numpy
 
 from .. import comm
 from ..autograd import InputError
+from ..autograd.backend import array_module_for
 from ..pipeline_layout import parse_layout
 from .memory import ParallelShape, memory_plan
 
@@ -69,7 +70,7 @@ def available_per_rank(device):
     ranks."""
     ranks = comm.local_size() if comm.launched_by_mpi() else 1
     if device == "gpu":
-        import cupy
+        cupy = array_module_for("gpu")      # CuPy and a visible GPU, or the one sentence saying why not
         free = cupy.cuda.runtime.memGetInfo()[0]
         sharing = -(-ranks // max(1, cupy.cuda.runtime.getDeviceCount()))
         where = f"the free memory of GPU {cupy.cuda.Device().id}"
