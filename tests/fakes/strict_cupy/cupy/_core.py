@@ -45,17 +45,19 @@ class Buffer:
 
     def __init__(self, start, nbytes, root, owner, device):
         self.start, self.nbytes, self.device = start, nbytes, device
-        self.root = weakref.ref(root, lambda ref: _forget(start, ref))
+        self.root = weakref.ref(root, lambda ref: _forget(start, nbytes, ref))
         self.owner = weakref.ref(owner)
+        _strict.allocated(nbytes)
 
 
 #: start address -> Buffer. Entries disappear when their NumPy root is freed.
 buffers = {}
 
 
-def _forget(start, ref):
+def _forget(start, nbytes, ref):
     """The allocation at `start` was freed (its NumPy root died): drop it, unless the address
     already holds a newer allocation."""
+    _strict.freed(nbytes)
     entry = buffers.get(start)
     if entry is not None and entry.root is ref:
         del buffers[start]
@@ -291,6 +293,7 @@ def _binary(ufunc, reflected=False, inplace=False):
             return NotImplemented
         check_device(self)
         o = elementwise_operand(other)
+        _strict.launch("elementwise", ufunc.__name__)
         with quiet():
             if inplace:
                 ufunc(self._a, o, out=self._a)
@@ -320,6 +323,7 @@ def _compare(ufunc, none_value):
 def _unary(ufunc):
     def op(self):
         check_device(self)
+        _strict.launch("elementwise", ufunc.__name__)
         with quiet():
             return wrap_result(ufunc(self._a))
     return op
@@ -466,18 +470,23 @@ class ndarray:
         return self.copy()
 
     def __deepcopy__(self, memo):
+        _strict.launch("copy", "copy")
         return wrap(numpy.array(self._a), device=self._device)
 
     # -- indexing --
     def __getitem__(self, key):
         check_device(self)
-        return wrap_result(self._a[index(key)])
+        k = index(key)
+        if advanced(k):
+            _strict.launch("elementwise", "take")
+        return wrap_result(self._a[k])
 
     def __setitem__(self, key, value):
         check_device(self)
         if isinstance(value, numpy.ndarray) and value.ndim == 0:
             value = value.item()
         k = index(key)
+        _strict.launch("elementwise", "scatter" if advanced(k) else "copy" if type(value) is ndarray else "fill")
         with quiet():
             self._a[k] = elementwise_operand(value)
 
@@ -498,7 +507,12 @@ class ndarray:
                                    _binary(numpy.remainder, inplace=True))
     __pow__, __rpow__, __ipow__ = (_binary(numpy.power), _binary(numpy.power, True),
                                    _binary(numpy.power, inplace=True))
-    __matmul__, __rmatmul__ = _binary(numpy.matmul), _binary(numpy.matmul, True)
+    def __matmul__(self, other):
+        return _routines_linalg.matmul(self, other)
+
+    def __rmatmul__(self, other):
+        return _routines_linalg.matmul(other, self)
+
     __and__, __rand__, __iand__ = (_binary(numpy.bitwise_and), _binary(numpy.bitwise_and, True),
                                    _binary(numpy.bitwise_and, inplace=True))
     __or__, __ror__, __ior__ = (_binary(numpy.bitwise_or), _binary(numpy.bitwise_or, True),
@@ -519,12 +533,14 @@ class ndarray:
     # -- methods with CuPy-specific rules --
     def copy(self, order="C"):
         """To the current device, from any device (CuPy copies across devices)."""
+        _strict.launch("copy", "copy")
         return wrap(numpy.array(self._a, order=order))
 
     def astype(self, dtype, order="K", casting=None, subok=None, copy=True):
         check_device(self)
         if not copy and numpy.dtype(dtype) == self.dtype:
             return self
+        _strict.launch("copy", "astype", dtype=str(numpy.dtype(dtype)))
         return wrap(self._a.astype(dtype, order=order, casting=casting or "unsafe"))
 
     def view(self, dtype=None, array_class=None):
@@ -544,17 +560,22 @@ class ndarray:
             value = value.item()
         elif not isinstance(value, SCALARS):
             raise TypeError(f"Unsupported type {type(value)}")
+        _strict.launch("elementwise", "fill")
         self._a.fill(value)
 
     def reshape(self, *shape, order="C"):
         check_device(self)
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])
-        return wrap(self._a.reshape(shape, order=order))
+        result = self._a.reshape(shape, order=order)
+        if _root(result) is not _root(self._a):
+            _strict.launch("copy", "reshape")
+        return wrap(result)
 
     def nonzero(self):
         check_device(self)
         _strict.note("sync", "nonzero")
+        _strict.launch("elementwise", "nonzero")
         return wrap_result(self._a.nonzero())
 
     def compress(self, condition, axis=None, out=None):
@@ -566,7 +587,7 @@ class ndarray:
         if type(b) is not ndarray:
             raise TypeError(f"Argument 'b' has incorrect type (expected cupy.ndarray, got "
                             f"{type(b).__name__})")
-        return call(self._a.dot, (b,), {"out": out}, self)
+        return _routines_linalg.dot(self, b, out)
 
     def ptp(self, axis=None, out=None, keepdims=False):
         return call(numpy.ptp, (self, axis), {"out": out, "keepdims": keepdims})
@@ -609,9 +630,11 @@ class ndarray:
         scatter(numpy.minimum, self, slices, value)
 
 
-def call(fn, args, kwargs, *more_arrays, allow_host=False):
+def call(fn, args, kwargs, *more_arrays, allow_host=False, launches=True):
     """Run a NumPy callable on unwrapped arguments and wrap its result; `out=` writes into the
-    given cupy array's buffer and returns that very array."""
+    given cupy array's buffer and returns that very array. One kernel launch is recorded when
+    the call writes `out=` or makes a new array (a view of its inputs launches nothing), unless
+    `launches` is False."""
     for x in more_arrays:
         check_device(x)
     out = kwargs.get("out")
@@ -620,9 +643,32 @@ def call(fn, args, kwargs, *more_arrays, allow_host=False):
     args, kwargs = unwrap(args, allow_host), unwrap(kwargs, allow_host)
     with quiet():
         result = fn(*args, **kwargs)
+    name = getattr(fn, "__name__", "call")
     if type(out) is ndarray and result is out._a:
+        if launches:
+            _strict.launch(kernel_kind(name), name)
         return out
-    return wrap_result(result)
+    before = _strict.memory()["allocations"]
+    wrapped = wrap_result(result)
+    if launches and _strict.memory()["allocations"] > before:
+        _strict.launch(kernel_kind(name), name)
+    return wrapped
+
+
+#: Functions and methods CuPy runs as reduction kernels (the rest are elementwise).
+REDUCTION_NAMES = frozenset({"sum", "prod", "max", "min", "amax", "amin", "argmax", "argmin", "mean",
+                             "var", "std", "all", "any", "nansum", "nanprod", "nanmax", "nanmin",
+                             "nanmean", "cumsum", "cumprod", "count_nonzero", "trace", "average",
+                             "reduce", "accumulate", "reduceat", "ptp", "median", "logsumexp"})
+
+
+def kernel_kind(name):
+    return "reduction" if name in REDUCTION_NAMES else "elementwise"
+
+
+def advanced(key):
+    """Whether a NumPy index (from index()) is advanced: a gather or scatter kernel, not a view."""
+    return any(isinstance(k, (numpy.ndarray, list)) for k in key)
 
 
 def _method(name):
@@ -648,5 +694,10 @@ def scatter(ufunc, a, slices, value):
     check_device(a)
     if isinstance(value, numpy.ndarray) and value.ndim:
         refuse_host(value, "value")
+    _strict.launch("elementwise", f"scatter_{ufunc.__name__}")
     with quiet():
         ufunc.at(a._a, index(slices), elementwise_operand(value))
+
+
+from . import _gemm as _routines_linalg      # noqa: E402  (it uses this module's wrap and checks)
+from ._gemm import set_compute_type  # noqa: E402,F401

@@ -2,7 +2,7 @@
 rules (cupy arrays in, cupy arrays out, NumPy arrays refused, syncs counted)."""
 import numpy
 
-from . import _fusion, _strict
+from . import _fusion, _gemm, _strict
 from ._core import (call, check_device, elementwise_operand, garbage, index,
                     ndarray, quiet, unwrap, wrap, wrap_result)
 from ._cupy_names import CUPY_NAMES, FROM_NUMPY
@@ -19,6 +19,8 @@ METADATA = frozenset({"result_type", "can_cast", "min_scalar_type", "ndim", "sha
                       "isscalar", "common_type", "iscomplexobj", "isrealobj",
                       "may_share_memory", "shares_memory"})
 UNINITIALISED = frozenset({"empty", "empty_like"})
+#: Functions that reach cuBLAS (cupy/_core/_routines_linalg.pyx, as _gemm.py records them).
+GEMMS = {"matmul": _gemm.matmul, "dot": _gemm.dot}
 #: CuPy's own aliases of NumPy constants that NumPy 2 dropped (cupy/__init__.py).
 CONSTANTS = {"PINF": numpy.inf, "Inf": numpy.inf, "Infinity": numpy.inf, "infty": numpy.inf,
              "NINF": -numpy.inf, "NAN": numpy.nan, "NaN": numpy.nan, "PZERO": 0.0,
@@ -46,10 +48,14 @@ def _to_device(obj, dtype, copy, order, ndmin=0):
         raise TypeError("cupy.asarray/array of a value inside cupy.fuse")
     if type(obj) is ndarray:
         if copy or (dtype is not None and numpy.dtype(dtype) != obj.dtype) or obj.ndim < ndmin:
+            _strict.launch("copy", "array")
             return wrap(numpy.array(obj._a, dtype=dtype, order=order or "K", ndmin=ndmin))
         return obj
     if not _only_device_arrays(obj):
         _strict.note("upload", "asarray")
+        _strict.launch("memcpy", "host to device")
+    else:
+        _strict.launch("copy", "array")
     host = unwrap(obj, allow_host=True)
     return wrap(numpy.array(host, dtype=dtype, order=order or "K", ndmin=ndmin))
 
@@ -125,6 +131,7 @@ class ufunc:
                 raise TypeError(f"Output arguments must be cupy.ndarray, got {type(o)}")
             check_device(o)
         values = [elementwise_operand(a) for a in args[:self.nin]]
+        _strict.launch("elementwise", self.name)
         with quiet():
             result = self._np(*values, out=tuple(o._a for o in outs) or None, dtype=dtype,
                               casting=casting)
@@ -153,6 +160,7 @@ class ufunc:
             raise TypeError(f"{self.name}.at needs a cupy array, got {type(a)}")
         check_device(a)
         extra = () if b is None else (elementwise_operand(b),)
+        _strict.launch("elementwise", f"scatter_{self.name}")
         with quiet():
             self._np.at(a._a, index(indices), *extra)
 
@@ -166,7 +174,10 @@ def function(name, np_fn):
             return _fusion.call_function(name, args, kwargs)
         if name in SYNCING or (name == "where" and len(args) + len(kwargs) == 1):
             _strict.note("sync", name)
-        result = call(np_fn, args, kwargs, allow_host=name in METADATA)
+        if name in GEMMS:
+            return GEMMS[name](*args, **kwargs)
+        result = call(np_fn, args, kwargs, allow_host=name in METADATA,
+                      launches=name not in METADATA and name not in UNINITIALISED)
         if name in ARRAY_RESULTS:
             result = wrap(numpy.asarray(result))
         if name in UNINITIALISED:

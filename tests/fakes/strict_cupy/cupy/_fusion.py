@@ -363,6 +363,7 @@ class Fusion:
         _strict.log_event("fuse.call", name=self.name)
         if fusing() or not any(isinstance(a, ndarray) for a in args):
             return self.func(*args)
+        _strict.launch("fused", self.name)
         proxies = [_argument(a) for a in args]
         shape = numpy.broadcast_shapes(*[a.shape for a in args if isinstance(a, ndarray)])
         with _tracing():

@@ -18,6 +18,19 @@ its syncs come from (``report()``).
 
 The CUDA/NCCL/fusion log (``events()``) holds one dict per call, in call order: ``{"what":
 "nccl.allReduce", "stream": ptr, ...}``; see the modules that append to it for the fields.
+
+The work the device would be asked to do (``launches()``, ``memory()``):
+
+* a ``Launch(kind, name, where, op, fields)`` per kernel CuPy would launch: ``elementwise`` (an
+  operator, a ufunc, a fill, a cast, a gather or scatter), ``reduction``, ``copy`` (an explicit
+  copy, and ``hidden`` ones CuPy makes inside a call: ``fields["hidden"]`` says which),
+  ``fused`` (one per ``cupy.fuse`` call), ``gemm`` (one per cuBLAS call, fields: routine, input
+  and output dtypes, compute type, transposes, m/n/k, leading dimensions, batch), ``random``,
+  ``memcpy`` (host to device), ``nccl`` (a collective or point-to-point call); views, reshapes
+  that need no copy and ``empty`` launch nothing. ``op`` is the autograd Function whose
+  ``forward`` or ``backward`` made the launch ("Linear.backward"), else ``where``'s function;
+* allocations: how many, their bytes, and the peak of bytes live (``reset()`` starts the peak
+  from what is live then).
 """
 import collections
 import contextlib
@@ -30,6 +43,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KINDS = ("sync", "upload", "query", "download")
 
 Record = collections.namedtuple("Record", "kind reason where")
+Launch = collections.namedtuple("Launch", "kind name where op fields")
 
 
 class HostSyncError(AssertionError):
@@ -39,6 +53,8 @@ class HostSyncError(AssertionError):
 _counts = collections.Counter()
 _records = collections.deque(maxlen=100_000)
 _events = []
+_launches = []
+_memory = {"allocations": 0, "allocated_bytes": 0, "live_bytes": 0, "peak_bytes": 0}
 _forbidden = collections.Counter()
 _local = threading.local()
 
@@ -119,6 +135,45 @@ def expect(**exact):
             raise AssertionError(f"expected {n} host {kind}(s), got {got}:\n{detail}")
 
 
+# --- kernel launches and allocations -------------------------------------------------------
+
+def launch(kind, name, **fields):
+    """Record one kernel launch (or cuBLAS / NCCL call, or host-to-device copy)."""
+    where = caller(2)
+    _launches.append(Launch(kind, name, where, operation(sys._getframe(1)) or where.rsplit(" in ", 1)[-1], fields))
+
+
+def operation(frame):
+    """The qualified name of the innermost Function.forward/backward on the stack, or None."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name in ("forward", "backward") and "." in getattr(code, "co_qualname", ""):
+            return code.co_qualname
+        frame = frame.f_back
+    return None
+
+
+def launches(kind=None):
+    """The Launch records since the last reset(), oldest first (all kinds, or one)."""
+    return [r for r in _launches if kind is None or r.kind == kind]
+
+
+def allocated(nbytes):
+    _memory["allocations"] += 1
+    _memory["allocated_bytes"] += nbytes
+    _memory["live_bytes"] += nbytes
+    _memory["peak_bytes"] = max(_memory["peak_bytes"], _memory["live_bytes"])
+
+
+def freed(nbytes):
+    _memory["live_bytes"] -= nbytes
+
+
+def memory():
+    """{"allocations", "allocated_bytes", "live_bytes", "peak_bytes"} since the last reset()."""
+    return dict(_memory)
+
+
 # --- the CUDA / NCCL / fusion call log -----------------------------------------------------
 
 def log_event(what, **fields):
@@ -134,10 +189,13 @@ def events(prefix=None):
 
 
 def reset():
-    """Clear counters, records and the call log (the current device and streams are kept)."""
+    """Clear counters, records, launches, allocation counts and the call log (the current
+    device and streams, and the bytes live, are kept)."""
     _counts.clear()
     _records.clear()
     _events.clear()
+    _launches.clear()
+    _memory.update(allocations=0, allocated_bytes=0, peak_bytes=_memory["live_bytes"])
 
 
 # --- devices -------------------------------------------------------------------------------

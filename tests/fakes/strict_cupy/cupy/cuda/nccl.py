@@ -327,6 +327,7 @@ class NcclCommunicator:
         queue = _group_queue()
         _strict.log_event(f"nccl.{name}", comm=self._label, rank=self._rank,
                           grouped=queue is not None, **fields)
+        _strict.launch("nccl", name, stream=fields.get("stream"))
         if queue is not None:
             queue.append((self, name, run, buf, fields))
         elif name in ("send", "recv") and fields["stream"] != 0 and self._mpi is not None:

@@ -1,0 +1,168 @@
+"""What one training step asks of a GPU, counted on the strict CuPy stand-in (tests/fakes/strict_cupy):
+kernel launches by kind and by autograd Function, cuBLAS calls with their dtypes, compute types
+and transposes, the copies CuPy makes inside calls, host synchronisations and device bytes.
+
+    python scripts/count_gpu_work.py                     # GPT-2 124M's layer shapes, float32
+    python scripts/count_gpu_work.py --tf32 --hidden-dropout 0.1 --attention-dropout 0.1
+    python scripts/count_gpu_work.py --bf16 --json out.json
+
+Per layer is the difference between a model of two layers and one of one layer, so it holds
+for any depth; each count is of the third step (the first two allocate what later steps reuse).
+No GPU is used: the stand-in computes with NumPy and records what CuPy would launch.
+"""
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests", "fakes", "strict_cupy"))     # `import cupy` gets the stand-in
+sys.path.insert(1, ROOT)
+
+import cupy  # noqa: E402
+import numpy  # noqa: E402
+
+from npmegatron.config import GPTConfig, TrainConfig  # noqa: E402
+from npmegatron.run import assemble  # noqa: E402
+from npmegatron.training.step import setup_objects_frozen, train_step  # noqa: E402
+
+STRICT = cupy._strict
+ATTENTION_CORE = ("CausalAttention.", "PackedCausalAttention.")
+STEPS = 3
+
+
+def count_step(cfg, batch, seq):
+    """{phase: [Launch]} of the third step of `cfg` on the stand-in, and its memory and syncs."""
+    run = assemble(TrainConfig(model=cfg, seq_length=seq, micro_batch_size=batch, lr=1e-4, min_lr=0.0),
+                   world_size=1)
+    ids = numpy.random.default_rng(cfg.seed).integers(0, cfg.vocab_size, (batch, seq + 1))
+    tokens = (cupy.asarray(ids[:, :-1]), cupy.asarray(ids[:, 1:]))
+    with setup_objects_frozen():
+        for step in range(STEPS):
+            if step == STEPS - 1:
+                STRICT.reset()
+            train_step(run.model, run.exchange, [tokens], run.buckets, run.schedule)
+            forward_backward, syncs = STRICT.launches(), STRICT.counters()["sync"]
+            STRICT.reset()
+            run.optimizer.step()
+    return {"forward_backward": forward_backward, "optimizer": STRICT.launches(),
+            "syncs_forward_backward": syncs, "syncs_optimizer": STRICT.counters()["sync"],
+            "peak_bytes": STRICT.memory()["peak_bytes"]}
+
+
+def summary(launches):
+    """Counts of a list of Launch records."""
+    gemms = [launch for launch in launches if launch.kind == "gemm"]
+    return {"launches": len(launches),
+            "by_kind": dict(collections.Counter(launch.kind for launch in launches)),
+            "by_op": dict(collections.Counter(launch.op for launch in launches).most_common()),
+            "hidden_copies": sum(1 for launch in launches if "hidden" in launch.fields),
+            "gemms": dict(collections.Counter(_gemm_key(launch) for launch in gemms).most_common())}
+
+
+def _gemm_key(launch):
+    f = launch.fields
+    return (f"{f['routine']} {f['a']}x{f['b']}->{f['c']} compute {f['compute']} {f['transa']}{f['transb']} "
+            f"m={f['m']} n={f['n']} k={f['k']}" + (f" batch={f['batch']}" if f["batch"] > 1 else ""))
+
+
+def difference(two, one):
+    """Launches of the second layer: those of the 2-layer model minus those of the 1-layer one,
+    per (kind, op, name, fields) (the records of one layer are alike in both models)."""
+    remaining = collections.Counter(_identity(launch) for launch in one)
+    extra = []
+    for launch in two:
+        key = _identity(launch)
+        if remaining[key]:
+            remaining[key] -= 1
+        else:
+            extra.append(launch)
+    return extra
+
+
+def _identity(launch):
+    return launch.kind, launch.op, launch.name, json.dumps(launch.fields, sort_keys=True, default=str)
+
+
+def measure(cfg, batch, seq, check_depth=False):
+    """The counts per layer, for the rest of the model, for the optimizer step and per step;
+    with check_depth, also whether a third layer adds the same launches as the second."""
+    one = count_step(dataclasses.replace(cfg, num_layers=1), batch, seq)
+    two = count_step(dataclasses.replace(cfg, num_layers=2), batch, seq)
+    layer = difference(two["forward_backward"], one["forward_backward"])
+    same_at_depth_3 = None
+    if check_depth:
+        three = count_step(dataclasses.replace(cfg, num_layers=3), batch, seq)
+        third = difference(three["forward_backward"], two["forward_backward"])
+        same_at_depth_3 = sorted(map(_identity, third)) == sorted(map(_identity, layer))
+    core = [launch for launch in layer if launch.op.startswith(ATTENTION_CORE)]
+    rest = [launch for launch in layer if not launch.op.startswith(ATTENTION_CORE)]
+    outside = difference(one["forward_backward"], layer)
+    return {"config": {"hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_attention_heads,
+                       "seq_length": seq, "vocab_size": cfg.vocab_size, "micro_batch_size": batch,
+                       "dtype": cfg.dtype, "tf32": cfg.tf32, "storage": cfg.storage_format,
+                       "hidden_dropout": cfg.hidden_dropout, "attention_dropout": cfg.attention_dropout},
+            "layer": summary(layer), "layer_attention_core": summary(core), "layer_without_attention_core": summary(rest),
+            "outside_layers": summary(outside), "optimizer_step": summary(two["optimizer"]),
+            "step_two_layers": summary(two["forward_backward"] + two["optimizer"]),
+            "syncs_per_step": two["syncs_forward_backward"] + two["syncs_optimizer"],
+            "third_layer_adds_the_same_launches": same_at_depth_3,
+            "peak_bytes_two_layers": two["peak_bytes"]}
+
+
+def format_report(result):
+    c = result["config"]
+    lines = [f"hidden {c['hidden_size']}, {c['num_attention_heads']} heads, seq {c['seq_length']}, vocab "
+             f"{c['vocab_size']}, micro-batch {c['micro_batch_size']}; {c['dtype']}"
+             f"{' --tf32' if c['tf32'] else ''}{' --' + c['storage'] if c['storage'] else ''}, dropout "
+             f"{c['hidden_dropout']}/{c['attention_dropout']}; TP 1, on the strict CuPy stand-in", "",
+             f"{'':<42}{'launches':>9}{'GEMMs':>7}{'hidden copies':>15}"]
+    for label, key in (("per layer, forward + backward", "layer"), ("  attention's core", "layer_attention_core"),
+                       ("  the rest of the layer", "layer_without_attention_core"),
+                       ("embedding, final LayerNorm, head, loss", "outside_layers"),
+                       ("optimizer step", "optimizer_step"), ("whole step, 2 layers", "step_two_layers")):
+        s = result[key]
+        lines.append(f"{label:<42}{s['launches']:>9}{s['by_kind'].get('gemm', 0):>7}{s['hidden_copies']:>15}")
+    lines += [f"host synchronisations per step: {result['syncs_per_step']}",
+              f"peak device bytes (2 layers): {result['peak_bytes_two_layers']:,}", "",
+              "the rest of the layer, by kind: " + ", ".join(f"{k} {n}" for k, n in
+                                                            result["layer_without_attention_core"]["by_kind"].items()),
+              "", "launches per layer by autograd Function (attention's core included):"]
+    lines += [f"  {n:>5}  {op}" for op, n in result["layer"]["by_op"].items()]
+    lines += ["", "cuBLAS calls per layer:"] + [f"  {n:>5}  {key}" for key, n in result["layer"]["gemms"].items()]
+    lines += ["", "cuBLAS calls outside the layers:"]
+    lines += [f"  {n:>5}  {key}" for key, n in result["outside_layers"]["gemms"].items()]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden-size", type=int, default=768)
+    parser.add_argument("--num-attention-heads", type=int, default=12)
+    parser.add_argument("--seq-length", type=int, default=1024)
+    parser.add_argument("--vocab-size", type=int, default=50304)
+    parser.add_argument("--micro-batch-size", type=int, default=1)
+    parser.add_argument("--hidden-dropout", type=float, default=0.0)
+    parser.add_argument("--attention-dropout", type=float, default=0.0)
+    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    for flag in ("--tf32", "--fp16", "--bf16"):
+        parser.add_argument(flag, action="store_true")
+    parser.add_argument("--json", metavar="FILE", help="also write the counts as JSON")
+    parser.add_argument("--check-depth", action="store_true", help="also count a 3-layer model: its third "
+                        "layer must add the launches of the second")
+    args = parser.parse_args(argv)
+    cfg = GPTConfig(num_layers=1, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+                    vocab_size=args.vocab_size, max_position_embeddings=args.seq_length, dtype=args.dtype,
+                    hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+                    tf32=args.tf32, fp16=args.fp16, bf16=args.bf16, device="gpu")
+    result = measure(cfg, args.micro_batch_size, args.seq_length, args.check_depth)
+    print(format_report(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

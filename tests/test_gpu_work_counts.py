@@ -1,0 +1,135 @@
+"""The strict stand-in counts what a GPU would be asked to do (cupy._strict.launches and memory):
+one launch per kernel CuPy runs, none for a view, each cuBLAS call with its dtypes, compute type
+and transposes as CuPy 14 chooses them (cupy/_core/_routines_linalg.pyx), the copies CuPy makes
+inside a call, and device bytes; and scripts/count_gpu_work.py reports them per layer and step."""
+import json
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy
+import pytest
+
+from fakes.strict_cupy import strict_cupy
+from helpers import ROOT
+
+
+@pytest.fixture
+def cp():
+    with strict_cupy(devices=1) as module:
+        module._strict.reset()
+        yield module
+
+
+def kinds(cp):
+    return [(launch.kind, launch.name) for launch in cp._strict.launches()]
+
+
+def test_each_kernel_is_one_launch_and_a_view_is_none(cp):
+    x = cp.ones((4, 8), cp.float32)
+    cp._strict.reset()
+    y = x + 1
+    x.T, x[1:], x.reshape(8, 4), x[None]              # views
+    y.sum(axis=0)
+    cp.exp(y, out=y)
+    x[:, 1:].reshape(-1)                              # not expressible as a view: a copy
+    x[cp.asarray(numpy.array([0, 2]))]                # a gather (after an upload)
+    assert kinds(cp) == [("elementwise", "add"), ("reduction", "sum"), ("elementwise", "exp"),
+                         ("copy", "reshape"), ("memcpy", "host to device"), ("elementwise", "take")]
+
+
+def test_a_fused_chain_is_one_launch_with_its_reduction(cp):
+    @cp.fuse
+    def squares_sum(a, b):
+        return cp.sum((a - b) * (a - b))
+
+    a, b = cp.ones(16, cp.float32), cp.zeros(16, cp.float32)
+    cp._strict.reset()
+    squares_sum(a, b)
+    assert kinds(cp) == [("fused", "squares_sum")]
+
+
+def gemms(cp):
+    return [launch.fields for launch in cp._strict.launches("gemm")]
+
+
+def test_2d_gemms_take_their_transposes_from_the_memory_order_and_copy_neither_order(cp):
+    x, w = cp.ones((32, 16), cp.float32), cp.ones((8, 16), cp.float32)
+    cp._strict.reset()
+    x @ w.T                                          # w.T is F-ordered: no copy, a transpose flag
+    x.T @ x                                          # x.T is F-ordered too
+    (gemm_1, gemm_2) = gemms(cp)
+    assert (gemm_1["routine"], gemm_1["transa"], gemm_1["transb"], gemm_1["compute"]) == ("gemmEx", "T", "N", "32F")
+    assert (gemm_1["m"], gemm_1["n"], gemm_1["k"]) == (8, 32, 16)
+    assert (gemm_2["transa"], gemm_2["transb"]) == ("N", "T")
+    assert [launch for launch in cp._strict.launches() if "hidden" in launch.fields] == []
+    cp._strict.reset()
+    x[:, ::2] @ cp.ones((8, 4), cp.float32)          # strided columns: neither C nor F order
+    assert [launch.fields["hidden"] for launch in cp._strict.launches("copy")] == [
+        "operand neither C- nor F-contiguous"]
+
+
+def test_tf32_reaches_2d_gemms_only(cp):
+    cp._core.set_compute_type(numpy.float32, cp._core._routines_linalg.COMPUTE_TYPE_TF32)
+    try:
+        a, b = cp.ones((2, 4, 8), cp.float32), cp.ones((8, 4), cp.float32)
+        cp._strict.reset()
+        a[0] @ b
+        a @ b                                        # batched: the compute type is the dtype's
+        assert [g["compute"] for g in gemms(cp)] == ["32F_FAST_TF32", "R_32F"]
+    finally:
+        cp._core.set_compute_type(numpy.float32, cp._core._routines_linalg.COMPUTE_TYPE_DEFAULT)
+
+
+def test_batched_gemms_copy_what_is_not_c_ordered_upcast_float16_and_send_bfloat16_to_an_integer_kernel(cp):
+    q, k = cp.ones((2, 3, 4, 8), cp.float32), cp.ones((2, 3, 5, 8), cp.float32)
+    cp._strict.reset()
+    q @ k.swapaxes(-1, -2)
+    assert [launch.fields.get("hidden") for launch in cp._strict.launches()] == [
+        "batched operand not C-contiguous", None]
+    assert gemms(cp)[0]["routine"] == "gemmStridedBatchedEx" and gemms(cp)[0]["batch"] == 6
+    cp._strict.reset()
+    q.astype(cp.float16) @ q.astype(cp.float16).swapaxes(-1, -2)
+    hidden = [launch.fields["hidden"] for launch in cp._strict.launches() if "hidden" in launch.fields]
+    assert hidden == ["cast float16 to float32 for a batched GEMM"] * 2 + ["result from float32 to float16"]
+    assert gemms(cp)[0]["a"] == "float32"
+    cp._strict.reset()
+    half = q.astype(ml_dtypes.bfloat16)
+    half @ half.swapaxes(-1, -2)
+    assert gemms(cp) == [] and ("elementwise", "_integral_tensordot_core_batched") in kinds(cp)
+
+
+def test_allocations_and_the_peak_of_bytes_live(cp):
+    cp._strict.reset()
+    a = cp.zeros(1024, cp.float32)
+    b = a + 1
+    del b
+    c = cp.empty(256, cp.float64)
+    memory = cp._strict.memory()
+    assert memory["allocations"] == 3 and memory["allocated_bytes"] == 4096 + 4096 + 2048
+    assert memory["peak_bytes"] - memory["live_bytes"] == 2048     # b's 4096 freed, c's 2048 live
+    del a, c
+
+
+def count(*flags):
+    command = [sys.executable, "scripts/count_gpu_work.py", "--hidden-size", "64", "--num-attention-heads", "4",
+               "--seq-length", "256", "--vocab-size", "512", "--json", "/dev/stdout", *flags]
+    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout[run.stdout.index("\n{") + 1:])
+
+
+def test_the_counting_script_reports_per_layer_counts_that_do_not_depend_on_depth():
+    result = count("--check-depth", "--hidden-dropout", "0.1", "--attention-dropout", "0.1")
+    assert result["third_layer_adds_the_same_launches"] is True
+    layer, core, rest = result["layer"], result["layer_attention_core"], result["layer_without_attention_core"]
+    assert layer["launches"] == core["launches"] + rest["launches"] > 0
+    total = 2 * layer["launches"] + result["outside_layers"]["launches"] + result["optimizer_step"]["launches"]
+    assert result["step_two_layers"]["launches"] == total
+    assert sum(layer["by_op"].values()) == layer["launches"]
+    assert sum(layer["gemms"].values()) == layer["by_kind"]["gemm"] >= 8     # 4 linears x (forward + 2 backward) at least
+
+
+def test_the_counting_script_sees_tf32_in_the_layers_gemms():
+    gemms = count("--tf32")["layer_without_attention_core"]["gemms"]
+    assert gemms and all("compute 32F_FAST_TF32" in key for key in gemms if key.startswith("gemmEx")), gemms
