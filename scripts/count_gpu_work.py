@@ -26,7 +26,7 @@ import numpy  # noqa: E402
 
 from npmegatron.config import GPTConfig, TrainConfig  # noqa: E402
 from npmegatron.run import assemble  # noqa: E402
-from npmegatron.training.step import setup_objects_frozen, train_step  # noqa: E402
+from npmegatron.training.step import clip_after_step, setup_objects_frozen, train_step  # noqa: E402
 
 STRICT = cupy._strict
 ATTENTION_CORE = ("CausalAttention.", "PackedCausalAttention.")
@@ -34,18 +34,20 @@ STEPS = 3
 
 
 def count_step(cfg, batch, seq):
-    """{phase: [Launch]} of the third step of `cfg` on the stand-in, and its memory and syncs."""
+    """{phase: [Launch]} of the third step of `cfg` on the stand-in, and its memory and syncs; the
+    optimizer step includes the Trainer's loss sum, gradient norm and clipping."""
     run = assemble(TrainConfig(model=cfg, seq_length=seq, micro_batch_size=batch, lr=1e-4, min_lr=0.0),
                    world_size=1)
     ids = numpy.random.default_rng(cfg.seed).integers(0, cfg.vocab_size, (batch, seq + 1))
-    tokens = (cupy.asarray(ids[:, :-1]), cupy.asarray(ids[:, 1:]))
+    tokens = (ids[:, :-1], ids[:, 1:])     # host arrays, as the Trainer gives them: checked before the upload
     with setup_objects_frozen():
         for step in range(STEPS):
             if step == STEPS - 1:
                 STRICT.reset()
-            train_step(run.model, run.exchange, [tokens], run.buckets, run.schedule)
+            loss_sum = train_step(run.model, run.exchange, [tokens], run.buckets, run.schedule)
             forward_backward, syncs = STRICT.launches(), STRICT.counters()["sync"]
             STRICT.reset()
+            clip_after_step(run.model, run.params, loss_sum, run.norm_skip, 1.0, run.optimizer)
             run.optimizer.step()
     return {"forward_backward": forward_backward, "optimizer": STRICT.launches(),
             "syncs_forward_backward": syncs, "syncs_optimizer": STRICT.counters()["sync"],

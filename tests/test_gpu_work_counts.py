@@ -122,6 +122,7 @@ def count(*flags):
 def test_the_counting_script_reports_per_layer_counts_that_do_not_depend_on_depth():
     result = count("--check-depth", "--hidden-dropout", "0.1", "--attention-dropout", "0.1")
     assert result["third_layer_adds_the_same_launches"] is True
+    assert result["syncs_per_step"] == 1        # the loss and the gradient norm, together
     layer, core, rest = result["layer"], result["layer_attention_core"], result["layer_without_attention_core"]
     assert layer["launches"] == core["launches"] + rest["launches"] > 0
     total = 2 * layer["launches"] + result["outside_layers"]["launches"] + result["optimizer_step"]["launches"]
