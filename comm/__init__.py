@@ -18,7 +18,7 @@ from .request import Request
 from .runtime import (blas_threads, device_index, init, local_rank, local_size, report_and_abort,
                       reports_input_error)
 from .signals import ExitSignal
-from .stats import Stats, reset_stats, stats
+from .stats import Stats, Watch, reset_stats, stats, watch
 
 __all__ = [
     "init", "launched_by_mpi", "launch_rank", "launch_size", "local_rank", "local_size",
@@ -28,5 +28,5 @@ __all__ = [
     "all_reduce", "all_reduce_async", "all_gather", "reduce_scatter", "reduce_scatter_async", "broadcast",
     "barrier",
     "send", "recv", "isend", "irecv", "sendrecv", "batch_isend_irecv", "P2POp", "Request", "wait_all",
-    "stats", "reset_stats", "Stats", "CommMismatchError",
+    "stats", "reset_stats", "Stats", "watch", "Watch", "CommMismatchError",
 ]

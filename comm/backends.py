@@ -27,6 +27,11 @@ class MPIBackend:
     name = "mpi"
 
     @staticmethod
+    def clock():
+        """None: the host's clock times MPI calls (the host waits for them)."""
+        return None
+
+    @staticmethod
     def _ops():
         MPI = _mpi()
         return {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
@@ -173,60 +178,72 @@ class NCCLBackend:
         stream.wait_event(self._event(self.cuda.get_current_stream()))
         return stream
 
-    def _begin(self, group):
-        """The group's communicator and its stream, after the compute stream's work so far."""
-        communicator = self._comm(group)
-        return communicator, self._after_compute(group.nccl_stream)
+    def clock(self):
+        """An EventClock: the time of a call on its stream (the host only enqueues it)."""
+        return EventClock(self.cuda)
 
-    def _end(self, stream, request):
-        """Mark where the call ends on `stream`: the request's event."""
+    def _begin(self, group, clock=None):
+        """The group's communicator and its stream, after the compute stream's work so far;
+        `clock` starts there."""
+        communicator = self._comm(group)
+        stream = self._after_compute(group.nccl_stream)
+        if clock is not None:
+            clock.start(stream)
+        return communicator, stream
+
+    def _end(self, stream, request, clock=None):
+        """Mark where the call ends on `stream`: the request's event (and `clock`'s stop)."""
+        if clock is not None:
+            clock.stop(stream)
         request.event = self._event(stream)
         return request
 
-    def _blocking(self, stream, result):
+    def _blocking(self, stream, result, clock=None):
         """A result used right away: the compute stream (not the host) waits for the call."""
+        if clock is not None:
+            clock.stop(stream)
         self.cuda.get_current_stream().wait_event(self._event(stream))
         return result
 
-    def all_reduce(self, group, x, op):
+    def all_reduce(self, group, x, op, clock=None):
         out = get_array_module(x).empty_like(x)
-        communicator, stream = self._begin(group)
+        communicator, stream = self._begin(group, clock)
         communicator.allReduce(x.data.ptr, out.data.ptr, x.size, self.types[x.dtype], self.ops[op], stream.ptr)
-        return self._blocking(stream, out)
+        return self._blocking(stream, out, clock)
 
-    def all_gather(self, group, x):
+    def all_gather(self, group, x, clock=None):
         out = get_array_module(x).empty((group.size,) + x.shape, x.dtype)
-        communicator, stream = self._begin(group)
+        communicator, stream = self._begin(group, clock)
         communicator.allGather(x.data.ptr, out.data.ptr, x.size, self.types[x.dtype], stream.ptr)
-        return self._blocking(stream, out)
+        return self._blocking(stream, out, clock)
 
-    def reduce_scatter(self, group, x, op):
+    def reduce_scatter(self, group, x, op, clock=None):
         out = get_array_module(x).empty(x.shape[1:], x.dtype)
-        communicator, stream = self._begin(group)
+        communicator, stream = self._begin(group, clock)
         communicator.reduceScatter(x.data.ptr, out.data.ptr, out.size, self.types[x.dtype],
                                    self.ops[op], stream.ptr)
-        return self._blocking(stream, out)
+        return self._blocking(stream, out, clock)
 
-    def iall_reduce(self, group, x, op):
+    def iall_reduce(self, group, x, op, clock=None):
         """In place on the group's stream: compute goes on until wait() (DP buckets overlap
         backward this way)."""
-        communicator, stream = self._begin(group)
+        communicator, stream = self._begin(group, clock)
         communicator.allReduce(x.data.ptr, x.data.ptr, x.size, self.types[x.dtype], self.ops[op], stream.ptr)
-        return self._end(stream, StreamRequest(result=x, cuda=self.cuda))
+        return self._end(stream, StreamRequest(result=x, cuda=self.cuda), clock)
 
-    def ireduce_scatter(self, group, x, op):
+    def ireduce_scatter(self, group, x, op, clock=None):
         """On the group's stream, as iall_reduce: x (kept alive) reduced into this rank's block."""
         out = get_array_module(x).empty(x.size // group.size, x.dtype)
-        communicator, stream = self._begin(group)
+        communicator, stream = self._begin(group, clock)
         communicator.reduceScatter(x.data.ptr, out.data.ptr, out.size, self.types[x.dtype],
                                    self.ops[op], stream.ptr)
-        return self._end(stream, StreamRequest(result=out, keep=x, cuda=self.cuda))
+        return self._end(stream, StreamRequest(result=out, keep=x, cuda=self.cuda), clock)
 
-    def broadcast(self, group, x, root):
+    def broadcast(self, group, x, root, clock=None):
         out = x.copy()
-        communicator, stream = self._begin(group)
+        communicator, stream = self._begin(group, clock)
         communicator.bcast(out.data.ptr, out.size, self.types[out.dtype], root, stream.ptr)
-        return self._blocking(stream, out)
+        return self._blocking(stream, out, clock)
 
     # Point to point. NCCL matches a pair's messages in issue order, and a call on a stream holds
     # back every later call on it until it completes. On one stream for both directions (or in
@@ -237,11 +254,19 @@ class NCCLBackend:
     # holds only its sends, the receiver's only the matching receives in the same order (the
     # pipeline posts receives in its neighbour's send order), and nothing can come between.
 
-    def _pair(self, group, sender, receiver):
-        """(communicator, this rank's stream) for messages from group rank `sender` to
-        `receiver`, ring neighbours (what pipelines use). A group's pair communicators are all
-        created at its first message, in one order on every rank: NCCL's set-up blocks until
-        both members join, and a common order cannot deadlock."""
+    def connect(self, groups, pipelines=()):
+        """Create the communicators of `groups`, then the pair communicators of `pipelines`, now
+        and in the order given (ProcessGrid.connect_nccl): NCCL's set-up blocks until every member
+        joins, so ranks must create them in one order, and not lazily inside a first collective
+        that ranks reach at different moments (the DP group's runs inside a backward hook)."""
+        for group in groups:
+            self._comm(group)
+        for group in pipelines:
+            self._pairs(group)
+
+    def _pairs(self, group):
+        """A group's pair communicators, all created at once (at grid set-up, or else at its
+        first message) in one order on every rank: a common order cannot deadlock."""
         if group.nccl_pairs is None:
             group.nccl_pairs = {}
             n = group.size
@@ -254,6 +279,12 @@ class NCCLBackend:
                 elif group.rank == b:
                     uid = group.mpi.recv(source=a, tag=_PAIR_ID_TAG)
                     group.nccl_pairs[a, b] = (self.nccl.NcclCommunicator(2, uid, 1), self._new_stream())
+        return group.nccl_pairs
+
+    def _pair(self, group, sender, receiver):
+        """(communicator, this rank's stream) for messages from group rank `sender` to
+        `receiver`, ring neighbours (what pipelines use)."""
+        self._pairs(group)
         if (sender, receiver) not in group.nccl_pairs:
             raise ValueError(f"NCCL point-to-point connects ring neighbours of a group (pipeline "
                              f"stages); ranks {sender} and {receiver} of {group!r} are not neighbours")
@@ -262,18 +293,22 @@ class NCCLBackend:
     def _new_stream(self):
         return self.cuda.Stream(non_blocking=True)
 
-    def isend(self, group, x, peer, tag):
+    def isend(self, group, x, peer, tag, clock=None):
         communicator, stream = self._pair(group, group.rank, peer)
         self._after_compute(stream)
+        if clock is not None:
+            clock.start(stream)
         communicator.send(x.data.ptr, x.size, self.types[x.dtype], 1, stream.ptr)
-        return self._end(stream, StreamRequest(keep=x, cuda=self.cuda))
+        return self._end(stream, StreamRequest(keep=x, cuda=self.cuda), clock)
 
-    def irecv(self, group, shape, dtype, xp, peer, tag):
+    def irecv(self, group, shape, dtype, xp, peer, tag, clock=None):
         out = xp.empty(shape, dtype)
         communicator, stream = self._pair(group, peer, group.rank)
         self._after_compute(stream)
+        if clock is not None:
+            clock.start(stream)
         communicator.recv(out.data.ptr, out.size, self.types[out.dtype], 0, stream.ptr)
-        return self._end(stream, StreamRequest(result=out, cuda=self.cuda))
+        return self._end(stream, StreamRequest(result=out, cuda=self.cuda), clock)
 
     def start_batch(self):
         """Nothing to group: each direction has its communicator and streams (see _pair), so a
@@ -305,6 +340,38 @@ class StreamRequest:
         self.cuda.get_current_stream().wait_event(self.event)
         self.keep = None
         return self.result
+
+
+class EventClock:
+    """A call's seconds on its stream, between timing events recorded around it: on a GPU the
+    host only enqueues the call, so the host's clock would time the enqueueing. Read when the
+    statistics are (comm/stats.py), which waits for this call's end event only, never for the
+    whole device while other NCCL calls may still be waiting for their peers."""
+
+    def __init__(self, cuda):
+        self.cuda, self.begin, self.end, self.value = cuda, None, None, None
+        self.ended = False      # known from a query: reading then waits for nothing
+
+    def start(self, stream):
+        self.begin = self.cuda.Event()
+        self.begin.record(stream)
+
+    def stop(self, stream):
+        self.end = self.cuda.Event()
+        self.end.record(stream)
+
+    def ready(self):
+        """True once the call ended (a query, no wait)."""
+        self.ended = self.ended or self.value is not None or self.end.done
+        return self.ended
+
+    def seconds(self):
+        if self.value is None:
+            if not self.ended:
+                self.end.synchronize()
+            self.value = self.cuda.get_elapsed_time(self.begin, self.end) / 1000
+            self.begin = self.end = None
+        return self.value
 
 
 def nccl_loaded(nccl):
@@ -341,6 +408,13 @@ def nccl_usable():
 @functools.lru_cache(maxsize=None)
 def _backend(name):
     return NCCLBackend() if name == "nccl" else MPIBackend()
+
+
+def connect_nccl(groups, pipelines=()):
+    """Create the NCCL communicators of `groups` and the pair communicators of `pipelines` now,
+    in that order, where NCCL serves this run's GPU arrays (see NCCLBackend.connect)."""
+    if nccl_usable():
+        _backend("nccl").connect(groups, pipelines)
 
 
 def backend_for(x):

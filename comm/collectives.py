@@ -26,13 +26,22 @@ def contiguous(x):
     return x if x.flags.c_contiguous else x.copy(order="C")
 
 
+def timed(backend):
+    """(clock, keyword arguments for the backend's call): NCCL times its calls with events on
+    their streams (backends.EventClock); MPI's calls are timed by the host's clock here."""
+    clock = backend.clock()
+    return clock, ({} if clock is None else {"clock": clock})
+
+
 def _run(name, group, x, call, detail=""):
-    """Debug check, then the call, timed and recorded."""
+    """Debug check, then the call, timed and recorded. `call(backend, **timing)`."""
     if debug.enabled():
         debug.check_agreement(group, f"{name}(shape={tuple(x.shape)}, dtype={x.dtype}{detail})")
+    backend = backend_for(x)
+    clock, timing = timed(backend)
     start = time.perf_counter()
-    result = call()
-    record(name, group.name, x.nbytes, time.perf_counter() - start)
+    result = call(backend, **timing)
+    record(name, group.name, x.nbytes, time.perf_counter() - start if clock is None else clock)
     return result
 
 
@@ -47,7 +56,7 @@ def all_reduce(x, group, op="sum"):
     if group.size == 1:
         return x
     x = contiguous(x)
-    return _run("all_reduce", group, x, lambda: backend_for(x).all_reduce(group, x, op), f", op={op}")
+    return _run("all_reduce", group, x, lambda b, **t: b.all_reduce(group, x, op, **t), f", op={op}")
 
 
 def all_reduce_async(x, group, op="sum"):
@@ -61,9 +70,11 @@ def all_reduce_async(x, group, op="sum"):
         raise InputError("all_reduce_async reduces in place and needs a contiguous array")
     if debug.enabled():
         debug.check_agreement(group, f"all_reduce_async(shape={tuple(x.shape)}, dtype={x.dtype}, op={op})")
+    backend = backend_for(x)
+    clock, timing = timed(backend)
     start = time.perf_counter()     # posting copies x on the shared-memory path: count it too
-    inner = backend_for(x).iall_reduce(group, x, op)
-    return Request(inner, "all_reduce", group, x.nbytes, started_s=time.perf_counter() - start)
+    inner = backend.iall_reduce(group, x, op, **timing)
+    return Request(inner, "all_reduce", group, x.nbytes, started_s=time.perf_counter() - start, clock=clock)
 
 
 def reduce_scatter_async(x, group, op="sum"):
@@ -78,7 +89,10 @@ def reduce_scatter_async(x, group, op="sum"):
                          f"of the group size {group.size}, got shape {tuple(x.shape)}; pad it")
     if debug.enabled():
         debug.check_agreement(group, f"reduce_scatter_async(shape={tuple(x.shape)}, dtype={x.dtype}, op={op})")
-    return Request(backend_for(x).ireduce_scatter(group, x, op), "reduce_scatter_async", group, x.nbytes)
+    backend = backend_for(x)
+    clock, timing = timed(backend)
+    return Request(backend.ireduce_scatter(group, x, op, **timing), "reduce_scatter_async", group, x.nbytes,
+                   clock=clock)
 
 
 class _Done:
@@ -99,8 +113,8 @@ def all_gather(x, group, axis=0):
     axis = axis % x.ndim
     x = contiguous(x)
 
-    def call():
-        stacked = backend_for(x).all_gather(group, x)              # (size, *x.shape)
+    def call(backend, **timing):
+        stacked = backend.all_gather(group, x, **timing)           # (size, *x.shape)
         shape = x.shape[:axis] + (group.size * x.shape[axis],) + x.shape[axis + 1:]
         if axis == 0:
             return stacked.reshape(shape)
@@ -125,7 +139,7 @@ def reduce_scatter(x, group, axis=0, op="sum"):
     blocks = x.reshape(x.shape[:axis] + (group.size, block) + x.shape[axis + 1:])
     stacked = xp.ascontiguousarray(xp.moveaxis(blocks, axis, 0))  # (size, ..., block, ...)
     return _run("reduce_scatter", group, x,
-                lambda: backend_for(x).reduce_scatter(group, stacked, op), f", axis={axis}, op={op}")
+                lambda b, **t: b.reduce_scatter(group, stacked, op, **t), f", axis={axis}, op={op}")
 
 
 def broadcast(x, group, root=0):
@@ -133,7 +147,7 @@ def broadcast(x, group, root=0):
     if group.size == 1:
         return x
     x = contiguous(x)
-    return _run("broadcast", group, x, lambda: backend_for(x).broadcast(group, x, root), f", root={root}")
+    return _run("broadcast", group, x, lambda b, **t: b.broadcast(group, x, root, **t), f", root={root}")
 
 
 def barrier(group):

@@ -5,6 +5,7 @@ ranks (one node on a cluster), then data parallel, then pipeline stages.
 """
 from npmegatron.autograd.errors import InputError
 
+from .backends import connect_nccl
 from .group import Group
 from .runtime import init
 
@@ -48,7 +49,8 @@ def _split(world, name, lists):
 class ProcessGrid:
     """Tensor x pipeline x data parallel groups over the world, with axis-prefixed attributes."""
 
-    def __init__(self, tp=1, pp=1, dp=None, world=None):
+    def __init__(self, tp=1, pp=1, dp=None, world=None, nccl=False):
+        """nccl: the run computes on GPUs, so create every NCCL communicator now (connect_nccl)."""
         world = world or init()
         if dp is None:
             if world.size % (tp * pp):
@@ -67,6 +69,17 @@ class ProcessGrid:
         ring = self.pp_group.ranks
         self.pp_next_rank = ring[(self.pp_rank + 1) % pp]     # global ranks, wrapping as Megatron
         self.pp_prev_rank = ring[(self.pp_rank - 1) % pp]
+        if nccl:
+            self.connect_nccl()
+
+    def connect_nccl(self):
+        """Every NCCL communicator this rank's collectives and pipeline messages will use, made
+        now in one order on every rank: TP, DP, PP, model-parallel and embedding groups, then the
+        pipeline's pairs (a no-op where NCCL does not serve the GPU arrays). Groups of one rank
+        have none: their collectives return at once. The world's collectives carry host arrays."""
+        groups = [self.tp_group, self.dp_group, self.pp_group, self.mp_group, self.embedding_group]
+        connect_nccl([g for g in groups if g is not None and g.size > 1],
+                     [self.pp_group] if self.pp_size > 1 else [])
 
     @classmethod
     def single(cls):

@@ -12,7 +12,7 @@ class Group:
         self.ranks = tuple(ranks)           # global rank of each member, in group-rank order
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
-        self.nccl = None                    # created on the first GPU collective in this group
+        self.nccl = None                    # made by ProcessGrid.connect_nccl (else at the first GPU call)
         self.nccl_pairs = None              # one-way NCCL pairs for point-to-point (NCCLBackend._pair)
         self.shared_memory = None           # comm/shared_memory.py's window, on the first large all-reduce
 

@@ -13,7 +13,7 @@ from npmegatron.autograd.backend import get_array_module
 from npmegatron.autograd.errors import InputError
 
 from .backends import backend_for
-from .collectives import contiguous
+from .collectives import contiguous, timed
 from .request import Request
 from .runtime import init
 
@@ -27,7 +27,9 @@ def _world(group):
 def isend(x, dst, group=None, tag=0):
     group = _world(group)
     x = contiguous(x)
-    return Request(backend_for(x).isend(group, x, dst, tag), "send", group, x.nbytes)
+    backend = backend_for(x)
+    clock, timing = timed(backend)
+    return Request(backend.isend(group, x, dst, tag, **timing), "send", group, x.nbytes, clock=clock)
 
 
 def irecv(src, shape, dtype, group=None, tag=0, xp=numpy):
@@ -35,7 +37,10 @@ def irecv(src, shape, dtype, group=None, tag=0, xp=numpy):
     dtype = numpy.dtype(dtype)
     probe = xp.empty(0, dtype)
     nbytes = int(numpy.prod(shape, dtype=numpy.int64)) * dtype.itemsize
-    return Request(backend_for(probe).irecv(group, tuple(shape), dtype, xp, src, tag), "recv", group, nbytes)
+    backend = backend_for(probe)
+    clock, timing = timed(backend)
+    return Request(backend.irecv(group, tuple(shape), dtype, xp, src, tag, **timing), "recv", group, nbytes,
+                   clock=clock)
 
 
 def send(x, dst, group=None, tag=0):

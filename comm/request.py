@@ -8,9 +8,10 @@ from .stats import record
 class Request:
     """A posted send or receive; wait() returns the received array (None for a send)."""
 
-    def __init__(self, inner, op, group, nbytes, started_s=0.0):
+    def __init__(self, inner, op, group, nbytes, started_s=0.0, clock=None):
         self.inner, self.op, self.group, self.nbytes = inner, op, group, nbytes
         self.started_s = started_s          # seconds the call took to start, recorded with the wait
+        self.clock = clock                  # NCCL: its events time the call instead (EventClock)
         self.done, self.value = False, None
 
     def test(self):
@@ -21,6 +22,7 @@ class Request:
         if not self.done:
             start = time.perf_counter()
             self.value = self.inner.wait()
-            record(self.op, self.group.name, self.nbytes, self.started_s + time.perf_counter() - start)
+            seconds = self.started_s + time.perf_counter() - start
+            record(self.op, self.group.name, self.nbytes, seconds if self.clock is None else self.clock)
             self.done = True
         return self.value

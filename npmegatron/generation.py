@@ -149,7 +149,7 @@ def load_for_generation(path, device="cpu", tp=None, pp=1):
                          f"launched; run it under mpirun -n {tp * pp}")
     cfg = checkpoint.saved_config(manifest, sequence_parallel=False, hidden_dropout=0.0, attention_dropout=0.0,
                                   device=device, tf32=bool(manifest["model"].get("tf32")) and device == "gpu")
-    grid = build_grid(tp, pp)
+    grid = build_grid(tp, pp, nccl=device == "gpu")
     model = build_model(cfg, grid, default_layout(cfg.num_layers, pp, 1))
     checkpoint.load(folder, model, None, grid)
     spec, file = manifest.get("tokenizer", {"type": "bytes"}), checkpoint.tokenizer_file(folder)

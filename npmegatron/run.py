@@ -34,7 +34,7 @@ def assemble(config: TrainConfig, vocab_size=None, world_size=None):
     """The Run of `config` on the ranks mpirun started (`world_size` ranks; one without mpirun),
     with the model's vocabulary set to `vocab_size` when given (the training data's)."""
     plan = config.plan(comm.launch_size() if world_size is None else world_size)
-    grid = build_grid(plan.tp, plan.pp)
+    grid = build_grid(plan.tp, plan.pp, nccl=config.model.device == "gpu")
     cfg = config.model if vocab_size is None else dataclasses.replace(config.model, vocab_size=vocab_size)
     model = build_model(cfg, grid, plan.layout)
     schedule = config.parallel.pipeline_schedule or ("interleaved" if model.virtual_size > 1 else "1f1b")
@@ -44,12 +44,13 @@ def assemble(config: TrainConfig, vocab_size=None, world_size=None):
     return Run(config, plan, grid, cfg, model, schedule, exchange, params, buckets, optimizer, model.norm_skip())
 
 
-def build_grid(tp=1, pp=1):
-    """A grid of TP x PP x DP ranks under mpirun (DP = world / (TP x PP)); one rank without it."""
+def build_grid(tp=1, pp=1, nccl=False):
+    """A grid of TP x PP x DP ranks under mpirun (DP = world / (TP x PP)); one rank without it.
+    `nccl`: a GPU run, whose NCCL communicators are all made here (ProcessGrid.connect_nccl)."""
     if not comm.launched_by_mpi():
         return comm.ProcessGrid.single()
     comm.init()
-    return comm.ProcessGrid(tp=tp, pp=pp)
+    return comm.ProcessGrid(tp=tp, pp=pp, nccl=nccl)
 
 
 def build_model(cfg, grid, layout=None):

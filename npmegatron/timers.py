@@ -17,8 +17,11 @@ Phases of one training step (the names below), each a share of the step's wall t
   optimizer                           loss and gradient-norm reductions, clip, AdamW step
 Timers that name `exclude_comm=True` move the TP-group communication they contain to tp-comm.
 
-On a GPU, an enabled timer synchronises the device before reading the clock (start and stop);
-on NumPy it never does. Disabled timers never synchronise.
+On a GPU an enabled timer records CUDA events on the compute stream and reads them when
+elapsed() is called, and the communication seconds are those of events around each NCCL call
+(comm.stats): no timer synchronises the device, which would wait for NCCL calls still waiting for
+their peers (the DP all-reduce of a rank that reaches it first). On NumPy they read the host's
+clock. Disabled timers measure nothing.
 """
 import time
 
@@ -66,33 +69,31 @@ NO_TIMERS = NullTimers()
 
 
 class Timer:
-    """One named timer; start/stop pairs add up in `elapsed`. Also a context manager."""
+    """One named timer; start/stop pairs add up in `elapsed` (read through Timers.elapsed on a
+    GPU, where the intervals are events until then). Also a context manager."""
 
     def __init__(self, name, owner, exclude_comm=False):
         self.name, self.owner, self.exclude_comm = name, owner, exclude_comm
         self.elapsed, self.count = 0.0, 0
-        self._start = self._comm = None
+        self._start = None
+        self.intervals = []     # (start, stop, comm mark at start, at stop): measured, not yet read
+
+    def _mark(self):
+        return self.owner.comm.mark() if self.exclude_comm else None
 
     def start(self):
         if self._start is not None:
             raise RuntimeError(f"timer {self.name!r} started twice")
-        self.owner.synchronize()
-        if self.exclude_comm:
-            self._comm = self.owner.comm_seconds()
-        self._start = time.perf_counter()
+        self._start = (self.owner.now(), self._mark())
 
     def stop(self):
         if self._start is None:
             raise RuntimeError(f"timer {self.name!r} stopped but not started")
-        self.owner.synchronize()
-        seconds = time.perf_counter() - self._start
-        self._start = None
-        if self.exclude_comm:
-            inside = self.owner.comm_seconds() - self._comm
-            seconds -= inside
-            self.owner(TP_COMM).elapsed += inside
-        self.elapsed += seconds
+        (start, comm_start), self._start = self._start, None
+        self.intervals.append((start, self.owner.now(), comm_start, self._mark()))
         self.count += 1
+        if not self.owner.on_gpu:       # the host's clock: nothing to wait for, read it now
+            self.owner.read()
 
     def __enter__(self):
         self.start()
@@ -104,7 +105,7 @@ class Timer:
 
 
 class Timers:
-    """Named timers. `xp`: the array module (CuPy: synchronise the device around each reading).
+    """Named timers. `xp`: the array module (CuPy: events on the compute stream, read by elapsed()).
     `comm_groups`: names of the groups whose collective seconds (comm.stats()) count as TP/SP
     communication inside timers made with exclude_comm=True (default: the "tp" group)."""
 
@@ -112,6 +113,8 @@ class Timers:
 
     def __init__(self, xp=numpy, comm_groups=("tp",)):
         self.xp, self.comm_groups = xp, tuple(comm_groups)
+        self.on_gpu = xp is not numpy
+        self.comm = comm.watch(self.comm_groups)     # their calls' seconds, in call order
         self.timers = {}
 
     def __call__(self, name, exclude_comm=False):
@@ -120,17 +123,46 @@ class Timers:
             timer = self.timers[name] = Timer(name, self, exclude_comm)
         return timer
 
-    def synchronize(self):
-        if self.xp is not numpy:
-            self.xp.cuda.Device().synchronize()
+    def now(self):
+        """The host's clock, or an event recorded on the GPU's current (compute) stream."""
+        if not self.on_gpu:
+            return time.perf_counter()
+        event = self.xp.cuda.Event()
+        event.record()
+        return event
 
-    def comm_seconds(self):
-        table = comm.stats().table
-        return sum(entry["seconds"] for groups in table.values()
-                   for group, entry in groups.items() if group in self.comm_groups)
+    def seconds(self, start, stop):
+        """Seconds between two readings of now(); on a GPU this waits for `stop`'s event, which
+        only the compute stream's work so far comes before."""
+        if not self.on_gpu:
+            return stop - start
+        stop.synchronize()
+        return self.xp.cuda.get_elapsed_time(start, stop) / 1000
+
+    def synchronize(self):
+        """Wait for the compute stream's work so far (a benchmark's step boundary); never for the
+        whole device, whose communication streams may hold NCCL calls waiting for peers."""
+        if self.on_gpu:
+            self.xp.cuda.get_current_stream().synchronize()
+
+    def read(self):
+        """Add the measured intervals to each timer's elapsed seconds, the communication seconds
+        inside those made with exclude_comm=True moved to tp-comm."""
+        for timer in list(self.timers.values()):
+            for start, stop, comm_start, comm_stop in timer.intervals:
+                seconds = self.seconds(start, stop)
+                if comm_start is not None:
+                    inside = self.comm.seconds(comm_start, comm_stop)
+                    seconds -= inside
+                    self(TP_COMM).elapsed += inside
+                timer.elapsed += seconds
+            timer.intervals = []
+        running = [t._start[1] for t in self.timers.values() if t._start is not None and t._start[1] is not None]
+        self.comm.forget(min(running, default=self.comm.mark()))
 
     def elapsed(self, reset=False):
         """{name: seconds summed since the last reset}."""
+        self.read()
         result = {name: t.elapsed for name, t in self.timers.items()}
         if reset:
             self.reset()
@@ -138,4 +170,4 @@ class Timers:
 
     def reset(self):
         for t in self.timers.values():
-            t.elapsed, t.count = 0.0, 0
+            t.elapsed, t.count, t.intervals = 0.0, 0, []

@@ -2,9 +2,10 @@
 that start while backward is still running (PyTorch DDP's and Megatron's design).
 
 Every parameter's gradient lives in a flat bucket buffer (params in reverse order, since
-backward reaches the last layers first). Backward accumulates straight into those views; on the
-last micro-batch, a hook on each parameter's AccumulateGrad node counts it done, and a bucket
-whose parameters are all done is pre-divided by the DP size and handed to comm.all_reduce_async
+backward reaches the last layers first). Backward accumulates straight into those views; in the
+last backward of each parameter's virtual stage (the last micro-batch's, under 1F1B), a hook on
+its AccumulateGrad node counts it done, and a bucket whose parameters are all done is
+pre-divided by the DP size and handed to comm.all_reduce_async
 (MPI, node shared memory or NCCL, as comm chooses for the array). Buckets are launched in a fixed
 order so every rank issues the same sequence of collectives. Earlier micro-batches only
 accumulate: one DP sync per optimizer step. With one DP rank there are no buckets (the
@@ -27,6 +28,7 @@ class Bucket:
             offset += p.data.size
         self.remaining = len(params)
         self.request = None
+        self.reducing = False       # launched and not yet waited on: no writes (BucketWrittenError)
 
 
 def group_params(params, bucket_size, alone=()):
@@ -46,6 +48,12 @@ def group_params(params, bucket_size, alone=()):
     return groups + ([current] if current else [])
 
 
+class BucketWrittenError(RuntimeError):
+    """A gradient reached a bucket that is being reduced: the all-reduce (on a GPU, on a stream
+    of its own) may have read the bucket before the write, so ranks would average different
+    numbers. Raised by the hook that sees it; a scheduling bug, never a user's."""
+
+
 class GradientBuckets:
     #: The distributed optimizer's subclass sets it: gradients are reduce-scattered, so every
     #: bucket is padded to a multiple of the DP size, and buckets exist even at DP = 1.
@@ -54,7 +62,7 @@ class GradientBuckets:
     def __init__(self, params, group, bucket_size=2 ** 20, alone=()):
         """bucket_size: parameters (elements) per bucket, Megatron's --ddp-bucket-size."""
         self.group, self.params = group, list(params)
-        self.active = False
+        self.active, self.final = False, set()
         self.buckets = []
         if group.size == 1 and not self.shards:
             return
@@ -67,6 +75,7 @@ class GradientBuckets:
 
     def zero_grad(self):
         """Before the first micro-batch: each parameter's grad is its zeroed bucket view."""
+        self._refuse_writes("zero_grad")
         for p in self.params:
             p.grad = None
         for b in self.buckets:
@@ -74,17 +83,34 @@ class GradientBuckets:
             for p in b.params:
                 p.grad = b.views[id(p)]
 
-    def start_sync(self):
-        """Call before the backward of the last micro-batch: its finished gradients are reduced."""
-        self.active = bool(self.buckets)
-        self.next_launch = 0
-        for b in self.buckets:
-            b.remaining, b.request = len(b.params), None
+    def start_sync(self, params=None):
+        """Call before the backward that gives `params` (default: all) their last gradient
+        contribution of the step: their buckets are reduced as soon as they are complete. The
+        interleaved schedule calls it before each virtual stage's last backward, so the buckets
+        of the stages that finish early travel while the others compute."""
+        if not self.active:
+            self.active = bool(self.buckets)
+            self.next_launch = 0
+            self.final = set()
+            for b in self.buckets:
+                b.remaining, b.request = len(b.params), None
+        self.final.update(id(p) for p in (self.params if params is None else params))
+
+    def _refuse_writes(self, what, bucket=None):
+        """Raise BucketWrittenError when a bucket being reduced was written (one flag per bucket,
+        so it stays on: the tests of every schedule then prove no write comes late)."""
+        for b in self.buckets if bucket is None else [bucket]:
+            if b.reducing:
+                raise BucketWrittenError(
+                    f"{what} wrote gradient bucket {self.buckets.index(b)} ({len(b.params)} parameters) "
+                    "while its all-reduce is in flight; a bucket may be launched only after the "
+                    "last backward that writes any of its parameters")
 
     def _on_grad_ready(self, leaf):
-        if not self.active:
-            return
         bucket = self.bucket_of[id(leaf)]
+        self._refuse_writes("backward", bucket)
+        if not self.active or id(leaf) not in self.final:
+            return
         if leaf.grad is not bucket.views[id(leaf)]:     # replaced (e.g. grads set by hand)
             bucket.views[id(leaf)][...] = leaf.grad
             leaf.grad = bucket.views[id(leaf)]
@@ -100,6 +126,7 @@ class GradientBuckets:
                 return
             b.buffer *= b.buffer.dtype.type(1.0 / self.group.size)
             b.request = self._launch(b)
+            b.reducing = True
             self.next_launch += 1
 
     def _launch(self, bucket):
@@ -120,7 +147,9 @@ class GradientBuckets:
             timer.start()
         self._launch_ready(force=True)
         for b in self.buckets:
-            self._finish(b, b.request.wait())
+            result = b.request.wait()
+            b.reducing = False
+            self._finish(b, result)
         if timer is not None:
             timer.stop()
         for b in self.buckets:

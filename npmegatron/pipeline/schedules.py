@@ -222,8 +222,9 @@ def run_schedule(model, exchange, batches, schedule="1f1b", on_last_backward=Non
                  loss_scale=1.0, outputs=None):
     """Forward (and backward) every micro-batch through this rank's stages. `batches` is the
     list of M (inputs, targets) for this data-parallel rank; every pipeline rank passes the same.
-    `on_last_backward` is called right before this rank's last backward (data parallelism
-    starts its gradient sync there). `timers` (npmegatron/timers.py) splits the time into forward
+    `on_last_backward(params)` is called right before the backward that gives `params` their
+    last gradient contribution (final_contributions): data parallelism reduces their buckets
+    from there on. `timers` (npmegatron/timers.py) splits the time into forward
     and backward compute, TP communication inside them, and pipeline waits. Returns the sum of
     the micro-batch losses on the rank holding the loss, else zero: a float64 array of shape ()
     on the model's device. `loss_scale` multiplies the gradient backward starts from (--fp16).
@@ -238,7 +239,7 @@ def run_schedule(model, exchange, batches, schedule="1f1b", on_last_backward=Non
         return build_actions(schedule, pp_rank, grid.pp_size, virtual, num_micro_batches)
 
     actions = actions_of(grid.pp_rank)
-    last_backward = max((k for k, action in enumerate(actions) if action[0] == BACKWARD), default=None)
+    finishing = final_contributions(model, actions) if on_last_backward is not None else {}
     order = ReceiveOrder(actions_of, grid.pp_rank, grid.pp_size, virtual)
     run = ScheduleRun(model, exchange, batches, overlap, deallocate_outputs, forward_only, order, timers,
                       loss_scale, outputs)
@@ -249,14 +250,29 @@ def run_schedule(model, exchange, batches, schedule="1f1b", on_last_backward=Non
         if kind == FORWARD:
             run.forward_step(chunk, micro_batch, then_receive)
         else:
-            if k == last_backward and on_last_backward is not None:
-                on_last_backward()
+            if k in finishing:
+                on_last_backward(finishing[k])
             run.backward_step(chunk, micro_batch, then_receive)
         if memory is not None:
             memory.measure(run.inputs, run.outputs)
     with timers(PIPELINE_WAIT):
         exchange.finish()
     return run.loss_sum
+
+
+def final_contributions(model, actions):
+    """{index of an action: the parameters whose last gradient contribution that backward
+    makes}: each virtual stage's last backward, for the parameters of no stage that runs
+    backward later (the word embedding shared by a rank's first and last stage). Under 1F1B it
+    is the last backward, for all; under the interleaved schedule a stage that finishes early
+    lets data parallelism reduce its gradients while the rank's other stages still compute."""
+    last = {chunk: k for k, (kind, chunk, _) in enumerate(actions) if kind == BACKWARD}
+    finishing, later = {}, set()
+    for k, chunk in sorted(((k, chunk) for chunk, k in last.items()), reverse=True):
+        params = [p for p in model.chunks[chunk].parameters() if id(p) not in later]
+        later.update(id(p) for p in params)
+        finishing[k] = params
+    return finishing
 
 
 def hidden_shape(model, ids):

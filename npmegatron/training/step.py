@@ -34,7 +34,7 @@ def schedule_options(parallel):
 
 def train_step(model, exchange, batches, buckets, schedule="1f1b", timers=None, **options):
     """Run the pipeline schedule over `batches` (this DP rank's M micro-batches), the DP bucket
-    all-reduces starting with this rank's last backward, then the tied embedding's gradient summed
+    all-reduces starting with each virtual stage's last backward, then the tied embedding's gradient summed
     over the pipeline ends. Returns the sum of the micro-batch losses, a float64 array of shape ()
     on the model's device (zero off the last stage). `timers` (timers.py; default: off) times the
     phases: compute, TP communication, pipeline waits, the DP wait not hidden by backward."""
