@@ -28,7 +28,7 @@ def contiguous(x):
 
 def timed(backend):
     """(clock, keyword arguments for the backend's call): NCCL times its calls with events on
-    their streams (backends.EventClock); MPI's calls are timed by the host's clock here."""
+    their streams (streams.EventClock); MPI's calls are timed by the host's clock here."""
     clock = backend.clock()
     return clock, ({} if clock is None else {"clock": clock})
 

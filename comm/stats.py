@@ -2,7 +2,7 @@
 
 Bytes are what this rank hands to the call (its input buffer), so counts and volumes can be held
 against the paper's (2 all-reduces forward and 2 backward per transformer layer). Seconds are the
-host's clock for MPI; for NCCL the call's own time on its stream, from events (backends.EventClock),
+host's clock for MPI; for NCCL the call's own time on its stream, from events (streams.EventClock),
 read when the statistics are, so that measuring never makes the host wait mid-step.
 """
 import weakref

@@ -172,9 +172,12 @@ def test_ctrl_c_of_four_ranks_is_one_line_and_status_130(tmp_path, target):
     else:
         os.kill(job.pid, signal.SIGINT)
     code, out, err, taken = end_within(job, 10, log)
-    assert code == 130, (out, err)
     assert err.count("interrupted (SIGINT): ending every rank") == 1, err
     assert "BAD TERMINATION" not in out and "signal 9" not in out, out
+    # The residual race docs/design.md records: a rank whose main thread was reading a peer's
+    # memory (MPICH's single-copy path) as that peer exited ends with MPICH's one fatal line.
+    raced = "process_vm_readv failed" in err
+    assert code == (143 if raced else 130), (out, err)
 
 
 def test_a_model_too_large_is_refused_before_it_is_built(tmp_path, monkeypatch):
