@@ -30,10 +30,12 @@ def start(ranks, args):
                             cwd=ROOT, env=rank_environment(), start_new_session=True)
 
 
-def wait_for_training(job, log_file, timeout=60):
-    """Until the job has logged an iteration: every rank is then inside the training loop."""
+def wait_for_training(job, log_file, iterations=1, timeout=60):
+    """Until the job has logged `iterations` iterations: every rank is then inside the training
+    loop (and, with --save-interval 1 and iterations=2, has saved the first one: the log line of
+    an iteration is written before its checkpoint, the next one after)."""
     deadline = time.monotonic() + timeout
-    while not (os.path.exists(log_file) and open(log_file).read().strip()):
+    while not (os.path.exists(log_file) and len(open(log_file).read().splitlines()) >= iterations):
         if job.poll() is not None or time.monotonic() > deadline:
             job.kill()
             pytest.fail(f"the job never started training: {job.communicate()}")
@@ -130,7 +132,7 @@ def sentinels_of(rank_pids):
 def test_a_killed_rank_is_named_once_with_the_checkpoint_to_resume_from(tmp_path, victim):
     log, ck = str(tmp_path / "log.jsonl"), tmp_path / "ck"
     job = start(2, FOREVER + ["--tp", "2", "--log-file", log, "--save", str(ck), "--save-interval", "1"])
-    wait_for_training(job, log)
+    wait_for_training(job, log, iterations=2)
     ranks = rank_pids(log)
     (watched,) = sentinels_of(ranks).values()           # one sentinel, beside rank 0
     pid = next(pid for pid, rank in watched.items() if rank == victim)
