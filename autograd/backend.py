@@ -40,17 +40,6 @@ def array_module_for(device):
     raise InputError(f"unknown device {device!r}; use 'cpu' or 'gpu'")
 
 
-def enable_tf32():
-    """Let cuBLAS multiply float32 matrices on TF32 tensor cores (inputs rounded to 10 mantissa
-    bits, sums kept in float32), through CuPy's compute type for float32
-    (cupy/_core/_routines_linalg.pyx). CUPY_TF32=1 sets the same, but is read only when the first
-    float32 matmul finds the compute type unset; the setter works at any time. Process-wide;
-    below compute capability 8.0 CuPy warns and keeps plain float32."""
-    import cupy
-    from cupy._core import _routines_linalg
-    cupy._core.set_compute_type(numpy.float32, _routines_linalg.COMPUTE_TYPE_TF32)
-
-
 def to_numpy(a):
     """A NumPy copy of an array that may live on the GPU."""
     return a.get() if hasattr(a, "get") else numpy.asarray(a)

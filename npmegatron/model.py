@@ -10,7 +10,8 @@ import numpy
 from . import autograd as ag
 from . import comm
 from .autograd import InputError
-from .autograd.backend import array_module_for, enable_tf32
+from .autograd.backend import array_module_for
+from .autograd.gemm import enable_tf32
 from .autograd.ops.nn import check_ids
 from .config import GPTConfig
 from .module import Module, ParamSpec, parameter

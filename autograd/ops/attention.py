@@ -11,6 +11,7 @@ from ..cpu_blocks import each_share, share_ranges
 from ..errors import InputError
 from ..function import Function
 from ..fusion import fused
+from ..gemm import matmul
 from ..threads import cpu_threads
 from .nn import _causal_bias, exp_shifted_, keep_mask, softmax_backward
 
@@ -56,7 +57,7 @@ def _probabilities(xp, q_blk, k_seen, lse, biases):
     square of keys has masked entries. q_blk is pre-scaled; lse None: the shift is the row max,
     returned with the row sums (the forward), else lse (backward's recomputation).
     biases: the causal biases by block height, or None for the compiled float32 kernels."""
-    z = q_blk @ k_seen.swapaxes(-1, -2)
+    z = matmul(q_blk, k_seen.swapaxes(-1, -2))
     rows, keys = z.shape[-2:]
     if biases is None:
         from . import _attention_cpu
@@ -99,7 +100,7 @@ def _forward_share(xp, q, k, v, out, lse, scale, p, draw, block_size, compiled):
                                     z.dtype.type(dropout_scale))
         elif draw is not None:
             dropout_(z, draw(a, e, seen), dropout_scale)
-        y = z @ v[..., :seen, :]
+        y = matmul(z, v[..., :seen, :])
         y /= total
         out[..., a:e, :] = y
 
@@ -116,7 +117,7 @@ def _backward_share(xp, g, q, k, v, out, lse, dq, dk, dv, scale, p, draw, block_
         lse_blk = xp.ascontiguousarray(lse[..., a:e, None])
         dot_blk = xp.ascontiguousarray(dot[..., a:e, :])
         probs = _probabilities(xp, q_blk * q.dtype.type(scale), k_seen, lse_blk, biases)[0]
-        dprobs = g_blk @ v_seen.swapaxes(-1, -2)
+        dprobs = matmul(g_blk, v_seen.swapaxes(-1, -2))
         if compiled:
             from . import _attention_cpu
             rows, keys = dprobs.shape[-2:]
@@ -135,9 +136,9 @@ def _backward_share(xp, g, q, k, v, out, lse, dq, dk, dv, scale, p, draw, block_
             dropout_softmax_backward_(dprobs, probs, keep, dot_blk, dropout_scale, scale)
             dz = dprobs
             dropout_(probs, keep, dropout_scale)
-        dv[..., :seen, :] += probs.swapaxes(-1, -2) @ g_blk
-        dq[..., a:e, :] = dz @ k_seen
-        dk[..., :seen, :] += dz.swapaxes(-1, -2) @ q_blk
+        matmul(probs.swapaxes(-1, -2), g_blk, out=dv[..., :seen, :], accumulate=True)
+        matmul(dz, k_seen, out=dq[..., a:e, :])
+        matmul(dz.swapaxes(-1, -2), q_blk, out=dk[..., :seen, :], accumulate=True)
 
 
 def _by_heads(xp, q, t_k, block_size, work):

@@ -10,7 +10,8 @@ import pytest
 
 from npmegatron import model as model_module
 from npmegatron.autograd import InputError
-from npmegatron.autograd.backend import enable_tf32
+from npmegatron.autograd import gemm
+from npmegatron.autograd.gemm import enable_tf32
 from npmegatron.config import GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -23,6 +24,7 @@ def fake_cupy(monkeypatch):
     """`cupy._core.set_compute_type` and `_routines_linalg.COMPUTE_TYPE_TF32` (7, as in CuPy's
     _routines_linalg.pxd), recording each call."""
     calls = []
+    monkeypatch.setitem(gemm._settings, "tf32", False)      # restored after the test
     cupy, core, linalg = (types.ModuleType(n) for n in ("cupy", "cupy._core",
                                                          "cupy._core._routines_linalg"))
     linalg.COMPUTE_TYPE_TF32 = 7
@@ -51,7 +53,7 @@ def test_tf32_refusal_on_the_command_line_is_one_sentence():
 
 def test_enable_tf32_sets_cupys_float32_compute_type(fake_cupy):
     enable_tf32()
-    assert fake_cupy == [(np.dtype(np.float32), 7)]
+    assert fake_cupy == [(np.dtype(np.float32), 7)] and gemm._settings["tf32"]
 
 
 @pytest.mark.parametrize("tf32", [True, False])

@@ -68,3 +68,8 @@ class Device:
 
 def get_device_id():
     return runtime.getDevice()
+
+
+def get_cublas_handle():
+    """The current device's cuBLAS handle (an opaque integer; the stand-in's cuBLAS ignores it)."""
+    return 0x1000 + runtime.getDevice()

@@ -9,6 +9,7 @@ import os
 from .. import _strict
 
 is_hip = False
+CUDA_R_32F, CUDA_R_64F, CUDA_R_16F, CUDA_R_16BF = 0, 1, 2, 14     # cudaDataType, as _runtime_enum.pxd
 CUDA_ERROR_NAMES = {
     100: ("cudaErrorNoDevice", "no CUDA-capable device is detected"),
     101: ("cudaErrorInvalidDevice", "invalid device ordinal"),
