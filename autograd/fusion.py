@@ -24,7 +24,9 @@ The rules a body follows, read from CuPy's source (cupy/cupy, `cupy/_core/fusion
   (`_VariableProxy.shape`); indexing is basic slicing only (we use none); a NumPy or CuPy array
   captured from the enclosing scope is refused ("Concrete ndarray is not supported in fusion").
 * Reductions only as the last step (`_call_reduction`: "Multiple reduction is not implemented";
-  `cupy.sum` in a fusion refuses `keepdims`): every reduction here stays outside the bodies.
+  `cupy.sum` in a fusion refuses `keepdims`): a body made with `@fused_reduction` ends with one
+  `xp.sum(..., axis=...)`, so the elementwise work before it and the reduction are one kernel. On
+  the CPU such a body always runs once on the whole arrays (row blocks would cut a column sum).
 * Results: an array, a tuple of arrays, or None (`_fusion_trace.trace`).
 * Scalars: Python scalars, passed as arguments or written as constants, are weak (the array's
   dtype wins) on both paths, so float32 stays float32. NumPy scalars are turned into Python ones
@@ -76,16 +78,16 @@ def _host_scalar(a):
 class Fused:
     """One chain: `body(xp, *args)` run by NumPy on host arrays, by `cupy.fuse` on CuPy arrays."""
 
-    def __init__(self, body):
+    def __init__(self, body, reduction=False):
         functools.update_wrapper(self, body)
-        self.body, self.name = body, body.__name__
+        self.body, self.name, self.reduction = body, body.__name__, reduction
         self._kernel = None
 
     def __call__(self, *args):
         args = tuple(_host_scalar(a) for a in args)
         if _on_gpu(args):
             return self.kernel()(*args)
-        result = run_chain(self.body, NUMPY_FUNCTIONS, args)
+        result = _WHOLE if self.reduction else run_chain(self.body, NUMPY_FUNCTIONS, args)
         if result is _WHOLE:
             return self.body(NUMPY_FUNCTIONS, *args)
         return result
@@ -102,11 +104,16 @@ class Fused:
         return f"<fused chain {self.name}>"
 
 
-def fused(body):
+def fused(body, reduction=False):
     """Decorator: make `body(xp, ...)` a chain (see the module docstring for what it may do)."""
     known = CHAINS.get(body.__name__)
     if known is not None and (known.__module__, known.__qualname__) != (body.__module__, body.__qualname__):
         raise ValueError(f"two fused chains are named {body.__name__!r} ({known.__module__} and "
                          f"{body.__module__}); kernel names must be unique")
-    chain = CHAINS[body.__name__] = Fused(body)
+    chain = CHAINS[body.__name__] = Fused(body, reduction)
     return chain
+
+
+def fused_reduction(body):
+    """Decorator: a chain that ends with one reduction (module docstring)."""
+    return fused(body, reduction=True)

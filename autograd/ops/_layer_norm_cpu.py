@@ -5,7 +5,7 @@ temporaries and one thread for the same work: measured 2048 x 512 float32 on 2 c
 in vector lanes ("reassoc": the order of a row's additions is the compiler's, as in NumPy's
 pairwise sums; without it, forward 1.36 ms and backward 1.15 ms).
 
-The formulas are those of the fused chains in nn.py (normalize_affine_, layer_norm_backward_),
+The formulas are those of the fused chains in nn.py (layer_norm_forward_, layer_norm_backward_),
 which the GPU and small arrays run; tests hold the two to round-off in float64."""
 import math
 

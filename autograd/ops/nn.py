@@ -8,7 +8,7 @@ import numpy
 from ..backend import get_array_module, scatter_add, to_numpy
 from ..errors import InputError
 from ..function import Function
-from ..fusion import fused
+from ..fusion import fused, fused_reduction
 from ..tensor import Tensor
 from .arithmetic import bias_grad
 
@@ -21,7 +21,8 @@ def _causal_bias(xp, t_q, t_k, dtype):
 
 
 # The elementwise chains of softmax, LayerNorm and dropout + residual (autograd/fusion.py): one
-# definition for NumPy and cupy.fuse. Their reductions (max, sum, mean) stay outside them.
+# definition for NumPy and cupy.fuse. LayerNorm's sums end their chains (@fused_reduction);
+# softmax's max and sum stay outside.
 
 @fused
 def exp_shifted_(xp, z, zmax):
@@ -39,21 +40,46 @@ def softmax_backward(xp, g, y, dot, scale):
     return gx
 
 
+@fused_reduction
+def centered_square_sum(xp, x, mean):
+    """sum((x - mean)^2) over the last axis, in one kernel: LayerNorm's variance times n."""
+    d = x - mean
+    return xp.sum(d * d, axis=-1)
+
+
 @fused
-def normalize_affine_(xp, xhat, rstd, weight, bias, out):
-    """LayerNorm's x - mean becomes xhat = (x - mean) * rstd in place (kept for backward), and
-    out = xhat * weight + bias."""
-    xhat *= rstd
+def layer_norm_forward_(xp, x, mean, square_sum, n, eps, weight, bias, xhat, out):
+    """xhat = (x - mean) * rstd (kept for backward) and out = xhat * weight + bias, with
+    rstd = 1 / sqrt(square_sum / n + eps) computed per element from the row's sum (a kernel of
+    its own for the (rows, 1) rstd would cost a launch)."""
+    xp.subtract(x, mean, out=xhat)
+    xhat *= 1.0 / xp.sqrt(square_sum / n + eps)
     xp.multiply(xhat, weight, out=out)
     out += bias
 
 
+@fused_reduction
+def layer_norm_row_sums(xp, g, weight, xhat):
+    """sum(gh) + 1j sum(gh xhat) per row, gh = g * weight: two sums in one reduction kernel, as
+    the real and imaginary parts of one complex sum, which are added independently (each is the
+    sum a float reduction would give, in the same precision)."""
+    gh = g * weight
+    return xp.sum(gh + gh * xhat * 1j, axis=-1)
+
+
+@fused_reduction
+def layer_norm_column_sums(xp, g, xhat):
+    """sum(g xhat) + 1j sum(g) over rows: the weight's and the bias's gradients in one kernel."""
+    return xp.sum(g * xhat + g * 1j, axis=0)
+
+
 @fused
-def layer_norm_backward_(xp, gh, xhat, mean_gh, mean_ghx, rstd):
-    """gh = g * weight becomes dx = rstd (gh - mean(gh) - xhat mean(gh xhat)) in place."""
-    gh -= mean_gh
-    gh -= xhat * mean_ghx
-    gh *= rstd
+def layer_norm_backward_(xp, g, weight, xhat, sum_gh, sum_ghx, square_sum, n, eps, gx):
+    """gx = rstd (gh - mean(gh) - xhat mean(gh xhat)), gh = g * weight, from the row sums."""
+    xp.multiply(g, weight, out=gx)
+    gx -= sum_gh / n
+    gx -= xhat * (sum_ghx / n)
+    gx *= 1.0 / xp.sqrt(square_sum / n + eps)
 
 
 @fused
@@ -115,33 +141,38 @@ class LayerNorm(Function):
         if ctx.compiled:
             from . import _layer_norm_cpu          # numba is imported for large arrays only
             out, xhat, rstd = _layer_norm_cpu.forward(x2, weight, bias, eps)
-        else:
-            xhat = x2 - x2.mean(axis=-1, keepdims=True)
-            var = (xhat * xhat).mean(axis=-1, keepdims=True)
-            var += eps
-            rstd = 1.0 / xp.sqrt(var)
-            out = xp.empty_like(x2)
-            normalize_affine_(xhat, rstd, weight, bias, out)
-        ctx.save_for_backward(xhat, rstd, weight)
+            ctx.save_for_backward(xhat, rstd, weight)
+            return out.reshape(x.shape)
+        # three kernels: the mean, the centred squares' sum, then xhat and the output
+        mean = x2.mean(axis=-1, keepdims=True)
+        square_sum = centered_square_sum(x2, mean).reshape(-1, 1)
+        xhat, out = xp.empty_like(x2), xp.empty_like(x2)
+        layer_norm_forward_(x2, mean, square_sum, float(x2.shape[-1]), eps, weight, bias, xhat, out)
+        ctx.eps = eps
+        ctx.save_for_backward(xhat, square_sum, weight)
         return out.reshape(x.shape)
 
     @staticmethod
     def backward(ctx, g):
-        xhat, rstd, weight = ctx.saved
+        xhat, statistic, weight = ctx.saved        # statistic: rstd (compiled) or the square sum
         need_x, need_w, need_b = ctx.needs_input_grad
         g2 = g.reshape(xhat.shape)
         if ctx.compiled:
             from . import _layer_norm_cpu
-            gx, gw, gb = _layer_norm_cpu.backward(g2, weight, xhat, rstd)
+            gx, gw, gb = _layer_norm_cpu.backward(g2, weight, xhat, statistic)
             return gx.reshape(g.shape), gw, gb
-        gw = (g2 * xhat).sum(axis=0) if need_w else None
-        gb = bias_grad(g2) if need_b else None
-        gx = None
+        gw = gb = gx = None
+        if need_w and need_b:
+            sums = layer_norm_column_sums(g2, xhat)
+            gw, gb = sums.real, sums.imag       # strided views: the leaves' gradients copy them
+        elif need_w or need_b:
+            gw, gb = ((g2 * xhat).sum(axis=0), None) if need_w else (None, bias_grad(g2))
         if need_x:
             # dx = rstd * (gh - mean(gh) - xhat * mean(gh * xhat)), gh = g * weight
-            gx = g2 * weight
-            layer_norm_backward_(gx, xhat, gx.mean(axis=-1, keepdims=True),
-                                 (gx * xhat).mean(axis=-1, keepdims=True), rstd)
+            sums = layer_norm_row_sums(g2, weight, xhat).reshape(-1, 1)
+            gx = get_array_module(g2).empty_like(g2)
+            layer_norm_backward_(g2, weight, xhat, sums.real, sums.imag, statistic, float(xhat.shape[-1]),
+                                 ctx.eps, gx)
             gx = gx.reshape(g.shape)
         return gx, gw, gb
 

@@ -364,10 +364,9 @@ class Fusion:
         if fusing() or not any(isinstance(a, ndarray) for a in args):
             return self.func(*args)
         _strict.launch("fused", self.name)
-        proxies = [_argument(a) for a in args]
         shape = numpy.broadcast_shapes(*[a.shape for a in args if isinstance(a, ndarray)])
-        with _tracing():
-            returned = self.func(*proxies)
+        with _tracing():            # arguments are pre-reduction values of this trace
+            returned = self.func(*[_argument(a) for a in args])
         if returned is None:
             return None
         if isinstance(returned, tuple):
