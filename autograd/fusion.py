@@ -71,8 +71,10 @@ def _on_gpu(args):
 
 
 def _host_scalar(a):
-    """A NumPy scalar as the Python scalar of the same value, so it stays weak on both paths."""
-    return a.item() if isinstance(a, numpy.generic) else a
+    """A NumPy scalar as the Python scalar of the same value, so it stays weak on both paths.
+    Unsigned integers stay NumPy scalars: hash constants above 2**63 have no weak Python form
+    that both NumPy and CuPy would keep in uint64, and uint64 with uint64 promotes to nothing."""
+    return a.item() if isinstance(a, numpy.generic) and a.dtype.kind != "u" else a
 
 
 class Fused:

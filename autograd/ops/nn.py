@@ -83,14 +83,13 @@ def layer_norm_backward_(xp, g, weight, xhat, sum_gh, sum_ghx, square_sum, n, ep
 
 
 @fused
-def dropout_add_forward(xp, y, uniform, residual, p, scale):
-    """(residual + dropout(y), keep mask): an element of y is kept where its uniform draw is at
-    least p, and scaled by 1 / (1 - p), as Dropout does with the same draws."""
-    keep = uniform >= p
+def dropout_add_forward(xp, y, keep, residual, scale):
+    """residual + dropout(y): y where kept, scaled by 1 / (1 - p), as Dropout does with the same
+    keep mask."""
     out = y * keep
     out *= scale
     out += residual
-    return out, keep
+    return out
 
 
 @fused
@@ -226,8 +225,8 @@ class DropoutAdd(Function):
             keep = keep_mask(generator, y.shape, y.dtype, p)
             out = _dropout_cpu.dropout_add(y, keep, residual, ctx.scale)
         else:
-            uniform = xp.asarray(generator.random(y.shape, dtype=y.dtype))
-            out, keep = dropout_add_forward(y, uniform, residual, p, ctx.scale)
+            keep = keep_mask(generator, y.shape, y.dtype, p)     # one kernel on a GPU
+            out = dropout_add_forward(y, keep, residual, ctx.scale)
         ctx.save_for_backward(keep)
         return out
 

@@ -12,10 +12,12 @@ wraps the same way on NumPy and CuPy, so both draw bitwise the same masks; nothi
 order of calls, so a resumed run or a recomputed layer replays its masks exactly, and what a
 checkpoint needs is the iteration, which it already holds."""
 import contextlib
+import math
 
 import numpy
 
 from ..autograd import InputError
+from ..autograd.fusion import fused
 
 DEFAULT = "default"
 MODEL_PARALLEL = "model-parallel"
@@ -70,16 +72,63 @@ def uniform(key, shape, dtype, xp, block=None, lead=None):
     return numbers
 
 
-def keep_mask(key, shape, dtype, p, xp, block=None, lead=None):
+def keep_mask(key, shape, dtype, p, xp, block=None, lead=None, device_rows=None):
     """uniform(key, shape, dtype, ...) >= p: dropout's keep mask of the draw, as booleans. On
     NumPy a large draw is hashed and compared in one compiled pass that writes 1 byte a number
-    instead of 4 or 8 and a comparison pass; elsewhere it is exactly that comparison."""
+    instead of 4 or 8 and a comparison pass; on a GPU in one fused kernel (hashed_keep), from
+    each row's first index and the column indices, kept on the device in `device_rows` (a dict:
+    the same shapes and blocks recur every step, so no draw uploads anything); elsewhere it is
+    exactly that comparison."""
     dtype, mantissa, starts, width, out_shape = _layout(shape, dtype, block, lead)
     if _compiled(xp, starts, width) and 0.0 <= p:
         # p as the numbers' dtype holds it: NumPy compares float32 numbers with float32(p).
         return _fill_compiled(key, numpy.empty((starts.size, width), numpy.bool_), starts, mantissa,
                               out_shape, float(dtype.type(p)))
+    if xp is not numpy:
+        where = (shape, block, None if lead is None else tuple(map(tuple, lead)))
+        rows, columns = _on_device(xp, starts, width, device_rows, where)
+        # number >= p  <=>  top bits >= ceil(p * 2**mantissa): the numbers are those integers
+        # times 2**-mantissa exactly, and p as the numbers' dtype times a power of 2 is exact
+        threshold = max(0, math.ceil(float(dtype.type(p)) * 2.0 ** mantissa))
+        keep = hashed_keep(rows, columns, numpy.uint64(key), *_HASH_CONSTANTS,
+                           numpy.uint64(64 - mantissa), numpy.uint64(threshold))
+        return keep.reshape(out_shape)
     return uniform(key, shape, dtype, xp, block, lead) >= p
+
+
+#: golden, the two multipliers and the three shifts of mix64, as uint64 kernel arguments
+_HASH_CONSTANTS = tuple(numpy.uint64(c) for c in (_GOLDEN, _MIX_1, _MIX_2, 30, 27, 31))
+
+
+@fused
+def hashed_keep(xp, row_starts, columns, key, golden, mix_1, mix_2, shift_1, shift_2, shift_3,
+                drop_bits, threshold):
+    """The keep mask of a draw in one kernel: z = mix64(key + (row start + column) * golden), kept
+    where its top bits reach the threshold; row_starts (rows, 1) and columns (1, width) broadcast
+    inside the kernel, so no index or hash array is ever stored. Exactly uniform() >= p."""
+    z = row_starts + columns
+    z *= golden
+    z += key
+    for shift, multiplier in ((shift_1, mix_1), (shift_2, mix_2)):
+        xp.bitwise_xor(z, xp.right_shift(z, shift), out=z)
+        z *= multiplier
+    xp.bitwise_xor(z, xp.right_shift(z, shift_3), out=z)
+    return xp.right_shift(z, drop_bits) >= threshold
+
+
+#: device row starts and column indices kept per (shape, block, lead): blockwise attention's
+#: blocks and the layers' shapes are the same every step; more than this many is not expected
+_DEVICE_ROWS_KEPT = 512
+
+
+def _on_device(xp, starts, width, kept, key):
+    """(row starts as a (rows, 1) device array, column indices as (1, width)), uploaded once."""
+    kept = {} if kept is None else kept
+    if key not in kept:
+        if len(kept) >= _DEVICE_ROWS_KEPT:
+            kept.clear()
+        kept[key] = (xp.asarray(starts)[:, None], xp.arange(width, dtype=xp.uint64)[None, :])
+    return kept[key]
 
 
 def _layout(shape, dtype, block, lead):
@@ -156,20 +205,21 @@ class DropoutSite:
         backward (blockwise attention) holds it, so its masks stay the forward's even if the
         tracker has moved on."""
         t = self.tracker
-        return FrozenDraw(draw_key(t.keys[self.stream], t.iteration, t.micro_batch, self.site), t.xp)
+        return FrozenDraw(draw_key(t.keys[self.stream], t.iteration, t.micro_batch, self.site), t.xp,
+                          t.device_rows)
 
 
 class FrozenDraw:
     """One draw's key: `random(shape, dtype, block)` as DropoutSite's, at a fixed position."""
 
-    def __init__(self, key, xp):
-        self.key, self.xp = key, xp
+    def __init__(self, key, xp, device_rows=None):
+        self.key, self.xp, self.device_rows = key, xp, device_rows
 
     def random(self, shape, dtype=numpy.float64, block=None, lead=None):
         return uniform(self.key, shape, dtype, self.xp, block, lead)
 
     def keep(self, shape, dtype, p, block=None, lead=None):
-        return keep_mask(self.key, shape, dtype, p, self.xp, block, lead)
+        return keep_mask(self.key, shape, dtype, p, self.xp, block, lead, self.device_rows)
 
 
 class RNGTracker:
@@ -179,6 +229,7 @@ class RNGTracker:
 
     def __init__(self, seed, tp_rank, xp):
         self.xp, self.iteration, self.micro_batch = xp, 0, 0
+        self.device_rows = {}           # keep_mask's device row starts and columns, by draw shape
         mp_seed = seed + MODEL_PARALLEL_SEED_OFFSET + tp_rank
         self.keys = {DEFAULT: draw_key(0, seed), MODEL_PARALLEL: draw_key(0, mp_seed)}
 

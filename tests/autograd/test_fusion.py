@@ -16,6 +16,7 @@ from scipy.special import erf
 import npmegatron.autograd as ag
 from npmegatron.autograd import InputError, Tensor, fusion, gradcheck
 from npmegatron.optim import adamw as optimizer
+from npmegatron.tensor_parallel import random as dropout_random
 
 RNG = np.random.default_rng(0)
 SHAPE = (2, 3, 5)
@@ -124,7 +125,8 @@ UFUNCS = {"add": (np.add, 2), "subtract": (np.subtract, 2), "multiply": (np.mult
           "greater": (np.greater, 2), "greater_equal": (np.greater_equal, 2),
           "equal": (np.equal, 2), "not_equal": (np.not_equal, 2), "exp": (np.exp, 1),
           "log": (np.log, 1), "tanh": (np.tanh, 1), "sqrt": (np.sqrt, 1), "abs": (np.abs, 1),
-          "maximum": (np.maximum, 2), "minimum": (np.minimum, 2), "where": (_where, 3)}
+          "maximum": (np.maximum, 2), "minimum": (np.minimum, 2), "where": (_where, 3),
+          "bitwise_xor": (np.bitwise_xor, 2), "right_shift": (np.right_shift, 2)}
 
 
 def _binary(name, reflected=False, inplace=False):
@@ -188,7 +190,7 @@ def _trace(func, args):
     for a in args:
         if isinstance(a, DeviceArray):
             inputs.append(Proxy(a.array))
-        elif type(a) in (bool, int, float):
+        elif type(a) in (bool, int, float, np.uint64):
             inputs.append(Proxy(a, scalar=True))
         else:
             raise FuseError(f"argument of type {type(a).__name__}: cupy.fuse takes CuPy arrays and "
@@ -291,8 +293,12 @@ def _cases(dtype=np.float64):
         "layer_norm_column_sums": ((g, xhat), lambda: (g * xhat).sum(axis=0) + 1j * g.sum(axis=0)),
         "layer_norm_backward_": ((g, b, xhat, mean_gh * n, mean_ghx * n, square_sum, n, 1e-5, np.empty_like(g)),
                                  lambda: {8: rstd * (gh - mean_gh - xhat * mean_ghx)}),
-        "dropout_add_forward": ((x, u, r, 0.3, 1 / 0.7), lambda: (r + np.where(keep, x / 0.7, 0), keep)),
+        "dropout_add_forward": ((x, keep, r, 1 / 0.7), lambda: r + np.where(keep, x / 0.7, 0)),
         "dropout_backward": ((g, keep, 1 / 0.7), lambda: np.where(keep, g / 0.7, 0)),
+        "hashed_keep": ((np.arange(6, dtype=np.uint64)[:, None] * np.uint64(5), np.arange(5, dtype=np.uint64)[None, :],
+                         np.uint64(0xFEDCBA9876543210), *dropout_random._HASH_CONSTANTS, np.uint64(64 - 53),
+                         np.uint64(math.ceil(0.3 * 2.0 ** 53))),
+                        lambda: dropout_random.uniform(0xFEDCBA9876543210, (6, 5), np.float64, np) >= 0.3),
         "dropout_": ((x.copy(), keep, 1 / 0.7), lambda: {0: np.where(keep, x / 0.7, 0)}),
         "dropout_softmax_backward_": ((g.copy(), y, keep, dot, 1 / 0.7, 0.5),
                                       lambda: {0: 0.5 * y * (np.where(keep, g / 0.7, 0) - dot)}),
@@ -340,7 +346,7 @@ def test_chain_keeps_float32(name):
     arrays = [a for a in (result if isinstance(result, tuple) else (result,)) if a is not None]
     arrays += [a for a in args if isinstance(a, np.ndarray)]
     # a chain's two sums come back as one complex sum (nn.layer_norm_row_sums), in float32's pair
-    assert all(a.dtype in (np.float32, np.bool_, np.complex64) for a in arrays)
+    assert all(a.dtype in (np.float32, np.bool_, np.complex64, np.uint64) for a in arrays)
 
 
 @pytest.mark.parametrize("name", sorted(_cases()))
@@ -350,7 +356,8 @@ def test_chain_compiles_under_strict_fuse_and_gives_the_cpu_results(name, fake_c
     args, _ = _cases()[name]
     cpu_args = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
     cpu = fusion.CHAINS[name](*cpu_args)
-    gpu_args = [DeviceArray(a.copy()) if isinstance(a, np.ndarray) else np.float64(a) for a in args]
+    gpu_args = [DeviceArray(a.copy()) if isinstance(a, np.ndarray) else a if isinstance(a, np.uint64)
+                else np.float64(a) for a in args]
     gpu = fusion.CHAINS[name](*gpu_args)
     gpu = gpu if isinstance(gpu, tuple) or gpu is None else (gpu,)
     cpu = cpu if isinstance(cpu, tuple) or cpu is None else (cpu,)
