@@ -61,6 +61,8 @@ def summary(launches):
             "by_kind": dict(collections.Counter(launch.kind for launch in launches)),
             "by_op": dict(collections.Counter(launch.op for launch in launches).most_common()),
             "hidden_copies": sum(1 for launch in launches if "hidden" in launch.fields),
+            # GEMMs cupy.matmul/dot chose (upcasts, dtype as compute type) rather than autograd/gemm.py
+            "gemms_through_cupy_matmul": sum(1 for launch in gemms if not launch.fields.get("direct")),
             "gemms": dict(collections.Counter(_gemm_key(launch) for launch in gemms).most_common())}
 
 
