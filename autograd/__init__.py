@@ -16,7 +16,7 @@ from .ops import (
     reshape, transpose, split, concatenate, getitem,
     sum, mean, max,
     exp, log, tanh, gelu, bias_gelu,
-    softmax, layer_norm, dropout, dropout_add, embedding, cross_entropy, causal_attention,
+    softmax, layer_norm, dropout, dropout_add, bias_dropout_add, embedding, cross_entropy, causal_attention,
     causal_attention_packed,
 )
 from .gradcheck import gradcheck, numerical_grad
@@ -27,6 +27,6 @@ __all__ = [
     "add", "sub", "mul", "div", "neg", "pow", "matmul", "linear",
     "reshape", "transpose", "split", "concatenate", "getitem",
     "sum", "mean", "max", "exp", "log", "tanh", "gelu", "bias_gelu",
-    "softmax", "layer_norm", "dropout", "dropout_add", "embedding", "cross_entropy",
+    "softmax", "layer_norm", "dropout", "dropout_add", "bias_dropout_add", "embedding", "cross_entropy",
     "causal_attention", "causal_attention_packed", "gradcheck", "numerical_grad",
 ]

@@ -50,7 +50,7 @@ class ParallelAttention(Module):
         self.local_heads = cfg.num_attention_heads // group.size
         self.qkv = ColumnParallelLinear(xp, dtype, h, 3 * h, cfg.init_method_std, group, sp)
         self.proj = RowParallelLinear(xp, dtype, h, h, cfg.init_method_std / math.sqrt(2 * cfg.num_layers),
-                                      group, sp)
+                                      group, sp, skip_bias_add=True)
 
     def forward(self, x, cache=None):
         qkv = self.qkv(x)
@@ -67,7 +67,7 @@ class ParallelAttention(Module):
             k, v = cache.extend(k.data, v.data)
             y = ag.causal_attention(q, k, v, scale, p, site, self.training)
         y = y.transpose(0, 2, 1, 3).reshape(b, t, heads * d)
-        return self.proj(y)
+        return self.proj(y)                        # (output, bias): the block adds the bias
 
 
 class ParallelMLP(Module):
@@ -80,15 +80,18 @@ class ParallelMLP(Module):
         self.fc = ColumnParallelLinear(xp, dtype, cfg.hidden_size, cfg.ffn_hidden_size,
                                        cfg.init_method_std, group, sp, skip_bias_add=True)
         self.proj = RowParallelLinear(xp, dtype, cfg.ffn_hidden_size, cfg.hidden_size,
-                                      cfg.init_method_std / math.sqrt(2 * cfg.num_layers), group, sp)
+                                      cfg.init_method_std / math.sqrt(2 * cfg.num_layers), group, sp,
+                                      skip_bias_add=True)
 
     def forward(self, x):
         h, bias = self.fc(x)
-        return self.proj(ag.bias_gelu(h, bias, self.cfg.gelu))     # one fused chain each way
+        # one fused chain each way; returns (output, bias): the block adds the bias
+        return self.proj(ag.bias_gelu(h, bias, self.cfg.gelu))
 
 
 class Block(Module):
-    """x + drop(attn(ln_1(x))), then x + drop(mlp(ln_2(x))): GPT-2's pre-LayerNorm block."""
+    """x + drop(attn(ln_1(x))), then x + drop(mlp(ln_2(x))): GPT-2's pre-LayerNorm block. Each
+    branch's output bias, dropout and residual add are one fused op (Megatron's bias_dropout_add)."""
 
     def __init__(self, cfg, xp, dtype, group, rng, layer):
         sp = cfg.sequence_parallel
@@ -102,8 +105,8 @@ class Block(Module):
 
     def forward(self, x, cache=None):
         p = self.cfg.hidden_dropout
-        x = ag.dropout_add(self.attn(self.ln_1(x), cache), x, p, self.attn_dropout, self.training)
-        return ag.dropout_add(self.mlp(self.ln_2(x)), x, p, self.mlp_dropout, self.training)
+        x = ag.bias_dropout_add(*self.attn(self.ln_1(x), cache), x, p, self.attn_dropout, self.training)
+        return ag.bias_dropout_add(*self.mlp(self.ln_2(x)), x, p, self.mlp_dropout, self.training)
 
 
 def dropout_rng(cfg, grid, xp):

@@ -69,7 +69,7 @@ def train_on_gpu(mpirun, tmp_path, n, tp, pp, **extra):
     if STRICT:
         assert record["syncs_per_step"] and max(record["syncs_per_step"]) <= HOST_SYNCS_PER_STEP, record
         # The model's elementwise chains ran through cupy.fuse (the stand-in records each).
-        assert {"bias_gelu_tanh", "dropout_add_forward", "adamw_update_"} <= set(record["fused"]), record
+        assert {"bias_gelu_tanh", "bias_dropout_add_forward", "adamw_update_"} <= set(record["fused"]), record
     return record
 
 

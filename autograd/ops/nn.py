@@ -93,6 +93,24 @@ def dropout_add_forward(xp, y, keep, residual, scale):
 
 
 @fused
+def bias_dropout_add_forward(xp, y, bias, keep, residual, scale):
+    """residual + dropout(y + bias), the mask given."""
+    out = y + bias
+    out *= keep
+    out *= scale
+    out += residual
+    return out
+
+
+@fused
+def bias_add_residual(xp, y, bias, residual):
+    """residual + y + bias: the block's branch end without dropout."""
+    out = y + bias
+    out += residual
+    return out
+
+
+@fused
 def dropout_backward(xp, g, keep, scale):
     """The gradient through inverted dropout: g where kept, times 1 / (1 - p)."""
     gx = g * keep
@@ -217,23 +235,53 @@ class DropoutAdd(Function):
 
     @staticmethod
     def forward(ctx, y, residual, p, generator):
-        xp = get_array_module(y)
         ctx.scale = 1.0 / (1.0 - p)
-        if xp is numpy and y.dtype == numpy.float32 and y.size >= COMPILED_DROPOUT_SIZE \
-                and y.shape == residual.shape and y.flags.c_contiguous and residual.flags.c_contiguous:
-            from . import _dropout_cpu              # numba is imported for large arrays only
-            keep = keep_mask(generator, y.shape, y.dtype, p)
-            out = _dropout_cpu.dropout_add(y, keep, residual, ctx.scale)
-        else:
-            keep = keep_mask(generator, y.shape, y.dtype, p)     # one kernel on a GPU
-            out = dropout_add_forward(y, keep, residual, ctx.scale)
+        out, keep = DropoutAdd.masked_sum(y, residual, p, generator)
         ctx.save_for_backward(keep)
         return out
+
+    @staticmethod
+    def masked_sum(y, residual, p, generator):
+        """(residual + dropout(y), keep mask)."""
+        keep = keep_mask(generator, y.shape, y.dtype, p)        # one kernel on a GPU
+        scale = 1.0 / (1.0 - p)
+        if get_array_module(y) is numpy and y.dtype == numpy.float32 and y.size >= COMPILED_DROPOUT_SIZE \
+                and y.shape == residual.shape and y.flags.c_contiguous and residual.flags.c_contiguous:
+            from . import _dropout_cpu              # numba is imported for large arrays only
+            return _dropout_cpu.dropout_add(y, keep, residual, scale), keep
+        return dropout_add_forward(y, keep, residual, scale), keep
 
     @staticmethod
     def backward(ctx, g):
         gy = dropout_backward(g, ctx.saved[0], ctx.scale) if ctx.needs_input_grad[0] else None
         return gy, g
+
+
+class BiasDropoutAdd(Function):
+    """residual + dropout(y + bias): the end of each transformer sub-block, with the row-parallel
+    output's bias (Megatron's bias_dropout_add). One kernel forward on a GPU besides the mask's;
+    with p = 0 (or p = None: not training) one kernel and no mask. The masks are Dropout's."""
+
+    @staticmethod
+    def forward(ctx, y, bias, residual, p, generator):
+        xp = get_array_module(y)
+        ctx.scale = None if p is None else 1.0 / (1.0 - p)
+        if p is None:
+            keep, out = None, bias_add_residual(y, bias, residual)
+        elif xp is numpy:          # the CPU's DropoutAdd path (compiled for large float32 arrays)
+            out, keep = DropoutAdd.masked_sum(y + bias, residual, p, generator)
+        else:
+            keep = keep_mask(generator, y.shape, y.dtype, p)
+            out = bias_dropout_add_forward(y, bias, keep, residual, ctx.scale)
+        ctx.save_for_backward(keep)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (keep,) = ctx.saved
+        need_y, need_bias = ctx.needs_input_grad[:2]
+        gy = g if keep is None else dropout_backward(g, keep, ctx.scale) if need_y or need_bias else None
+        return gy if need_y else None, bias_grad(gy) if need_bias else None, g
 
 
 def check_ids(ids, size, what, fix, ignore_index=None):
@@ -350,6 +398,18 @@ def dropout_add(y, residual, p, generator, training=True):
     if p == 0.0 or not training:
         return residual + y
     return DropoutAdd.apply(y, residual, p=p, generator=generator)
+
+
+def bias_dropout_add(y, bias, residual, p, generator, training=True):
+    """residual + dropout(y + bias, p), fused (BiasDropoutAdd); no mask when p == 0 or not
+    training."""
+    if not 0.0 <= p < 1.0:
+        raise InputError(f"dropout probability {p} is outside [0, 1); use e.g. 0.1")
+    if y.shape != residual.shape or bias.shape != y.shape[-1:]:
+        raise InputError(f"bias_dropout_add needs y and residual of one shape and a bias of y's last "
+                         f"dimension, got {tuple(y.shape)}, {tuple(residual.shape)} and {tuple(bias.shape)}")
+    active = p if p > 0.0 and training else None
+    return BiasDropoutAdd.apply(y, bias, residual, p=active, generator=generator)
 
 
 def embedding(ids, weight):

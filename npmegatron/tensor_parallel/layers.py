@@ -82,12 +82,14 @@ class RowParallelLinear(Module):
     """y = x W + b with the rows (inputs) of W split: each rank multiplies its slice of the
     input, and the partial sums leave the TP region through g (all-reduce forward, identity
     backward), or under sequence parallelism through a reduce-scatter of the sequence. The bias
-    is added once, after the reduction; added before, it would be summed TP times."""
+    is added once, after the reduction; added before, it would be summed TP times. With
+    skip_bias_add, (y, b) are returned apart for the block's fused bias + dropout + residual."""
 
-    def __init__(self, xp, dtype, in_features, out_features, std, group, sequence_parallel=False):
+    def __init__(self, xp, dtype, in_features, out_features, std, group, sequence_parallel=False,
+                 skip_bias_add=False):
         local = divide(in_features, group.size, "input size")
         rows = slice(group.rank * local, (group.rank + 1) * local)
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.group, self.sequence_parallel, self.skip_bias_add = group, sequence_parallel, skip_bias_add
         self.weight = parameter(xp, (local, out_features), dtype)
         self.bias = parameter(xp, (out_features,), dtype)
         self.specs = {"weight": ParamSpec(std, (in_features, out_features), (rows,), tp_axis=0),
@@ -99,7 +101,7 @@ class RowParallelLinear(Module):
             y = reduce_scatter_to_sp_region(partial, self.group)
         else:
             y = reduce_from_tp_region(partial, self.group)
-        return y + self.bias
+        return (y, self.bias) if self.skip_bias_add else y + self.bias
 
 
 class _ShardLookup(Function):

@@ -294,6 +294,8 @@ def _cases(dtype=np.float64):
         "layer_norm_backward_": ((g, b, xhat, mean_gh * n, mean_ghx * n, square_sum, n, 1e-5, np.empty_like(g)),
                                  lambda: {8: rstd * (gh - mean_gh - xhat * mean_ghx)}),
         "dropout_add_forward": ((x, keep, r, 1 / 0.7), lambda: r + np.where(keep, x / 0.7, 0)),
+        "bias_dropout_add_forward": ((x, b, keep, r, 1 / 0.7), lambda: r + np.where(keep, (x + b) / 0.7, 0)),
+        "bias_add_residual": ((x, b, r), lambda: r + (x + b)),
         "dropout_backward": ((g, keep, 1 / 0.7), lambda: np.where(keep, g / 0.7, 0)),
         "hashed_keep": ((np.arange(6, dtype=np.uint64)[:, None] * np.uint64(5), np.arange(5, dtype=np.uint64)[None, :],
                          np.uint64(0xFEDCBA9876543210), *dropout_random._HASH_CONSTANTS, np.uint64(64 - 53),
@@ -439,6 +441,19 @@ def test_dropout_add_equals_residual_plus_dropout_and_gradchecks():
     assert gradcheck(lambda a, c: ag.dropout_add(a, c, 0.4, FixedDraws()), [y, r]) < 1e-6
     np.testing.assert_array_equal(ag.dropout_add(y, r, 0.4, FixedDraws(), training=False).data,
                                   (r + y).data)
+
+
+def test_bias_dropout_add_equals_its_parts_and_gradchecks():
+    y, bias, r = leaf(3, 4, 5), leaf(5), leaf(3, 4, 5)
+    fused = ag.bias_dropout_add(y, bias, r, 0.4, FixedDraws())
+    np.testing.assert_array_equal(fused.data, ag.dropout_add(y + bias, r, 0.4, FixedDraws()).data)
+    assert gradcheck(lambda a, b, c: ag.bias_dropout_add(a, b, c, 0.4, FixedDraws()), [y, bias, r]) < 1e-6
+    for p, training in ((0.0, True), (0.4, False)):
+        assert gradcheck(lambda a, b, c: ag.bias_dropout_add(a, b, c, p, FixedDraws(), training), [y, bias, r]) < 1e-6
+        np.testing.assert_array_equal(ag.bias_dropout_add(y, bias, r, p, FixedDraws(), training).data,
+                                      (r + (y + bias)).data)
+    with pytest.raises(InputError, match="bias of y's last dimension"):
+        ag.bias_dropout_add(y, leaf(4), r, 0.1, FixedDraws())
 
 
 def test_dropout_add_refuses_bad_input():

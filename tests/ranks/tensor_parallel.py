@@ -202,7 +202,7 @@ def dropout_masks(world, grid):
         if id(node) in seen:
             continue
         seen.add(id(node))
-        if node.name in ("Dropout", "DropoutAdd"):        # DropoutAdd: residual + dropout
+        if node.name in ("Dropout", "DropoutAdd", "BiasDropoutAdd"):    # the last two: + residual
             masks["hidden"].append(node.ctx.saved[0])
         if node.name in ("CausalAttention", "PackedCausalAttention"):   # no mask kept: drawn again
             q, k = node.ctx.saved[:2]
@@ -233,7 +233,7 @@ def tape_bytes(world, grid):
         _, loss = model(ids, targets)
         saved = saved_bytes_by_function([loss])
         row[sp] = {"LayerNorm": saved["LayerNorm"],
-                   "Dropout": saved["Dropout"] + saved.get("DropoutAdd", 0)}   # + residual adds
+                   "Dropout": saved["Dropout"] + saved.get("DropoutAdd", 0) + saved.get("BiasDropoutAdd", 0)}
     if world.rank == 0:
         print(json.dumps({"tp": world.size, "without_sp": row[False], "with_sp": row[True]}))
     for fn in ("LayerNorm", "Dropout"):
