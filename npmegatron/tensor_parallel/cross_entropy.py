@@ -8,11 +8,35 @@ import numpy
 from npmegatron import comm
 from npmegatron.autograd import Function, InputError, Tensor
 from npmegatron.autograd.backend import get_array_module
+from npmegatron.autograd.fusion import fused, fused_reduction
 from npmegatron.autograd.ops.nn import check_ids
 
 
+@fused_reduction
+def exp_sum(xp, logits, shift):
+    """sum(exp(logits - shift)) per row, in one kernel: the logits are read, never copied."""
+    return xp.sum(xp.exp(logits - shift), axis=-1)
+
+
+@fused
+def cross_entropy_grad_(xp, logits, shift, sum_exp, target, columns, scale, out):
+    """out = scale * (softmax(logits) - one-hot(target)), the softmax recomputed from the logits
+    instead of kept (so forward copies no logits) and the one-hot made in the kernel by comparing
+    each column index with the row's target column (-1 where another rank holds the target)."""
+    xp.subtract(logits, shift, out=out)
+    xp.exp(out, out=out)
+    out /= sum_exp
+    out -= target == columns
+    out *= scale
+
+
 class _VocabParallelCrossEntropy(Function):
+    """On a GPU the logits (batch x seq x vocabulary, the largest activation) are never copied:
+    forward reads them in a max and one fused exp-sum, backward recomputes the softmax from them
+    (they stay alive as the head's output anyway). On the CPU the softmax is made in place in one
+    copy and kept, and backward reuses it (one exp pass instead of two)."""
     float32_output = True       # the loss stays in float32 under --fp16/--bf16, as Megatron's
+
     @staticmethod
     def forward(ctx, logits, targets, group, vocab_start, vocab_size, reduction):
         xp = get_array_module(logits)
@@ -21,38 +45,56 @@ class _VocabParallelCrossEntropy(Function):
         real = max(0, min(local_vocab, vocab_size - vocab_start))   # columns before the padding
         # Checked before the copy to the device: host targets cost no GPU synchronisation.
         check_ids(targets, vocab_size, "target id", "targets must be token ids of the model's vocabulary")
-        t = xp.asarray(targets).reshape(-1)
+        local_t, mine = _local_targets(xp, xp.asarray(targets).reshape(-1), vocab_start, real, group)
         local_max = flat[:, :real].max(axis=-1) if real else xp.full(flat.shape[0], -xp.inf, flat.dtype)
-        global_max = comm.all_reduce(local_max, group, "max")
-        z = flat - global_max[:, None]
-        if real < local_vocab:
-            z[:, real:] = -xp.inf
-        local_t = t - vocab_start
-        mine = (local_t >= 0) & (local_t < real)
-        local_t = xp.where(mine, local_t, 0)
-        rows = xp.arange(t.size)
-        target_z = comm.all_reduce(xp.where(mine, z[rows, local_t], 0), group)
-        xp.exp(z, out=z)
-        sum_exp = comm.all_reduce(z.sum(axis=-1), group)
-        z /= sum_exp[:, None]                                        # local softmax shard
-        losses = xp.log(sum_exp) - target_z
-        ctx.save_for_backward(z, local_t, mine)
-        ctx.shape, ctx.reduction = logits.shape, reduction
+        global_max = comm.all_reduce(local_max, group, "max")[:, None]
+        target_z = xp.take_along_axis(flat, local_t[:, None], axis=1) - global_max
+        if mine is not None:
+            target_z = xp.where(mine[:, None], target_z, 0)
+        target_z = comm.all_reduce(target_z, group)
+        if xp is numpy:
+            kept = flat[:, :real] - global_max
+            xp.exp(kept, out=kept)
+            sum_exp = comm.all_reduce(kept.sum(axis=-1, keepdims=True), group)
+            kept /= sum_exp                                          # the local softmax shard
+        else:
+            kept = flat
+            sum_exp = comm.all_reduce(exp_sum(flat[:, :real], global_max)[:, None], group)
+        losses = (xp.log(sum_exp) - target_z)[:, 0]
+        ctx.save_for_backward(kept, global_max, sum_exp, local_t, mine)
+        ctx.shape, ctx.reduction, ctx.real = logits.shape, reduction, real
         if reduction == "none":
             return losses.reshape(targets.shape)
         return xp.asarray(losses.mean())
 
     @staticmethod
     def backward(ctx, g):
-        probs, local_t, mine = ctx.saved
-        xp = get_array_module(probs)
-        # The saved softmax is ours alone and freed right after: reuse it as the gradient.
-        probs[xp.arange(local_t.size), local_t] -= mine
-        if ctx.reduction == "none":
-            probs *= g.reshape(-1, 1)
+        kept, global_max, sum_exp, local_t, mine = ctx.saved
+        xp, real, width = get_array_module(kept), ctx.real, ctx.shape[-1]
+        scale = g.reshape(-1, 1) if ctx.reduction == "none" else g / local_t.size
+        if xp is numpy:        # the kept softmax is ours alone and freed right after: reuse it
+            grad = kept if real == width else xp.zeros((local_t.size, width), kept.dtype)
+            if grad is not kept:
+                grad[:, :real] = kept
+            grad[xp.arange(local_t.size), local_t] -= 1 if mine is None else mine
+            grad *= scale
         else:
-            probs *= g / local_t.size
-        return probs.reshape(ctx.shape), None
+            grad = xp.empty((local_t.size, width), kept.dtype)
+            if real < width:
+                grad[:, real:] = 0                     # padded vocabulary columns
+            target = local_t if mine is None else xp.where(mine, local_t, -1)
+            cross_entropy_grad_(kept[:, :real], global_max, sum_exp, target[:, None],
+                                xp.arange(real)[None, :], scale, grad[:, :real])
+        return grad.reshape(ctx.shape), None
+
+
+def _local_targets(xp, t, vocab_start, real, group):
+    """(target column in this rank's shard, which rows' targets it holds, or None for all)."""
+    if group.size == 1 and vocab_start == 0:
+        return t, None         # one shard holds every target (ids are checked below the vocabulary)
+    local_t = t - vocab_start
+    mine = (local_t >= 0) & (local_t < real)
+    return xp.where(mine, local_t, 0), mine
 
 
 def vocab_parallel_cross_entropy(logits, targets, group, vocab_start=0, vocab_size=None,

@@ -110,8 +110,11 @@ class _ShardLookup(Function):
     would need the count of its true elements on the host (a GPU synchronisation)."""
 
     @staticmethod
-    def forward(ctx, ids, weight, start):
+    def forward(ctx, ids, weight, start, whole=False):
         xp = get_array_module(weight)
+        if whole:           # one shard holds every row (TP = 1): a plain gather, no masks
+            ctx.local, ctx.inside, ctx.shape, ctx.dtype = ids, None, weight.shape, weight.dtype
+            return weight[ids]
         local = ids - start
         inside = (local >= 0) & (local < weight.shape[0])
         local = xp.where(inside, local, 0)
@@ -124,7 +127,9 @@ class _ShardLookup(Function):
     def backward(ctx, g):
         xp = get_array_module(g)
         gw = xp.zeros(ctx.shape, ctx.dtype)
-        rows = g.reshape(-1, ctx.shape[1]) * ctx.inside.reshape(-1, 1)   # outside rows add zeros to row 0
+        rows = g.reshape(-1, ctx.shape[1])
+        if ctx.inside is not None:
+            rows = rows * ctx.inside.reshape(-1, 1)      # outside rows add zeros to row 0
         scatter_add(gw, ctx.local.reshape(-1), rows)
         return None, gw
 
@@ -145,7 +150,7 @@ class VocabParallelEmbedding(Module):
                                           tp_axis=0, padded_rows=padded_vocab_size)}
 
     def forward(self, ids):
-        partial = _ShardLookup.apply(ids, self.weight, start=self.vocab_start)
+        partial = _ShardLookup.apply(ids, self.weight, start=self.vocab_start, whole=self.group.size == 1)
         if self.sequence_parallel:
             return reduce_scatter_to_sp_region(partial, self.group)
         return reduce_from_tp_region(partial, self.group)

@@ -103,36 +103,38 @@ class _ReduceScatterToSPRegion(Function):
         return comm.all_gather(g, ctx.group, axis=SEQUENCE_AXIS)
 
 
+# Each mapping is the identity on a group of one rank: no Function is recorded for it then.
+
 def copy_to_tp_region(x, group):
     """f — forward: identity; backward: all-reduce over the TP group."""
-    return _CopyToTPRegion.apply(x, group=group)
+    return x if group.size == 1 else _CopyToTPRegion.apply(x, group=group)
 
 
 def reduce_from_tp_region(x, group):
     """g — forward: all-reduce over the TP group; backward: identity."""
-    return _ReduceFromTPRegion.apply(x, group=group)
+    return x if group.size == 1 else _ReduceFromTPRegion.apply(x, group=group)
 
 
 def scatter_to_tp_region(x, group):
     """forward: keep this rank's block of the last axis; backward: all-gather the last axis."""
-    return _ScatterToTPRegion.apply(x, group=group)
+    return x if group.size == 1 else _ScatterToTPRegion.apply(x, group=group)
 
 
 def gather_from_tp_region(x, group):
     """forward: all-gather the last axis; backward: keep this rank's block of the last axis."""
-    return _GatherFromTPRegion.apply(x, group=group)
+    return x if group.size == 1 else _GatherFromTPRegion.apply(x, group=group)
 
 
 def scatter_to_sp_region(x, group):
     """forward: keep this rank's block of the sequence; backward: all-gather the sequence."""
-    return _ScatterToSPRegion.apply(x, group=group)
+    return x if group.size == 1 else _ScatterToSPRegion.apply(x, group=group)
 
 
 def gather_from_sp_region(x, group):
     """forward: all-gather the sequence; backward: reduce-scatter the sequence."""
-    return _GatherFromSPRegion.apply(x, group=group)
+    return x if group.size == 1 else _GatherFromSPRegion.apply(x, group=group)
 
 
 def reduce_scatter_to_sp_region(x, group):
     """forward: reduce-scatter the sequence; backward: all-gather the sequence."""
-    return _ReduceScatterToSPRegion.apply(x, group=group)
+    return x if group.size == 1 else _ReduceScatterToSPRegion.apply(x, group=group)

@@ -16,6 +16,7 @@ from scipy.special import erf
 import npmegatron.autograd as ag
 from npmegatron.autograd import InputError, Tensor, fusion, gradcheck
 from npmegatron.optim import adamw as optimizer
+from npmegatron.tensor_parallel import cross_entropy  # noqa: F401  (registers its chains)
 from npmegatron.tensor_parallel import random as dropout_random
 
 RNG = np.random.default_rng(0)
@@ -274,7 +275,14 @@ def _cases(dtype=np.float64):
     bias1, bias2 = 1 - b1 ** step, 1 - b2 ** step
     m_new, v_new = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
     p_new = p * (1 - lr * wd) - lr * (m_new / bias1) / (np.sqrt(v_new / bias2) + eps)
+    x2, x2_max = x.reshape(-1, SHAPE[-1]), x.reshape(-1, SHAPE[-1]).max(axis=-1, keepdims=True)
+    x2_sum = np.exp(x2 - x2_max).sum(axis=-1, keepdims=True)
+    target = np.array([0, 4, 2, -1, 1, 3])[:, None]         # -1: the target is another rank's
+    columns = np.arange(SHAPE[-1])[None, :]
     return {
+        "exp_sum": ((x2, x2_max), lambda: np.exp(x2 - x2_max).sum(axis=-1)),
+        "cross_entropy_grad_": ((x2, x2_max, x2_sum, target, columns, 0.5, np.empty_like(x2)),
+                                lambda: {6: 0.5 * (np.exp(x2 - x2_max) / x2_sum - (target == columns))}),
         "gelu_tanh": ((x,), lambda: _gelu_tanh_ref(x)),
         "gelu_tanh_backward": ((g, x, t), lambda: _gelu_tanh_grad_ref(g, x)),
         "bias_gelu_tanh": ((x, b), lambda: _gelu_tanh_ref(x + b)),
@@ -348,7 +356,7 @@ def test_chain_keeps_float32(name):
     arrays = [a for a in (result if isinstance(result, tuple) else (result,)) if a is not None]
     arrays += [a for a in args if isinstance(a, np.ndarray)]
     # a chain's two sums come back as one complex sum (nn.layer_norm_row_sums), in float32's pair
-    assert all(a.dtype in (np.float32, np.bool_, np.complex64, np.uint64) for a in arrays)
+    assert all(a.dtype in (np.float32, np.bool_, np.complex64, np.uint64, np.int64) for a in arrays)
 
 
 @pytest.mark.parametrize("name", sorted(_cases()))
