@@ -6,7 +6,7 @@ pipeline stage may free an output after sending it and still backpropagate throu
 """
 from .backend import get_array_module
 from .errors import InputError
-from .graph import edge_of
+from .graph import AccumulateGrad, edge_of
 
 
 def _count_consumers(roots):
@@ -74,15 +74,22 @@ def backward(tensors, grad_tensors=None):
 
     consumers = _count_consumers(roots)
     ready = [n for n in dict.fromkeys(roots) if consumers.get(n, 0) == 0]
+    owned = {}       # id -> gradient array no one but this walk holds (kept alive, so ids stay unique)
     while ready:
         node = ready.pop()
         grads = buffers.pop(node)
-        for edge, g in zip(node.edges, node.run(grads)):
+        # a node may pass an incoming gradient on (Add gives it to both inputs): owned no more
+        mine = [owned.pop(id(g), None) is not None for g in grads if g is not None]
+        if isinstance(node, AccumulateGrad):
+            results = node.run(grads, adopt=all(mine))
+        else:
+            results = node.run(grads)
+        for position, (edge, g) in enumerate(zip(node.edges, results)):
             if edge is None:
                 continue
             child, index = edge
             if g is not None:
-                _accumulate(buffers, child, index, g)
+                _accumulate(buffers, child, index, g, owned, position in getattr(node, "fresh_grads", ()))
             consumers[child] -= 1
             if consumers[child] == 0:
                 if child in buffers:
@@ -111,9 +118,20 @@ def _make_accumulator(t):
     return edge_of(t)[0]
 
 
-def _accumulate(buffers, node, index, g):
+def _accumulate(buffers, node, index, g, owned=None, fresh=False):
+    """Add g into the node's slot. `owned` records which slot arrays only this walk holds: a fresh
+    gradient (Context.mark_fresh) and every sum made here; an AccumulateGrad takes those as its
+    leaf's .grad without a copy (one kernel a parameter on a GPU)."""
     slots = buffers.get(node)
     if slots is None:
         slots = buffers[node] = [None] * getattr(node, "n_outputs", 1)
-    # out of place: g may be shared with another consumer of the same backward result
-    slots[index] = g if slots[index] is None else slots[index] + g
+    if slots[index] is None:
+        slots[index] = g
+    else:
+        if owned is not None:
+            owned.pop(id(slots[index]), None)
+        # out of place: g may be shared with another consumer of the same backward result
+        slots[index] = g = slots[index] + g
+        fresh = True
+    if fresh and owned is not None:
+        owned[id(g)] = g

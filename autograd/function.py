@@ -16,9 +16,16 @@ class Context:
     def __init__(self, needs_input_grad):
         self.needs_input_grad = needs_input_grad
         self.saved = ()
+        self.fresh_grads = ()
 
     def save_for_backward(self, *arrays):
         self.saved = arrays
+
+    def mark_fresh(self, *indices):
+        """Backward's gradients for these inputs are arrays it made and keeps no other reference
+        to (a GEMM's or a reduction's result, not a view of an incoming gradient): a leaf may take
+        one as its .grad without the copy (engine.py)."""
+        self.fresh_grads = indices
 
 
 class Node:
@@ -31,6 +38,7 @@ class Node:
         self.n_outputs = n_outputs
         self.name = function.__name__
         self.storage = None         # the 16-bit format its input gradients are rounded to
+        self.fresh_grads = ()       # the last run's ctx.fresh_grads
 
     def run(self, grads):
         if self.ctx is None:
@@ -40,6 +48,7 @@ class Node:
             result = _profile.timed(self.name, 1, lambda: self.function.backward(self.ctx, *grads))
         else:
             result = self.function.backward(self.ctx, *grads)
+        self.fresh_grads = self.ctx.fresh_grads
         self.ctx = None     # drop saved arrays as soon as they are used
         result = result if isinstance(result, tuple) else (result,)
         if self.storage is not None:    # gradients of 16-bit activations are 16-bit (precision.py)

@@ -15,14 +15,15 @@ class AccumulateGrad:
         self.edges = ()
         self.hooks = []
 
-    def run(self, grads):
+    def run(self, grads, adopt=False):
         (g,) = grads
         leaf = self.leaf
         # The first gradient is copied: backward functions may hand the same array to several
-        # inputs, and a leaf's grad must be its own (optimizers and all-reduces write into it).
-        # Later ones are added in place: grad may be a view into a data-parallel bucket.
+        # inputs, and a leaf's grad must be its own (optimizers and all-reduces write into it),
+        # unless the engine knows no one else holds it (`adopt`: engine._accumulate). Later ones
+        # are added in place: grad may be a view into a data-parallel bucket.
         if leaf.grad is None:
-            leaf.grad = g.copy()
+            leaf.grad = g if adopt else g.copy()
         else:
             leaf.grad += g
         for hook in self.hooks:

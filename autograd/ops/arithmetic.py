@@ -185,6 +185,7 @@ class Linear(Function):
 
     @staticmethod
     def parameter_grads(ctx, g):
+        ctx.mark_fresh(1, 2)            # a GEMM's and a reduction's results (engine.py)
         x, _ = ctx.saved
         need = ctx.needs_input_grad
         gw = _weight_grad(x, g) if need[1] else None

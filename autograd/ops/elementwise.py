@@ -210,6 +210,7 @@ class BiasGelu(Function):
 
     @staticmethod
     def backward(ctx, g):
+        ctx.mark_fresh(0, 1)            # both made here: the chain's output and a reduction
         if ctx.compiled:
             from . import _gelu_cpu
             gy, gb = _gelu_cpu.backward(g, *ctx.saved)

@@ -172,6 +172,7 @@ class LayerNorm(Function):
     @staticmethod
     def backward(ctx, g):
         xhat, statistic, weight = ctx.saved        # statistic: rstd (compiled) or the square sum
+        ctx.mark_fresh(1, 2)            # made here (two parts of one complex sum on a GPU)
         need_x, need_w, need_b = ctx.needs_input_grad
         g2 = g.reshape(xhat.shape)
         if ctx.compiled:
@@ -280,6 +281,7 @@ class BiasDropoutAdd(Function):
     def backward(ctx, g):
         (keep,) = ctx.saved
         need_y, need_bias = ctx.needs_input_grad[:2]
+        ctx.mark_fresh(1)               # the bias's reduction (y's may be g itself)
         gy = g if keep is None else dropout_backward(g, keep, ctx.scale) if need_y or need_bias else None
         return gy if need_y else None, bias_grad(gy) if need_bias else None, g
 
@@ -321,6 +323,7 @@ class Embedding(Function):
         xp = get_array_module(g)
         gw = xp.zeros(ctx.shape, ctx.dtype)
         scatter_add(gw, ctx.ids.reshape(-1), g.reshape(-1, ctx.shape[1]))
+        ctx.mark_fresh(1)
         return None, gw
 
 

@@ -127,6 +127,7 @@ class _ShardLookup(Function):
     def backward(ctx, g):
         xp = get_array_module(g)
         gw = xp.zeros(ctx.shape, ctx.dtype)
+        ctx.mark_fresh(1)
         rows = g.reshape(-1, ctx.shape[1])
         if ctx.inside is not None:
             rows = rows * ctx.inside.reshape(-1, 1)      # outside rows add zeros to row 0
