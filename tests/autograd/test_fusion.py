@@ -281,6 +281,7 @@ def _cases(dtype=np.float64):
     columns = np.arange(SHAPE[-1])[None, :]
     return {
         "exp_sum": ((x2, x2_max), lambda: np.exp(x2 - x2_max).sum(axis=-1)),
+        "square_sum": ((x,), lambda: (x * x).sum()),
         "cross_entropy_grad_": ((x2, x2_max, x2_sum, target, columns, 0.5, np.empty_like(x2)),
                                 lambda: {6: 0.5 * (np.exp(x2 - x2_max) / x2_sum - (target == columns))}),
         "gelu_tanh": ((x,), lambda: _gelu_tanh_ref(x)),
