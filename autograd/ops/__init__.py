@@ -3,7 +3,8 @@ from .arithmetic import add, sub, mul, div, neg, pow, matmul, linear
 from .shape import reshape, transpose, split, concatenate, getitem
 from .reduce import sum, mean, max
 from .elementwise import exp, log, tanh, gelu, bias_gelu
-from .nn import softmax, layer_norm, dropout, dropout_add, bias_dropout_add, embedding, cross_entropy
+from .dropouts import dropout, dropout_add, bias_dropout_add
+from .nn import softmax, layer_norm, embedding, cross_entropy
 from .attention import causal_attention, causal_attention_packed
 from ..tensor import Tensor
 

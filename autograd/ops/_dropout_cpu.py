@@ -1,5 +1,5 @@
 """residual + dropout(y) on the CPU in float32, compiled by numba: one pass over the rows,
-shared among the CPU budget's threads, where the chain (nn.dropout_add_forward) makes four NumPy
+shared among the CPU budget's threads, where the chain (dropouts.dropout_add_forward) makes four NumPy
 passes with temporaries after the draw wrote its numbers. The keep mask comes made (random's
 keep_mask hashes and compares in one pass). The arithmetic is the chain's, operation by
 operation and without fused multiply-adds, so the two agree bitwise (tested)."""

@@ -13,7 +13,8 @@ from ..function import Function
 from ..fusion import fused
 from ..gemm import matmul
 from ..threads import cpu_threads
-from .nn import _causal_bias, exp_shifted_, keep_mask, softmax_backward
+from .dropouts import keep_mask
+from .nn import _causal_bias, exp_shifted_, softmax_backward
 
 #: Query rows per block, measured forward + backward in float32 on 2 CPU cores (b=8, heads=8,
 #: t=256, d=64; and t=1024 at b=1): at t=256, 64 and 128 rows tie with each other and with the
@@ -247,7 +248,7 @@ def causal_attention(q, k, v, scale, dropout_p, dropout_site, training=True, blo
 
     dropout_site: `random(shape, dtype, block, lead)` giving the same numbers every call (it is
     called again in backward), e.g. DropoutSite.frozen(), whose `keep` makes the masks without
-    the numbers (nn.keep_mask); masks are drawn for the full (b, heads, t_q, t_k) probabilities,
+    the numbers (dropouts.keep_mask); masks are drawn for the full (b, heads, t_q, t_k) probabilities,
     block by block, so they equal Dropout's on the dense probabilities."""
     if not 0.0 <= dropout_p < 1.0:
         raise InputError(f"dropout probability {dropout_p} is outside [0, 1); use e.g. 0.1")

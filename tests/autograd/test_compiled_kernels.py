@@ -7,7 +7,8 @@ import pytest
 
 import npmegatron.autograd as ag
 from npmegatron.autograd import Tensor
-from npmegatron.autograd.ops import _attention_cpu, _dropout_cpu, _gelu_cpu, attention, elementwise, nn
+from npmegatron.autograd.ops import _attention_cpu, _dropout_cpu, _gelu_cpu, attention, elementwise
+from npmegatron.autograd.ops import dropouts as dropout_ops
 from npmegatron.autograd.ops.elementwise import bias_gelu_tanh, bias_gelu_tanh_backward
 from npmegatron.tensor_parallel.random import MODEL_PARALLEL, RNGTracker
 from npmegatron.optim import _adamw_cpu
@@ -90,7 +91,7 @@ def test_dropout_kernels_equal_the_chains_bitwise():
     assert np.array_equal(got_g, want_g) and np.array_equal(got_y, want_y)
 
     keep = RNG.random(z.shape).astype(np.float32) >= 0.3
-    want_out = nn.dropout_add_forward(z, keep, residual, 1 / 0.7)
+    want_out = dropout_ops.dropout_add_forward(z, keep, residual, 1 / 0.7)
     assert np.array_equal(_dropout_cpu.dropout_add(z, keep, residual, 1 / 0.7), want_out)
 
 
@@ -100,16 +101,16 @@ def test_dropout_add_op_takes_the_kernel_with_the_chains_masks_and_values():
     tracker = RNGTracker(seed=3, tp_rank=0, xp=np)
     y64, r64 = RNG.standard_normal((2, 2, 128, 256))
     results = []
-    for size in (nn.COMPILED_DROPOUT_SIZE, 1 << 62):
-        nn.COMPILED_DROPOUT_SIZE = size
+    for size in (dropout_ops.COMPILED_DROPOUT_SIZE, 1 << 62):
+        dropout_ops.COMPILED_DROPOUT_SIZE = size
         try:
             y, r = Tensor(y64.astype(np.float32), requires_grad=True), Tensor(r64.astype(np.float32), requires_grad=True)
-            out = nn.DropoutAdd.apply(y, r, p=0.25, generator=tracker.site(MODEL_PARALLEL, 2))
+            out = dropout_ops.DropoutAdd.apply(y, r, p=0.25, generator=tracker.site(MODEL_PARALLEL, 2))
             out.backward(np.ones(out.shape, np.float32))
             results.append((out.data, y.grad, r.grad))
         finally:
-            nn.COMPILED_DROPOUT_SIZE = 1 << 16
-    assert y64.size >= nn.COMPILED_DROPOUT_SIZE
+            dropout_ops.COMPILED_DROPOUT_SIZE = 1 << 16
+    assert y64.size >= dropout_ops.COMPILED_DROPOUT_SIZE
     for got, want in zip(*results):
         assert np.array_equal(got, want)
 

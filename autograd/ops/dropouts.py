@@ -1,0 +1,171 @@
+"""Dropout (paper Appendix B.2 draws its masks; npmegatron/tensor_parallel/random.py makes
+them): plain, fused with the residual add, and fused with the row-parallel output's bias and the
+residual add (Megatron's bias_dropout_add), the end of each transformer branch. The masks come
+from the generator passed in, so callers decide which RNG stream."""
+import numpy
+
+from ..backend import get_array_module
+from ..errors import InputError
+from ..function import Function
+from ..fusion import fused
+from .arithmetic import bias_grad
+
+
+@fused
+def dropout_add_forward(xp, y, keep, residual, scale):
+    """residual + dropout(y): y where kept, scaled by 1 / (1 - p), as Dropout does with the same
+    keep mask."""
+    out = y * keep
+    out *= scale
+    out += residual
+    return out
+
+
+@fused
+def bias_dropout_add_forward(xp, y, bias, keep, residual, scale):
+    """residual + dropout(y + bias), the mask given."""
+    out = y + bias
+    out *= keep
+    out *= scale
+    out += residual
+    return out
+
+
+@fused
+def bias_add_residual(xp, y, bias, residual):
+    """residual + y + bias: the block's branch end without dropout."""
+    out = y + bias
+    out += residual
+    return out
+
+
+@fused
+def dropout_backward(xp, g, keep, scale):
+    """The gradient through inverted dropout: g where kept, times 1 / (1 - p)."""
+    gx = g * keep
+    gx *= scale
+    return gx
+
+
+def keep_mask(generator, shape, dtype, p, **where):
+    """Dropout's keep mask generator.random(shape, dtype, **where) >= p, made by the generator's
+    own `keep` where it has one (npmegatron's draws hash and compare in one pass on the CPU)."""
+    keep = getattr(generator, "keep", None)
+    if keep is not None:
+        return keep(shape, dtype, p, **where)
+    return generator.random(shape, dtype, **where) >= p
+
+
+#: residual + dropout(y) of float32 arrays this large runs the compiled CPU kernel (_dropout_cpu.py).
+COMPILED_DROPOUT_SIZE = 1 << 16
+
+
+class Dropout(Function):
+    """Zero each element with probability p and scale the rest by 1/(1-p); the mask is drawn
+    from the generator passed in, so callers decide which RNG stream (paper Appendix B.2)."""
+
+    @staticmethod
+    def forward(ctx, x, p, generator):
+        keep = keep_mask(generator, x.shape, x.dtype, p)
+        if get_array_module(x) is not get_array_module(keep):
+            keep = get_array_module(x).asarray(keep)
+        ctx.scale = x.dtype.type(1.0 / (1.0 - p))
+        ctx.save_for_backward(keep)
+        out = x * keep
+        out *= ctx.scale
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        gx = g * ctx.saved[0]
+        gx *= ctx.scale
+        return gx
+
+
+class DropoutAdd(Function):
+    """residual + dropout(y) in one pass (the end of each transformer sub-block). It draws the
+    same uniforms from the generator as Dropout, so the masks, and the model, are unchanged."""
+
+    @staticmethod
+    def forward(ctx, y, residual, p, generator):
+        ctx.scale = 1.0 / (1.0 - p)
+        out, keep = DropoutAdd.masked_sum(y, residual, p, generator)
+        ctx.save_for_backward(keep)
+        return out
+
+    @staticmethod
+    def masked_sum(y, residual, p, generator):
+        """(residual + dropout(y), keep mask)."""
+        keep = keep_mask(generator, y.shape, y.dtype, p)        # one kernel on a GPU
+        scale = 1.0 / (1.0 - p)
+        if get_array_module(y) is numpy and y.dtype == numpy.float32 and y.size >= COMPILED_DROPOUT_SIZE \
+                and y.shape == residual.shape and y.flags.c_contiguous and residual.flags.c_contiguous:
+            from . import _dropout_cpu              # numba is imported for large arrays only
+            return _dropout_cpu.dropout_add(y, keep, residual, scale), keep
+        return dropout_add_forward(y, keep, residual, scale), keep
+
+    @staticmethod
+    def backward(ctx, g):
+        gy = dropout_backward(g, ctx.saved[0], ctx.scale) if ctx.needs_input_grad[0] else None
+        return gy, g
+
+
+class BiasDropoutAdd(Function):
+    """residual + dropout(y + bias): the end of each transformer sub-block, with the row-parallel
+    output's bias (Megatron's bias_dropout_add). One kernel forward on a GPU besides the mask's;
+    with p = 0 (or p = None: not training) one kernel and no mask. The masks are Dropout's."""
+
+    @staticmethod
+    def forward(ctx, y, bias, residual, p, generator):
+        xp = get_array_module(y)
+        ctx.scale = None if p is None else 1.0 / (1.0 - p)
+        if p is None:
+            keep, out = None, bias_add_residual(y, bias, residual)
+        elif xp is numpy:          # the CPU's DropoutAdd path (compiled for large float32 arrays)
+            out, keep = DropoutAdd.masked_sum(y + bias, residual, p, generator)
+        else:
+            keep = keep_mask(generator, y.shape, y.dtype, p)
+            out = bias_dropout_add_forward(y, bias, keep, residual, ctx.scale)
+        ctx.save_for_backward(keep)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (keep,) = ctx.saved
+        need_y, need_bias = ctx.needs_input_grad[:2]
+        ctx.mark_fresh(1)               # the bias's reduction (y's may be g itself)
+        gy = g if keep is None else dropout_backward(g, keep, ctx.scale) if need_y or need_bias else None
+        return gy if need_y else None, bias_grad(gy) if need_bias else None, g
+
+
+def dropout(x, p, generator, training=True):
+    """Inverted dropout; identity when p == 0 or not training."""
+    if not 0.0 <= p < 1.0:
+        raise InputError(f"dropout probability {p} is outside [0, 1); use e.g. 0.1")
+    if p == 0.0 or not training:
+        return x
+    return Dropout.apply(x, p=p, generator=generator)
+
+
+def dropout_add(y, residual, p, generator, training=True):
+    """residual + dropout(y, p), fused; plain residual + y when p == 0 or not training."""
+    if not 0.0 <= p < 1.0:
+        raise InputError(f"dropout probability {p} is outside [0, 1); use e.g. 0.1")
+    if y.shape != residual.shape:
+        raise InputError(f"dropout_add needs y and residual of one shape, got {tuple(y.shape)} and "
+                         f"{tuple(residual.shape)}")
+    if p == 0.0 or not training:
+        return residual + y
+    return DropoutAdd.apply(y, residual, p=p, generator=generator)
+
+
+def bias_dropout_add(y, bias, residual, p, generator, training=True):
+    """residual + dropout(y + bias, p), fused (BiasDropoutAdd); no mask when p == 0 or not
+    training."""
+    if not 0.0 <= p < 1.0:
+        raise InputError(f"dropout probability {p} is outside [0, 1); use e.g. 0.1")
+    if y.shape != residual.shape or bias.shape != y.shape[-1:]:
+        raise InputError(f"bias_dropout_add needs y and residual of one shape and a bias of y's last "
+                         f"dimension, got {tuple(y.shape)}, {tuple(residual.shape)} and {tuple(bias.shape)}")
+    active = p if p > 0.0 and training else None
+    return BiasDropoutAdd.apply(y, bias, residual, p=active, generator=generator)
