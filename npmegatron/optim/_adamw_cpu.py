@@ -18,10 +18,10 @@ _OPTIONS = dict(cache=True, error_model="numpy", fastmath={"contract"})
 
 
 @numba.njit(**_OPTIONS)
-def _update_slice(p, g, m, v, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, rsqrt_bias2, eps,
-                  step_size):
+def _update_slice(p, g, m, v, grad_scale, decay, beta1, one_minus_beta1, beta2, one_minus_beta2,
+                  rsqrt_bias2, eps, step_size):
     for i in range(p.size):
-        gi = g[i]
+        gi = g[i] * grad_scale
         mi = beta1 * m[i] + one_minus_beta1 * gi
         vi = beta2 * v[i] + one_minus_beta2 * (gi * gi)
         m[i] = mi

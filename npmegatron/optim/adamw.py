@@ -10,11 +10,13 @@ from ..autograd.fusion import fused, fused_reduction
 
 
 @fused
-def adamw_update_(xp, p, g, m, v, decay, beta1, one_minus_beta1, beta2, one_minus_beta2,
+def adamw_update_(xp, p, g, m, v, grad_scale, decay, beta1, one_minus_beta1, beta2, one_minus_beta2,
                   rsqrt_bias2, eps, step_size):
     """One AdamW step on one parameter, in place on p, m and v (one kernel on the GPU):
-    p = decay p - step_size m / (sqrt(v) / sqrt(bias2) + eps) after the moment updates. Every
-    scalar is computed on the host (see fusion.py); `t` is the one temporary, reused."""
+    p = decay p - step_size m / (sqrt(v) / sqrt(bias2) + eps) after the moment updates, with the
+    gradient times grad_scale (unscaling and clipping, applied here rather than in a pass of
+    their own over the gradients). Every scalar is computed on the host (see fusion.py)."""
+    g = g * grad_scale
     t = g * one_minus_beta1
     m *= beta1
     m += t
@@ -64,6 +66,12 @@ class AdamW:
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.storage = storage
         self.step_count = 0
+        self.grad_scale = 1.0       # what the next step multiplies the gradients by (scale_gradients)
+
+    def scale_gradients(self, factor):
+        """Multiply the gradients by `factor` in the next step's update itself (clip_gradients):
+        the same numbers as scaling them first, without a kernel a parameter to do it."""
+        self.grad_scale *= factor
 
     def hyperparameters(self):
         """Step count and settings, JSON-able (the checkpoint manifest's "optimizer")."""
@@ -103,13 +111,14 @@ class AdamW:
 
     def step(self, lr=None):
         lr = self._advance(lr)
+        grad_scale, self.grad_scale = self.grad_scale, 1.0
         for i, (p, m, v) in enumerate(zip(self.params, self.exp_avg, self.exp_avg_sq)):
             if p.grad is None:
                 continue
             if self.master is None:
-                self._update(p, p.data, p.grad, m, v, lr)
+                self._update(p, p.data, p.grad, m, v, lr, grad_scale)
             else:
-                self._update(p, self.master[i], p.grad, m, v, lr)
+                self._update(p, self.master[i], p.grad, m, v, lr, grad_scale)
                 publish_rounded(p.data, self.master[i], self.storage)
 
     def _advance(self, lr):
@@ -117,12 +126,13 @@ class AdamW:
         self.step_count += 1
         return self.lr if lr is None else lr
 
-    def _update(self, p, data, grad, m, v, lr):
-        """The update of `data` (all of parameter p, or a block of it) from grad, in place on m, v."""
+    def _update(self, p, data, grad, m, v, lr, grad_scale=1.0):
+        """The update of `data` (all of parameter p, or a block of it) from grad times grad_scale,
+        in place on m, v."""
         beta1, beta2 = self.betas
         bias1, bias2 = 1 - beta1 ** self.step_count, 1 - beta2 ** self.step_count
         decay = 1 - lr * self.weight_decay if self.weight_decay and p.ndim >= 2 else 1.0
-        _update_for(data, grad)(data, grad, m, v, decay, beta1, 1 - beta1, beta2, 1 - beta2,
+        _update_for(data, grad)(data, grad, m, v, grad_scale, decay, beta1, 1 - beta1, beta2, 1 - beta2,
                                 1 / math.sqrt(bias2), self.eps, lr / bias1)
 
 
@@ -187,10 +197,13 @@ def gradient_factor(norm, max_norm, loss_scale=1.0):
     return None if factor == 1.0 else factor
 
 
-def clip_gradients(params, norm, max_norm, loss_scale=1.0):
-    """Unscale the gradients and clip them to max_norm (norm: their unscaled norm, a host float)."""
+def clip_gradients(params, norm, max_norm, loss_scale=1.0, optimizer=None):
+    """Unscale the gradients and clip them to max_norm (norm: their unscaled norm, a host float):
+    inside the next update of an optimizer that can (AdamW.scale_gradients), else in place."""
     factor = gradient_factor(norm, max_norm, loss_scale)
-    if factor is not None:
+    if factor is not None and hasattr(optimizer, "scale_gradients"):
+        optimizer.scale_gradients(factor)
+    elif factor is not None:
         for p in params:
             if p.grad is not None:
                 p.grad *= p.dtype.type(factor)

@@ -58,7 +58,8 @@ def sum_losses(model, loss_sum):
 
 def clip_after_step(model, params, loss_sum, norm_skip, max_norm, optimizer=None, loss_scale=1.0):
     """(summed loss, gradient norm before clipping) as host floats, the gradients unscaled (from
-    a loss scaled by `loss_scale`) and clipped to max_norm. Both numbers reach the host together:
+    a loss scaled by `loss_scale`) and clipped to max_norm, by the optimizer's next update where it
+    can (AdamW.scale_gradients). Both numbers reach the host together:
     the step's one synchronisation. A norm that is not finite (a 16-bit overflow) leaves the
     gradients as they are. A distributed optimizer (data_parallel/distributed_optimizer.py)
     measures and clips its blocks."""
@@ -73,5 +74,5 @@ def clip_after_step(model, params, loss_sum, norm_skip, max_norm, optimizer=None
     if sharded:
         optimizer.clip(norm, max_norm, loss_scale)
     else:
-        clip_gradients(params, norm, max_norm, loss_scale)
+        clip_gradients(params, norm, max_norm, loss_scale, optimizer)
     return loss_total, norm

@@ -313,7 +313,7 @@ def _cases(dtype=np.float64):
         "dropout_": ((x.copy(), keep, 1 / 0.7), lambda: {0: np.where(keep, x / 0.7, 0)}),
         "dropout_softmax_backward_": ((g.copy(), y, keep, dot, 1 / 0.7, 0.5),
                                       lambda: {0: 0.5 * y * (np.where(keep, g / 0.7, 0) - dot)}),
-        "adamw_update_": ((p.copy(), g, m.copy(), v.copy(), 1 - lr * wd, b1, 1 - b1, b2, 1 - b2,
+        "adamw_update_": ((p.copy(), g / 0.5, m.copy(), v.copy(), 0.5, 1 - lr * wd, b1, 1 - b1, b2, 1 - b2,
                            1 / math.sqrt(bias2), eps, lr / bias1),
                           lambda: {0: p_new, 2: m_new, 3: v_new}),
     }
