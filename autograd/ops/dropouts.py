@@ -4,11 +4,11 @@ residual add (Megatron's bias_dropout_add), the end of each transformer branch. 
 from the generator passed in, so callers decide which RNG stream."""
 import numpy
 
+from .. import precision
 from ..backend import get_array_module
 from ..errors import InputError
 from ..function import Function
 from ..fusion import fused
-from .arithmetic import bias_grad
 
 
 @fused
@@ -119,7 +119,16 @@ class BiasDropoutAdd(Function):
     def forward(ctx, y, bias, residual, p, generator):
         xp = get_array_module(y)
         ctx.scale = None if p is None else 1.0 / (1.0 - p)
-        if p is None:
+        storage = ctx.storage = precision.active()
+        if storage is not None:
+            # 16-bit storage by rounding keeps the numbers of the two ops this one fuses: y + bias
+            # on the 16-bit grid before the residual is added (precision.py)
+            y_bias = precision.round_(y + bias, storage)
+            if p is None:
+                keep, out = None, residual + y_bias
+            else:
+                out, keep = DropoutAdd.masked_sum(y_bias, residual, p, generator)
+        elif p is None:
             keep, out = None, bias_add_residual(y, bias, residual)
         elif xp is numpy:          # the CPU's DropoutAdd path (compiled for large float32 arrays)
             out, keep = DropoutAdd.masked_sum(y + bias, residual, p, generator)
@@ -135,7 +144,12 @@ class BiasDropoutAdd(Function):
         need_y, need_bias = ctx.needs_input_grad[:2]
         ctx.mark_fresh(1)               # the bias's reduction (y's may be g itself)
         gy = g if keep is None else dropout_backward(g, keep, ctx.scale) if need_y or need_bias else None
-        return gy if need_y else None, bias_grad(gy) if need_bias else None, g
+        if need_bias and ctx.storage is not None:      # the unfused ops' numbers, as in forward
+            gy = precision.round_(gy, ctx.storage)
+        # the bias's gradient summed over the leading axes as Add's backward summed it, so the
+        # numbers are the unfused ops' (one reduction kernel on a GPU either way)
+        gb = gy.sum(axis=tuple(range(gy.ndim - 1))) if need_bias else None
+        return gy if need_y else None, gb, g
 
 
 def dropout(x, p, generator, training=True):

@@ -18,10 +18,10 @@ _OPTIONS = dict(cache=True, error_model="numpy", fastmath={"contract"})
 
 
 @numba.njit(**_OPTIONS)
-def _update_slice(p, g, m, v, grad_scale, decay, beta1, one_minus_beta1, beta2, one_minus_beta2,
-                  rsqrt_bias2, eps, step_size):
+def _update_slice(p, g, m, v, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, rsqrt_bias2, eps,
+                  step_size):
     for i in range(p.size):
-        gi = g[i] * grad_scale
+        gi = g[i]
         mi = beta1 * m[i] + one_minus_beta1 * gi
         vi = beta2 * v[i] + one_minus_beta2 * (gi * gi)
         m[i] = mi
@@ -37,7 +37,11 @@ def _update(p, g, m, v, *scalars):
         _update_slice(p[part], g[part], m[part], v[part], *scalars)
 
 
-def adamw_update_(p, g, m, v, *scalars):
-    """optimizer.adamw_update_'s step on contiguous float32 arrays, in place on p, m and v."""
+def adamw_update_(p, g, m, v, grad_scale, *scalars):
+    """optimizer.adamw_update_'s step on contiguous float32 arrays, in place on p, m and v. The
+    gradient is scaled in a pass of its own here (a multiply inside the loop changes which
+    products the compiler fuses into multiply-adds, and so the numbers)."""
     use_numba_threads()
+    if grad_scale != 1.0:
+        g = g * numpy.float32(grad_scale)
     _update(p.reshape(-1), g.reshape(-1), m.reshape(-1), v.reshape(-1), *map(numpy.float32, scalars))
