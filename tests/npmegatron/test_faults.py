@@ -133,6 +133,9 @@ def test_a_killed_rank_is_named_once_with_the_checkpoint_to_resume_from(tmp_path
     log, ck = str(tmp_path / "log.jsonl"), tmp_path / "ck"
     job = start(2, FOREVER + ["--tp", "2", "--log-file", log, "--save", str(ck), "--save-interval", "1"])
     wait_for_training(job, log, iterations=2)
+    deadline = time.monotonic() + 30                    # the first checkpoint is in place
+    while not (ck / "latest").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
     ranks = rank_pids(log)
     (watched,) = sentinels_of(ranks).values()           # one sentinel, beside rank 0
     pid = next(pid for pid, rank in watched.items() if rank == victim)
