@@ -7,8 +7,12 @@ PyTorch is not a dependency of npmegatron: run this with a Python that has torch
 
 and `npmegatron bench step --threads 2` right before or after it. The model is GPT-2 as
 npmegatron builds it: pre-LayerNorm blocks, fused QKV, tanh GeLU, learned positions, tied output
-layer, dropout 0, float32, with `scaled_dot_product_attention(is_causal=True)` and AdamW. One step
-is zero_grad, forward, loss, backward and the optimizer step, as in bench step.
+layer, dropout 0, with `scaled_dot_product_attention(is_causal=True)` and AdamW. One step is
+zero_grad, forward, loss, backward and the optimizer step, as in bench step.
+
+On a GPU (`--device cuda`) the optimizer is fused AdamW, `--precision tf32` lets float32 matmuls
+use TF32 and `--precision bf16` runs forward under bfloat16 autocast with float32 parameters (as
+`npmegatron ... --bf16` keeps an FP32 master); `--compile` adds torch.compile.
 """
 import argparse
 import json
@@ -45,7 +49,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(hidden)
 
     def forward(self, ids, targets):
-        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1]))
+        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
         for block in self.blocks:
             x = block(x)
         logits = self.ln_f(x) @ self.wte.weight.T
@@ -58,24 +62,37 @@ def main():
                           ("seq-length", 256), ("micro-batch-size", 8), ("vocab-size", 256),
                           ("threads", 2), ("warmup", 2), ("iters", 5)):
         parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--precision", choices=["fp32", "tf32", "bf16"], default="fp32")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    torch.backends.cuda.matmul.allow_tf32 = args.precision == "tf32"
     torch.manual_seed(0)
     model = GPT(args.num_layers, args.hidden_size, args.num_attention_heads, args.seq_length,
-                args.vocab_size)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ids = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length + 1))
+                args.vocab_size).to(args.device)
+    cuda = args.device == "cuda"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
+    step_model = torch.compile(model) if args.compile else model
+    ids = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length + 1), device=args.device)
     inputs, targets = ids[:, :-1], ids[:, 1:]
     times = []
     for i in range(args.warmup + args.iters):
         start = time.perf_counter()
         optimizer.zero_grad()
-        model(inputs, targets).backward()
+        with torch.autocast(args.device, torch.bfloat16, enabled=args.precision == "bf16"):
+            loss = step_model(inputs, targets)
+        loss.backward()
         optimizer.step()
+        if cuda:
+            torch.cuda.synchronize()
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
-    print(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(),
-                      "step_s": statistics.median(times), "steps_s": times}))
+    step_s = statistics.median(times)
+    print(json.dumps({"torch": torch.__version__, "device": torch.cuda.get_device_name() if cuda else "cpu",
+                      "precision": args.precision, "compile": args.compile, "threads": torch.get_num_threads(),
+                      "step_s": step_s, "tokens_per_s": args.micro_batch_size * args.seq_length / step_s,
+                      "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None, "steps_s": times}))
 
 
 if __name__ == "__main__":

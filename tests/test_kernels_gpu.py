@@ -1,0 +1,116 @@
+"""The hand-made GPU kernels on a real GPU, against NumPy: cuBLAS through autograd.gemm (every
+layout the model hands it, 16-bit inputs, TF32, accumulation into `out=` slices), the fused
+dropout mask, the fused LayerNorm and the cross-entropy chains. tests/test_gemm.py and
+tests/test_dropout_on_device.py check the same calls on the strict stand-in, whose cuBLAS and
+fusion are emulations; this file is the check that the emulations tell the truth. It skips
+without CuPy or a CUDA device."""
+import itertools
+
+import ml_dtypes
+import numpy
+import pytest
+
+cupy = pytest.importorskip("cupy")
+if hasattr(cupy, "_strict"):
+    pytest.skip("the stand-in's own tests cover it; this file is for a real GPU", allow_module_level=True)
+try:
+    if cupy.cuda.runtime.getDeviceCount() < 1:
+        raise RuntimeError
+except Exception:
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+from npmegatron import autograd as ag  # noqa: E402
+from npmegatron.autograd import gemm  # noqa: E402
+from npmegatron.tensor_parallel import random as dropout_random  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def no_tf32(monkeypatch):
+    monkeypatch.setitem(gemm._settings, "tf32", False)
+
+
+def operand(rng, shape, transposed, dtype=numpy.float64):
+    if transposed:
+        host = rng.standard_normal(shape[:-2] + shape[-2:][::-1]).astype(dtype)
+        return cupy.asarray(host).swapaxes(-1, -2), host.swapaxes(-1, -2)
+    host = rng.standard_normal(shape).astype(dtype)
+    return cupy.asarray(host), host
+
+
+@pytest.mark.parametrize("ta,tb", list(itertools.product([False, True], repeat=2)))
+@pytest.mark.parametrize("shapes", [((5, 3), (3, 4)), ((2, 5, 3), (3, 4)), ((2, 3, 5, 3), (2, 3, 3, 4)),
+                                    ((2, 1, 5, 3), (3, 3, 4)), ((1, 3), (3, 1)), ((4, 5, 3), (4, 3, 1)),
+                                    ((3, 70, 33), (33, 65))])
+def test_every_layout_equals_numpy(ta, tb, shapes):
+    rng = numpy.random.default_rng(0)
+    (a, ha), (b, hb) = operand(rng, shapes[0], ta), operand(rng, shapes[1], tb)
+    numpy.testing.assert_allclose(cupy.asnumpy(gemm.matmul(a, b)), ha @ hb, rtol=1e-12, atol=1e-12)
+
+
+def test_strided_heads_of_a_fused_qkv_and_accumulation_into_slices():
+    rng = numpy.random.default_rng(2)
+    for b in (1, 2):
+        qkv_host = rng.standard_normal((b, 7, 3, 4, 8))
+        q, k = (cupy.asarray(qkv_host)[:, :, i].transpose(0, 2, 1, 3) for i in (0, 1))
+        hq, hk = (qkv_host[:, :, i].transpose(0, 2, 1, 3) for i in (0, 1))
+        numpy.testing.assert_allclose(cupy.asnumpy(gemm.matmul(q, k.swapaxes(-1, -2))),
+                                      hq @ hk.swapaxes(-1, -2), rtol=1e-12, atol=1e-12)
+    (a, ha), (g, hg) = operand(rng, (2, 3, 5, 4), True), operand(rng, (2, 3, 5, 6), False)
+    total_host = rng.standard_normal((2, 3, 9, 6))
+    total = cupy.asarray(total_host)
+    gemm.matmul(a.swapaxes(-1, -2), g, out=total[..., 2:6, :], accumulate=True)
+    total_host[..., 2:6, :] += ha.swapaxes(-1, -2) @ hg
+    numpy.testing.assert_allclose(cupy.asnumpy(total), total_host, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype,out_dtype", [(numpy.float16, numpy.float16), (ml_dtypes.bfloat16, ml_dtypes.bfloat16),
+                                             (ml_dtypes.bfloat16, numpy.float32), (numpy.float16, numpy.float32)])
+def test_16_bit_inputs_accumulate_in_float32(dtype, out_dtype):
+    """cuBLAS sums in another order than NumPy: the result is the float32 product within a few
+    float32 ulps, rounded once to the output's grid (so at most one 16-bit ulp apart)."""
+    rng = numpy.random.default_rng(4)
+    (a, ha), (b, hb) = operand(rng, (3, 40, 256), False, dtype), operand(rng, (3, 256, 50), True, dtype)
+    out = cupy.zeros((3, 40, 50), out_dtype)
+    gemm.matmul(a, b, out=out)
+    exact = ha.astype(numpy.float64) @ hb.astype(numpy.float64)
+    got = cupy.asnumpy(out).astype(numpy.float64)
+    ulp = numpy.spacing(numpy.abs(exact).astype(out_dtype)).astype(numpy.float64)
+    assert numpy.all(numpy.abs(got - exact) <= ulp + 1e-4 * numpy.abs(exact).max())
+
+
+def test_tf32_is_close_to_float32_but_not_equal():
+    rng = numpy.random.default_rng(6)
+    (a, ha), (b, hb) = operand(rng, (4, 128, 256), False, numpy.float32), operand(rng, (256, 96), True, numpy.float32)
+    exact = ha.astype(numpy.float64) @ hb.astype(numpy.float64)
+    plain = cupy.asnumpy(gemm.matmul(a, b))
+    gemm.enable_tf32()
+    fast = cupy.asnumpy(gemm.matmul(a, b))
+    assert numpy.abs(plain - exact).max() < 3e-4           # values up to ~50: float32 round-off
+    assert 1e-3 < numpy.abs(fast - exact).max() < 0.5      # TF32's 10-bit mantissa: the tensor cores ran
+
+
+@pytest.mark.parametrize("dtype", [numpy.float32, numpy.float64])
+@pytest.mark.parametrize("where", [{}, {"block": (3, 7, 5)}, {"block": (0, 4, 9), "lead": ((1, 2), (0, 3))}])
+def test_the_fused_dropout_mask_is_the_cpus(dtype, where):
+    key, shape, p = 0x0123456789ABCDEF, (2, 3, 8, 9), 0.3
+    expected = dropout_random.keep_mask(key, shape, dtype, p, numpy, **where)
+    got = dropout_random.keep_mask(key, shape, dtype, p, cupy, device_rows={}, **where)
+    assert numpy.array_equal(cupy.asnumpy(got), expected)
+
+
+def small_graph(xp, host_arrays):
+    """layer_norm -> linear -> cross_entropy, loss and every gradient, on `xp`'s arrays."""
+    x, w, b, weight, targets = (xp.asarray(a) for a in host_arrays)
+    leaves = [ag.Tensor(a, requires_grad=True) for a in (x, w, b, weight)]
+    loss = ag.cross_entropy(ag.linear(ag.layer_norm(*leaves[:3]), leaves[3]), targets)
+    loss.backward()
+    to_host = cupy.asnumpy if xp is cupy else numpy.asarray
+    return [to_host(loss.data)] + [to_host(leaf.grad) for leaf in leaves]
+
+
+def test_the_fused_layernorm_and_cross_entropy_equal_numpy():
+    rng = numpy.random.default_rng(7)
+    host = [rng.standard_normal((3, 5, 64)), rng.standard_normal(64), rng.standard_normal(64),
+            rng.standard_normal((64, 100)), rng.integers(0, 100, (3, 5))]
+    for got, expected in zip(small_graph(cupy, host), small_graph(numpy, host)):
+        numpy.testing.assert_allclose(got, expected, rtol=1e-11, atol=1e-12)
