@@ -168,3 +168,24 @@ def test_gpt2_layer_budget_no_hidden_copies_and_every_gemm_through_cublas_direct
     assert step["hidden_copies"] == 0 and step["gemms_through_cupy_matmul"] == 0
     assert all(" compute 32F " in key and key.split()[1] == "float32xfloat32->float32" for key in step["gemms"]), \
         step["gemms"]
+
+
+def test_16_bit_rounding_is_one_kernel_per_array_on_the_gpu():
+    """--bf16 and --fp16 keep float32 arrays on the 16-bit grid (autograd/precision.py): each
+    rounding is one fused kernel in place, strided views included, never the generic integer
+    code's nine kernels."""
+    plain = count()["layer_without_attention_core"]["launches"]
+    for flag in ("--bf16", "--fp16"):
+        layer = count(flag)["layer_without_attention_core"]
+        assert "_round_bf16_" not in layer["by_op"], layer["by_op"]
+        assert layer["launches"] <= plain + 50, (flag, layer["launches"], plain)
+
+
+#: --bf16's launches per layer outside attention's core at GPT-2 124M's shapes: the float32 ones
+#: plus one rounding kernel per Function output and per input gradient.
+BF16_LAYER_BUDGET = 81
+
+
+@pytest.mark.slow
+def test_gpt2_bf16_layer_budget():
+    assert count_gpt2("--bf16")["layer_without_attention_core"]["launches"] <= BF16_LAYER_BUDGET
