@@ -18,6 +18,12 @@ as for x (b, t, k) @ w (k, n)) or one gemmStridedBatchedEx per batch dimension t
 folded into a single stride; transposes are cuBLAS flags read from the strides; the compute type
 is 64F for float64, 32F for float32 (32F_FAST_TF32 after `enable_tf32()`), and 32F for float16 and
 bfloat16 inputs, which may write a float32 `out` (16-bit products summed into float32 gradients).
+
+`grid="bf16"` or `"fp16"` says that both float32 operands already lie on that 16-bit grid (the
+rounding emulation of precision.py keeps activations, weights and gradients there): the compute
+type becomes 32F_FAST_16BF or 32F_FAST_16F, which lets cuBLAS convert the inputs to 16 bits and
+run 16-bit tensor cores with float32 sums. On the grid that conversion is exact, so the result is
+the float32 product up to the order of the sums.
 """
 import itertools
 
@@ -38,11 +44,12 @@ def enable_tf32():
     _settings["tf32"] = True
 
 
-def matmul(a, b, out=None, accumulate=False):
-    """a @ b (written to `out` when given, added to it with accumulate=True)."""
+def matmul(a, b, out=None, accumulate=False, grid=None):
+    """a @ b (written to `out` when given, added to it with accumulate=True); grid: the 16-bit
+    format both operands lie on, or None (module docstring)."""
     if get_array_module(a, b) is numpy:
         return _numpy_matmul(a, b, out, accumulate)
-    return _cublas_matmul(a, b, out, accumulate)
+    return _cublas_matmul(a, b, out, accumulate, grid)
 
 
 def rows(x):
@@ -68,7 +75,7 @@ def _numpy_matmul(a, b, out, accumulate):
 
 # --- cuBLAS ------------------------------------------------------------------------------------
 
-def _cublas_matmul(a, b, out, accumulate):
+def _cublas_matmul(a, b, out, accumulate, grid):
     xp = get_array_module(a, b)
     if a.dtype != b.dtype:
         raise TypeError(f"matmul of {a.dtype} and {b.dtype}: cast one operand first")
@@ -96,7 +103,7 @@ def _cublas_matmul(a, b, out, accumulate):
     else:
         operands = [_operand(x, batch) for x in (a, b, out)]
         batch_dims = _merge([(size, [op.batch_strides[i] for op in operands]) for i, size in enumerate(batch)])
-    _run(operands, (m, k, n), batch_dims, accumulate)
+    _run(operands, (m, k, n), batch_dims, accumulate, grid)
     return out
 
 
@@ -169,7 +176,7 @@ def _layout(shape, strides, itemsize):
     return None, None
 
 
-def _run(operands, shape, batch_dims, accumulate):
+def _run(operands, shape, batch_dims, accumulate, grid):
     """The cuBLAS calls: one per index of the batch dimensions that could not be merged into the
     innermost one, each a gemmEx (no batch left) or a gemmStridedBatchedEx. cuBLAS is column-major,
     so it computes out^T = b^T a^T: our b is its A and our a its B."""
@@ -179,7 +186,7 @@ def _run(operands, shape, batch_dims, accumulate):
     m, k, n = shape
     inner, inner_strides = batch_dims[-1] if batch_dims else (1, [0, 0, 0])
     outer = batch_dims[:-1]
-    compute, alpha, beta = _compute(cublas, a.dtype, out.dtype, accumulate)
+    compute, alpha, beta = _compute(cublas, a.dtype, out.dtype, accumulate, grid)
     types = [_cuda_type(runtime, op.dtype) for op in operands]
     handle = cupy.cuda.device.get_cublas_handle()
     for index in itertools.product(*(range(size) for size, _ in outer)):
@@ -199,11 +206,17 @@ def _run(operands, shape, batch_dims, accumulate):
 _SCALARS = {"float32": numpy.array([0.0, 1.0], numpy.float32), "float64": numpy.array([0.0, 1.0])}
 
 
-def _compute(cublas, dtype, out_dtype, accumulate):
+#: cublasComputeType_t values (cublas_api.h), for a CuPy that does not name them
+_FAST_16 = {"fp16": ("CUBLAS_COMPUTE_32F_FAST_16F", 74), "bf16": ("CUBLAS_COMPUTE_32F_FAST_16BF", 75)}
+
+
+def _compute(cublas, dtype, out_dtype, accumulate, grid=None):
     """(compute type, alpha pointer, beta pointer) for inputs of `dtype` written to `out_dtype`."""
     name, out_name = numpy.dtype(dtype).name, numpy.dtype(out_dtype).name
     if name == out_name == "float64":
         compute, scalars = cublas.CUBLAS_COMPUTE_64F, _SCALARS["float64"]
+    elif name == out_name == "float32" and grid is not None:
+        compute, scalars = getattr(cublas, *_FAST_16[grid]), _SCALARS["float32"]
     elif name == out_name == "float32":
         compute = cublas.CUBLAS_COMPUTE_32F_FAST_TF32 if _settings["tf32"] else cublas.CUBLAS_COMPUTE_32F
         scalars = _SCALARS["float32"]

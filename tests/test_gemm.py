@@ -115,3 +115,19 @@ def test_numpy_keeps_its_own_product():
     assert gemm.matmul(a, b, out=out, accumulate=True) is out
     numpy.testing.assert_allclose(out, expected, rtol=1e-14)
     numpy.testing.assert_allclose(gemm.matmul(a, b), a @ b, rtol=1e-14)
+
+
+@pytest.mark.parametrize("grid,dtype,compute", [("bf16", ml_dtypes.bfloat16, "32F_FAST_16BF"),
+                                                ("fp16", numpy.float16, "32F_FAST_16F")])
+def test_float32_operands_on_a_16_bit_grid_reach_16_bit_tensor_cores(cp, grid, dtype, compute):
+    """grid=: both float32 operands lie on the 16-bit grid, so cuBLAS may convert them exactly;
+    the stand-in refuses an operand that the conversion would change."""
+    rng = numpy.random.default_rng(6)
+    ha, hb = (rng.standard_normal(shape).astype(dtype).astype(numpy.float32) for shape in ((2, 5, 16), (16, 3)))
+    a, b = cp.asarray(ha), cp.asarray(hb)
+    cp._strict.reset()
+    numpy.testing.assert_allclose(cp.asnumpy(gemm.matmul(a, b, grid=grid)), ha @ hb, rtol=1e-6)
+    assert calls(cp) == [("gemm", "gemmEx", "N", "N", 1, compute)]
+    off_grid = cp.asarray(ha + numpy.float32(1e-4))
+    with pytest.raises(AssertionError, match="off the"):
+        gemm.matmul(off_grid, b, grid=grid)

@@ -189,3 +189,15 @@ BF16_LAYER_BUDGET = 81
 @pytest.mark.slow
 def test_gpt2_bf16_layer_budget():
     assert count_gpt2("--bf16")["layer_without_attention_core"]["launches"] <= BF16_LAYER_BUDGET
+
+
+def test_under_16_bit_storage_the_linears_run_16_bit_tensor_cores():
+    """--bf16 / --fp16: every Linear's GEMM (the layers' 2-D products and the output layer) runs
+    32F_FAST_16BF / 32F_FAST_16F on float32 operands that the stand-in checks lie on the grid;
+    attention's products, whose probabilities are not rounded, stay 32F."""
+    for flag, compute in (("--bf16", "32F_FAST_16BF"), ("--fp16", "32F_FAST_16F")):
+        result = count(flag)
+        gemms = {**result["layer"]["gemms"], **result["outside_layers"]["gemms"]}
+        linears = {key for key in gemms if key.startswith("gemmEx ")}
+        assert linears and all(f" compute {compute} " in key for key in linears), gemms
+        assert all(" compute 32F " in key for key in set(gemms) - linears), gemms

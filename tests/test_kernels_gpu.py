@@ -89,6 +89,17 @@ def test_tf32_is_close_to_float32_but_not_equal():
     assert 1e-3 < numpy.abs(fast - exact).max() < 0.5      # TF32's 10-bit mantissa: the tensor cores ran
 
 
+@pytest.mark.parametrize("grid,dtype", [("bf16", ml_dtypes.bfloat16), ("fp16", numpy.float16)])
+def test_16_bit_tensor_cores_are_exact_on_the_grid(grid, dtype):
+    """float32 operands on the 16-bit grid through 32F_FAST_16BF / 32F_FAST_16F: cuBLAS converts
+    them to 16 bits without loss, so the error is float32 summation's, not 16-bit rounding's."""
+    rng = numpy.random.default_rng(8)
+    ha, hb = (rng.standard_normal(shape).astype(dtype).astype(numpy.float32) for shape in ((8, 512, 768), (768, 1024)))
+    exact = ha.astype(numpy.float64) @ hb.astype(numpy.float64)
+    got = cupy.asnumpy(gemm.matmul(cupy.asarray(ha), cupy.asarray(hb), grid=grid))
+    assert numpy.abs(got - exact).max() < 1e-3 * numpy.abs(exact).max() / 64   # 16-bit rounding: ~4e-3
+
+
 @pytest.mark.parametrize("dtype", [numpy.float32, numpy.float64])
 @pytest.mark.parametrize("where", [{}, {"block": (3, 7, 5)}, {"block": (0, 4, 9), "lead": ((1, 2), (0, 3))}])
 def test_the_fused_dropout_mask_is_the_cpus(dtype, where):

@@ -1,7 +1,7 @@
 """Broadcasting arithmetic and matrix products; gradients are summed back to each input's shape."""
 import numpy
 
-from .. import gemm
+from .. import gemm, precision
 from ..backend import get_array_module
 from ..errors import InputError
 from ..function import Function
@@ -135,9 +135,9 @@ def bias_grad(g):
     return g2.sum(axis=0)
 
 
-def _weight_grad(x, g):
+def _weight_grad(x, g, grid=None):
     """x^T g summed over all leading dimensions in one GEMM (no per-batch temporaries)."""
-    return gemm.matmul(gemm.rows(x).T, gemm.rows(g))
+    return gemm.matmul(gemm.rows(x).T, gemm.rows(g), grid=grid)
 
 
 class MatMul(Function):
@@ -168,7 +168,11 @@ class Linear(Function):
     def forward(ctx, x, w, b=None):
         _check_matmul(x, w)
         ctx.save_for_backward(x, w)
-        out = gemm.matmul(x, w)
+        # Under 16-bit storage x, w and the output's gradient are on the 16-bit grid (inputs and
+        # parameters are rounded Function outputs; each Linear output has one consumer, whose
+        # node rounds the gradient it returns), so cuBLAS may run 16-bit tensor cores exactly.
+        ctx.grid = precision.active()
+        out = gemm.matmul(x, w, grid=ctx.grid)
         if b is not None:
             out += b
         return out
@@ -181,14 +185,14 @@ class Linear(Function):
     @staticmethod
     def input_grad(ctx, g):
         _, w = ctx.saved
-        return gemm.matmul(g, w.T) if ctx.needs_input_grad[0] else None
+        return gemm.matmul(g, w.T, grid=ctx.grid) if ctx.needs_input_grad[0] else None
 
     @staticmethod
     def parameter_grads(ctx, g):
         ctx.mark_fresh(1, 2)            # a GEMM's and a reduction's results (engine.py)
         x, _ = ctx.saved
         need = ctx.needs_input_grad
-        gw = _weight_grad(x, g) if need[1] else None
+        gw = _weight_grad(x, g, ctx.grid) if need[1] else None
         gb = bias_grad(g) if len(need) > 2 and need[2] else None
         return gw, gb
 

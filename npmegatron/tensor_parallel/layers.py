@@ -161,7 +161,7 @@ class VocabParallelEmbedding(Module):
         through f, fused with the GEMM as in ColumnParallelLinear (or an all-gather of the
         sequence under SP)."""
         if self.sequence_parallel:
-            return gather_from_sp_region(hidden, self.group) @ self.weight.T
+            return ag.linear(gather_from_sp_region(hidden, self.group), self.weight.T)
         if self.group.size > 1:
             return _LinearWithAsyncGradAllReduce.apply(hidden, self.weight.T, group=self.group)
-        return hidden @ self.weight.T
+        return ag.linear(hidden, self.weight.T)

@@ -7,7 +7,9 @@ batch stride describe; a leading dimension below the stored matrix's row count i
 CUBLAS_STATUS_INVALID_VALUE; the compute type must suit the data types (64F for float64, 32F or
 32F_FAST_TF32 for float32, 32F for float16 and bfloat16 inputs; anything else is
 CUBLAS_STATUS_NOT_SUPPORTED); alpha and beta are read from host memory in the compute type's
-precision. The product is NumPy's, computed in float32 for 16-bit inputs, and written through the
+precision. 32F_FAST_16BF and 32F_FAST_16F on float32 inputs let cuBLAS convert A and B to 16 bits:
+the stand-in refuses inputs that are not already on that grid, where the conversion would change
+them (a real GPU would silently round). The product is NumPy's, computed in float32 for 16-bit inputs, and written through the
 column-major view of C. One launch is recorded per call, with its dtypes, compute type, transposes,
 sizes, leading dimensions and strides."""
 import ctypes
@@ -20,10 +22,11 @@ from . import runtime
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 CUBLAS_GEMM_DEFAULT = -1
 CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_PEDANTIC = 68, 69
-CUBLAS_COMPUTE_32F_FAST_TF32 = 77
+CUBLAS_COMPUTE_32F_FAST_16F, CUBLAS_COMPUTE_32F_FAST_16BF, CUBLAS_COMPUTE_32F_FAST_TF32 = 74, 75, 77
 CUBLAS_COMPUTE_64F, CUBLAS_COMPUTE_64F_PEDANTIC = 70, 71
 COMPUTE_NAMES = {CUBLAS_COMPUTE_32F: "32F", CUBLAS_COMPUTE_32F_PEDANTIC: "32F_PEDANTIC",
-                 CUBLAS_COMPUTE_32F_FAST_TF32: "32F_FAST_TF32", CUBLAS_COMPUTE_64F: "64F",
+                 CUBLAS_COMPUTE_32F_FAST_TF32: "32F_FAST_TF32", CUBLAS_COMPUTE_32F_FAST_16F: "32F_FAST_16F",
+                 CUBLAS_COMPUTE_32F_FAST_16BF: "32F_FAST_16BF", CUBLAS_COMPUTE_64F: "64F",
                  CUBLAS_COMPUTE_64F_PEDANTIC: "64F_PEDANTIC"}
 
 
@@ -57,11 +60,25 @@ class CUBLASError(RuntimeError):
 def _check_compute(compute, dtypes):
     names = {d.name for d in dtypes[:2]}
     allowed = ({CUBLAS_COMPUTE_64F, CUBLAS_COMPUTE_64F_PEDANTIC} if names == {"float64"} else
-               {CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_COMPUTE_32F_FAST_TF32}
+               {CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_COMPUTE_32F_FAST_TF32,
+                CUBLAS_COMPUTE_32F_FAST_16F, CUBLAS_COMPUTE_32F_FAST_16BF}
                if names == {"float32"} else
                {CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_PEDANTIC} if len(names) == 1 else set())
     if compute not in allowed or (names == {"float64"}) != (dtypes[2].name == "float64"):
         raise CUBLASError(15, f"compute type {compute} with A, B, C of {[d.name for d in dtypes]}")
+
+
+def _check_on_grid(compute, a, b):
+    """Under 32F_FAST_16F / 32F_FAST_16BF, A and B must lie on the 16-bit grid (inf included)."""
+    grid = {CUBLAS_COMPUTE_32F_FAST_16F: numpy.float16, CUBLAS_COMPUTE_32F_FAST_16BF: _bfloat16()}.get(compute)
+    if grid is None:
+        return
+    for what, x in (("A", a), ("B", b)):
+        with numpy.errstate(over="ignore", invalid="ignore"):
+            moved = x.astype(grid).astype(x.dtype) != x
+        if numpy.any(moved & ~numpy.isnan(x)):
+            raise AssertionError(f"{COMPUTE_NAMES[compute]}: {what} holds {int(moved.sum())} values off the "
+                                 f"{numpy.dtype(grid).name} grid, which cuBLAS would round")
 
 
 def _scalar(ptr, compute):
@@ -99,6 +116,7 @@ def _gemm(routine, transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B, Bt
     _strict.launch("gemm", routine, routine=routine, a=dtypes[0].name, b=dtypes[1].name, c=dtypes[2].name,
                    compute=COMPUTE_NAMES[compute], transa="NT"[transa], transb="NT"[transb], m=m, n=n, k=k,
                    batch=batch, lda=lda, ldb=ldb, ldc=ldc, strides=(strideA, strideB, strideC), direct=True)
+    _check_on_grid(compute, a, b)
     work = numpy.float64 if dtypes[2].name == "float64" else numpy.float32
     op_a = a.astype(work).swapaxes(1, 2) if transa else a.astype(work)
     op_b = b.astype(work).swapaxes(1, 2) if transb else b.astype(work)
