@@ -9,7 +9,7 @@
 from .collectives import (all_gather, all_reduce, all_reduce_async, barrier, broadcast, reduce_scatter,
                           reduce_scatter_async)
 from .debug import CommMismatchError
-from .ending import set_resume_hint
+from .ending import set_checkpoint_folder, set_resume_hint
 from .grid import ProcessGrid, grid_coordinates, grid_ranks
 from .group import Group
 from .launch import blas_thread_environment, launch_rank, launch_size, launched_by_mpi, mpiexec_path
@@ -22,7 +22,7 @@ from .stats import Stats, Watch, reset_stats, stats, watch
 
 __all__ = [
     "init", "launched_by_mpi", "launch_rank", "launch_size", "local_rank", "local_size",
-    "blas_threads", "blas_thread_environment", "mpiexec_path", "device_index", "report_and_abort", "reports_input_error", "set_resume_hint",
+    "blas_threads", "blas_thread_environment", "mpiexec_path", "device_index", "report_and_abort", "reports_input_error", "set_resume_hint", "set_checkpoint_folder",
     "ExitSignal",
     "Group", "ProcessGrid", "grid_ranks", "grid_coordinates",
     "all_reduce", "all_reduce_async", "all_gather", "reduce_scatter", "reduce_scatter_async", "broadcast",

@@ -79,6 +79,14 @@ def resume_hint():
     return _job.get("resume_hint", "")
 
 
+def set_checkpoint_folder(path):
+    """The folder the run saves into, told to the sentinel once: when it reports a rank that
+    stopped, it reads the folder's `latest` itself, so the sentence names the checkpoint on disk
+    at that moment, not the last hint line it happened to read."""
+    if path and "sentinel" in _job:
+        _tell(f"folder {path}")
+
+
 def end_on_purpose():
     """This rank ends the job on purpose (its normal exit, a reported error, Ctrl-C): the sentinel
     must not report a rank that stopped. Rank 0 also ends the sentinel, which holds rank 0's

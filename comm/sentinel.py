@@ -12,7 +12,9 @@ Each rank connects to the listening Unix socket once, says b"rank N\\n" and keep
 for the life of its process. Its end is the first sign of the rank's death, at the moment mpiexec
 sees it too: a process's files close before its last thread is gone, and a process id reports the
 end only then, measured after ranks mpiexec had killed meanwhile. Other lines: b"hint TEXT\\n" (the
-resume hint, ending.set_resume_hint) and b"end\\n" (the rank ends the job on purpose: say nothing).
+resume hint, ending.set_resume_hint), b"folder PATH\\n" (the run's --save folder, whose `latest`
+names the checkpoint when one exists, ending.set_checkpoint_folder) and b"end\\n" (the rank ends
+the job on purpose: say nothing).
 Process ids serve to know when every rank is gone (one that died before connecting included) and to
 end ranks a launcher leaves running. Standard library only: it starts in milliseconds.
 """
@@ -54,6 +56,7 @@ class Watch:
             self.poller.register(handle, select.POLLIN)
         self.connected = set()          # ranks that said who they are
         self.hint, self.on_purpose, self.reported, self.deadline = "", False, False, None
+        self.folder = None              # the run's --save folder, once told
 
     def run(self):
         """Until every rank's process is gone."""
@@ -71,9 +74,19 @@ class Watch:
             if ended and not self.reported:
                 self.reported = True
                 if not self.on_purpose:
-                    sys.stderr.write(f"error: {stopped_sentence(ended, self.hint)}\n")
+                    sys.stderr.write(f"error: {stopped_sentence(ended, self.resume_hint())}\n")
                     sys.stderr.flush()
                     self.deadline = time.monotonic() + END_SURVIVORS_AFTER_S
+
+    def resume_hint(self):
+        """The checkpoint a resume would start from: the save folder's `latest` where it names
+        one, else the last hint line."""
+        try:
+            with open(os.path.join(self.folder, "latest")) as pointer:
+                latest = pointer.read().strip()
+        except (OSError, TypeError, UnicodeDecodeError):
+            latest = ""
+        return f"resume with --load {self.folder} (latest: {latest})" if latest else self.hint
 
     def _read(self, fd):
         """Handle one ready descriptor; the ranks whose end it shows."""
@@ -98,6 +111,8 @@ class Watch:
                 self.connected.add(entry[1])
             elif word == "hint":
                 self.hint = rest
+            elif word == "folder":
+                self.folder = rest
             elif word == "end":
                 self.on_purpose = True
         if data:

@@ -63,6 +63,7 @@ class Trainer:
             self.save_folder = SaveFolder(config.save, self.run_id, self.grid.world, config.overwrite,
                                           resuming=resumes_in_place(config.load, config.save))
         comm.set_resume_hint(self.resume_hint())
+        comm.set_checkpoint_folder(config.save)
 
     def _resume(self):
         manifest = checkpoint.load(self.config.load, self.model, self.optimizer, self.grid, self.plan.layout)
