@@ -21,6 +21,12 @@ from .nn import _causal_bias, exp_shifted_, softmax_backward
 #: dense path, one block of 256 is slower (nothing skipped, scores recomputed); at t=1024, 128
 #: rows is the fastest or within noise of it. Scores held at once: 128 x t per head.
 BLOCK_SIZE = 128
+#: Bytes of one block's scores on a GPU. There each block costs about 26 kernel launches from
+#: Python whatever its size, and at GPT-2 124M's shapes the step is bound by launching them
+#: (about 37 us each on an H200), so a block is as tall as this allows (GPT-2 124M, micro-batch 8,
+#: float32: 2 blocks of 512 rows instead of 8 of 128); the keys beyond the diagonal that a taller
+#: block computes and masks cost less than the launches saved.
+GPU_BLOCK_SCORE_BYTES = 256 << 20
 #: Attention with fewer scores than this runs on the calling thread (a thread hand-off costs more).
 MIN_SHARED_SCORES = 1 << 16
 #: Bytes of one block's scores per chunk of heads on the CPU (_by_heads); measured at the reference
@@ -173,6 +179,7 @@ class CausalAttention(Function):
     def forward(ctx, q, k, v, scale, p, generator, block_size):
         xp = get_array_module(q, k, v)
         b, h, t_q, d = q.shape
+        block_size = block_rows(xp, q, k.shape[2], block_size)
         # Laid out (b, t, heads, d): the caller's transpose back and reshape to (b, t, h*d) is a
         # view, so the projection's saved input and this saved output are one buffer.
         out = xp.empty((b, t_q, h, v.shape[3]), v.dtype).transpose(0, 2, 1, 3)
@@ -207,6 +214,19 @@ def _backward_into(ctx, g, dq, dk, dv):
                         _draws(ctx.generator, q, k, bs, hs, ctx.p), ctx.block_size, _compiled(q))
 
     _by_heads(xp, q, k.shape[2], ctx.block_size, share)
+
+
+def block_rows(xp, q, t_k, block_size):
+    """Query rows per block: `block_size` when given; else BLOCK_SIZE on the CPU and, on a GPU,
+    as many multiples of BLOCK_SIZE as GPU_BLOCK_SCORE_BYTES of scores allow, split evenly."""
+    if block_size is not None:
+        return int(block_size)
+    b, h, t_q = q.shape[:3]
+    if xp.__name__ == "numpy":
+        return BLOCK_SIZE
+    fit = max(1, GPU_BLOCK_SCORE_BYTES // (b * h * max(t_k, 1) * q.dtype.itemsize * BLOCK_SIZE))
+    blocks = -(-t_q // (fit * BLOCK_SIZE))
+    return BLOCK_SIZE * -(-t_q // (blocks * BLOCK_SIZE))
 
 
 def _unpack(qkv):
@@ -266,7 +286,7 @@ def _draws(generator, q, k, bs, hs, p):
     return lambda a, e, seen: keep_mask(generator, shape, q.dtype, p, block=(a, e, seen), lead=lead)
 
 
-def causal_attention(q, k, v, scale, dropout_p, dropout_site, training=True, block_size=BLOCK_SIZE):
+def causal_attention(q, k, v, scale, dropout_p, dropout_site, training=True, block_size=None):
     """softmax(scale q k^T, causal) with dropout on the probabilities, @ v; q (b, heads, t_q, d),
     k and v (b, heads, t_k, d), the queries being the last t_q of the t_k positions (a KV cache).
 
@@ -282,22 +302,22 @@ def causal_attention(q, k, v, scale, dropout_p, dropout_site, training=True, blo
     if q.shape[2] > k.shape[2]:
         raise InputError(f"{q.shape[2]} queries but {k.shape[2]} keys; queries are the last of the "
                          "key positions, so there can be no more of them than keys")
-    if block_size < 1:
+    if block_size is not None and block_size < 1:
         raise InputError(f"attention block size {block_size} must be a positive number of query rows")
     p = dropout_p if training else 0.0
     return CausalAttention.apply(q, k, v, scale=scale, p=p, generator=dropout_site if p > 0 else None,
-                                 block_size=int(block_size))
+                                 block_size=block_size)
 
 
-def causal_attention_packed(qkv, scale, dropout_p, dropout_site, training=True, block_size=BLOCK_SIZE):
+def causal_attention_packed(qkv, scale, dropout_p, dropout_site, training=True, block_size=None):
     """causal_attention of the q, k, v packed as a QKV projection lays them out, (b, t, heads, 3,
     d), with one gradient of that shape (no split and concatenation). Returns (b, heads, t, d)."""
     if qkv.ndim != 5 or qkv.shape[3] != 3:
         raise InputError(f"packed attention needs qkv of shape (b, t, heads, 3, d), got {tuple(qkv.shape)}")
     if not 0.0 <= dropout_p < 1.0:
         raise InputError(f"dropout probability {dropout_p} is outside [0, 1); use e.g. 0.1")
-    if block_size < 1:
+    if block_size is not None and block_size < 1:
         raise InputError(f"attention block size {block_size} must be a positive number of query rows")
     p = dropout_p if training else 0.0
     return PackedCausalAttention.apply(qkv, scale=scale, p=p, generator=dropout_site if p > 0 else None,
-                                       block_size=int(block_size))
+                                       block_size=block_size)
