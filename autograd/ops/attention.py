@@ -22,10 +22,11 @@ from .nn import _causal_bias, exp_shifted_, softmax_backward
 #: rows is the fastest or within noise of it. Scores held at once: 128 x t per head.
 BLOCK_SIZE = 128
 #: Bytes of one block's scores on a GPU. There each block costs about 26 kernel launches from
-#: Python whatever its size, and at GPT-2 124M's shapes the step is bound by launching them
-#: (about 37 us each on an H200), so a block is as tall as this allows (GPT-2 124M, micro-batch 8,
-#: float32: 2 blocks of 512 rows instead of 8 of 128); the keys beyond the diagonal that a taller
-#: block computes and masks cost less than the launches saved.
+#: Python whatever its size, so a block is as tall as this allows (GPT-2 124M, micro-batch 8,
+#: float32: 2 blocks of 512 rows instead of 8 of 128). The keys beyond the diagonal that a taller
+#: block computes and masks cost less than the launches saved where the GEMMs are fast: on an
+#: H200 the --tf32 step went from 124 to 94 ms; the float32 step, bound by its CUDA-core GEMMs,
+#: stayed within 2 % (docs/benchmarks.md).
 GPU_BLOCK_SCORE_BYTES = 256 << 20
 #: Attention with fewer scores than this runs on the calling thread (a thread hand-off costs more).
 MIN_SHARED_SCORES = 1 << 16
