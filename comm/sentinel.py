@@ -83,8 +83,10 @@ class Watch:
         one, else the last hint line."""
         try:
             with open(os.path.join(self.folder, "latest")) as pointer:
-                latest = pointer.read().strip()
+                latest = pointer.read(64).strip()       # the saver writes "iter_NNNNNNN"
         except (OSError, TypeError, UnicodeDecodeError):
+            latest = ""
+        if not (latest.startswith("iter_") and latest[5:].isdigit()):
             latest = ""
         return f"resume with --load {self.folder} (latest: {latest})" if latest else self.hint
 
