@@ -351,3 +351,20 @@ def test_latest_must_name_an_iteration_folder_inside(tmp_path, pointer):
         quiet(small(tmp_path, load=str(tmp_path / "ck")))
     assert str(error.value) == (f"{tmp_path / 'ck' / 'latest'} names {pointer!r}, not a checkpoint of this "
                                 "folder (iter_NNNNNNN); repair it, or pass an iteration folder to --load")
+
+
+@pytest.mark.parametrize("latest, expected", [
+    ("iter_0000007\n", "resume with --load {folder} (latest: iter_0000007)"),
+    (None, "the last hint"),                                    # nothing saved yet
+    ("../../etc/passwd", "the last hint"),                      # not the saver's pointer: not quoted
+    ("iter_12x", "the last hint"),
+])
+def test_the_sentinel_names_the_latest_checkpoint_on_disk(tmp_path, latest, expected):
+    from npmegatron.comm import sentinel
+    if latest is not None:
+        (tmp_path / "latest").write_text(latest)
+    watch = sentinel.Watch.__new__(sentinel.Watch)      # its state only, no sockets
+    watch.folder, watch.hint = str(tmp_path), "the last hint"
+    assert watch.resume_hint() == expected.format(folder=tmp_path)
+    watch.folder = None                                 # no --save: the hint alone
+    assert watch.resume_hint() == "the last hint"
