@@ -80,11 +80,13 @@ def resume_hint():
 
 
 def set_checkpoint_folder(path):
-    """The folder the run saves into, told to the sentinel once: when it reports a rank that
-    stopped, it reads the folder's `latest` itself, so the sentence names the checkpoint on disk
-    at that moment, not the last hint line it happened to read."""
+    """The folder the run saves into, told to the sentinel once with the time the run started:
+    when it reports a rank that stopped, it reads the folder's `latest` itself if this run wrote
+    it (not older than that time: another run's checkpoints, kept under --overwrite until the
+    first save, or the later ones of a run resumed from an earlier iteration, are not this run's),
+    so the sentence names the checkpoint on disk at that moment, not the last hint it read."""
     if path and "sentinel" in _job:
-        _tell(f"folder {path}")
+        _tell(f"folder {time.time():.6f} {path}")
 
 
 def end_on_purpose():

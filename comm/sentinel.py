@@ -12,8 +12,9 @@ Each rank connects to the listening Unix socket once, says b"rank N\\n" and keep
 for the life of its process. Its end is the first sign of the rank's death, at the moment mpiexec
 sees it too: a process's files close before its last thread is gone, and a process id reports the
 end only then, measured after ranks mpiexec had killed meanwhile. Other lines: b"hint TEXT\\n" (the
-resume hint, ending.set_resume_hint), b"folder PATH\\n" (the run's --save folder, whose `latest`
-names the checkpoint when one exists, ending.set_checkpoint_folder) and b"end\\n" (the rank ends
+resume hint, ending.set_resume_hint), b"folder TIME PATH\\n" (the run's --save folder, whose
+`latest`, once this run has written it after TIME, names the checkpoint, ending.set_checkpoint_folder)
+and b"end\\n" (the rank ends
 the job on purpose: say nothing).
 Process ids serve to know when every rank is gone (one that died before connecting included) and to
 end ranks a launcher leaves running. Standard library only: it starts in milliseconds.
@@ -56,7 +57,7 @@ class Watch:
             self.poller.register(handle, select.POLLIN)
         self.connected = set()          # ranks that said who they are
         self.hint, self.on_purpose, self.reported, self.deadline = "", False, False, None
-        self.folder = None              # the run's --save folder, once told
+        self.folder, self.since = None, None    # the run's --save folder and its start, once told
 
     def run(self):
         """Until every rank's process is gone."""
@@ -84,6 +85,8 @@ class Watch:
         try:
             with open(os.path.join(self.folder, "latest")) as pointer:
                 latest = pointer.read(64).strip()       # the saver writes "iter_NNNNNNN"
+                if os.fstat(pointer.fileno()).st_mtime < self.since:
+                    latest = ""                         # written before this run started
         except (OSError, TypeError, UnicodeDecodeError):
             latest = ""
         if not (latest.startswith("iter_") and latest[5:].isdigit()):
@@ -114,7 +117,8 @@ class Watch:
             elif word == "hint":
                 self.hint = rest
             elif word == "folder":
-                self.folder = rest
+                since, _, self.folder = rest.partition(" ")
+                self.since = float(since)
             elif word == "end":
                 self.on_purpose = True
         if data:

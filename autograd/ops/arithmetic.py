@@ -162,7 +162,11 @@ class MatMul(Function):
 
 
 class Linear(Function):
-    """x @ w + b with w of shape (in, out): one GEMM each way, bias added in place."""
+    """x @ w + b with w of shape (in, out): one GEMM each way, bias added in place. Under 16-bit
+    storage its GEMMs assume x, w and the output's gradient lie on the 16-bit grid (gemm.py's
+    `grid`): true of the model's Linears; a caller whose output has several consumers (their
+    gradients' sum is not rounded) or whose operands were never rounded would be rounded by cuBLAS
+    on a GPU, where NumPy computes in float32. The strict stand-in refuses such operands."""
 
     @staticmethod
     def forward(ctx, x, w, b=None):

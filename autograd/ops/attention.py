@@ -223,7 +223,7 @@ def block_rows(xp, q, t_k, block_size):
     if block_size is not None:
         return int(block_size)
     b, h, t_q = q.shape[:3]
-    if xp.__name__ == "numpy":
+    if xp.__name__ == "numpy" or q.size == 0:
         return BLOCK_SIZE
     fit = max(1, GPU_BLOCK_SCORE_BYTES // (b * h * max(t_k, 1) * q.dtype.itemsize * BLOCK_SIZE))
     blocks = -(-t_q // (fit * BLOCK_SIZE))

@@ -364,7 +364,9 @@ def test_the_sentinel_names_the_latest_checkpoint_on_disk(tmp_path, latest, expe
     if latest is not None:
         (tmp_path / "latest").write_text(latest)
     watch = sentinel.Watch.__new__(sentinel.Watch)      # its state only, no sockets
-    watch.folder, watch.hint = str(tmp_path), "the last hint"
+    watch.folder, watch.since, watch.hint = str(tmp_path), time.time() - 60, "the last hint"
     assert watch.resume_hint() == expected.format(folder=tmp_path)
+    watch.since = time.time() + 60                      # latest is older than the run: not its own
+    assert watch.resume_hint() == "the last hint"
     watch.folder = None                                 # no --save: the hint alone
     assert watch.resume_hint() == "the last hint"
