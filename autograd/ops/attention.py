@@ -239,8 +239,8 @@ def _heads_first(xp, batch):
     """Whether q, k, v are copied heads-first, (3, b, heads, t, d), before attention: on a GPU with
     more than one sequence. Views of the (b, t, heads, 3, d) projection walk batch and heads with
     two strides that do not merge, so each of attention's GEMMs would be one cuBLAS call per
-    sequence, each too small to fill the GPU (GPT-2 124M, micro-batch 8, H200: 5,200 GEMM calls a
-    step on 32 x 32 tiles). One copy each way per layer makes every GEMM one strided-batched call
+    sequence, each too small to fill the GPU (GPT-2 124M, micro-batch 8, H200: 5,376 GEMM calls a
+    step, mostly on 32 x 32 tiles). One copy each way per layer makes every GEMM one strided-batched call
     over batch x heads. The CPU works sequence by sequence anyway (_by_heads), so it reads the views."""
     return xp.__name__ != "numpy" and batch > 1
 
