@@ -90,13 +90,16 @@ def test_training_path_dp2_with_recomputation_and_the_distributed_optimizer(mpir
 
 
 @pytest.mark.slow
-def test_training_path_fp16_and_bf16(mpirun, tmp_path):
-    """--fp16 (dynamic loss scaling) and --bf16 on CuPy arrays: the 16-bit rounding runs on the
-    device (float16 casts; bfloat16 with integer ops, as CuPy has no bfloat16 type), with no more
-    host synchronisations than float32, the NumPy run's figures, and a bitwise resume."""
+@pytest.mark.parametrize("ranks, tp, pp", [(2, 2, 1), (8, 2, 2)], ids=["tp2", "tp2-pp2-dp2"])
+def test_training_path_fp16_and_bf16(mpirun, tmp_path, ranks, tp, pp):
+    """--fp16 (dynamic loss scaling) and --bf16 on CuPy arrays, with sequence parallelism and
+    dropout, at TP 2 and at TP 2 x PP 2 x DP 2: the 16-bit rounding runs on the device (one fused
+    kernel per array; bfloat16 on the float32 bits, as CuPy has no bfloat16 type), the Linears
+    on 16-bit tensor cores (their operands on the grid: the stand-in refuses any that is not), no
+    more host synchronisations than float32, the NumPy run's figures, and a bitwise resume."""
     for fmt in ("fp16", "bf16"):
-        train_on_gpu(mpirun, tmp_path / fmt, 2, 2, 1, dtype="float32", initial_loss_scale=1024.0, rtol=1e-3,
-                     **{fmt: True}, **({"loss_scale": 512.0} if fmt == "bf16" else {}))
+        train_on_gpu(mpirun, tmp_path / fmt, ranks, tp, pp, dtype="float32", initial_loss_scale=1024.0,
+                     rtol=1e-3, **{fmt: True}, **({"loss_scale": 512.0} if fmt == "bf16" else {}))
 
 
 @pytest.mark.slow
