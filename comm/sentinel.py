@@ -13,9 +13,8 @@ for the life of its process. Its end is the first sign of the rank's death, at t
 sees it too: a process's files close before its last thread is gone, and a process id reports the
 end only then, measured after ranks mpiexec had killed meanwhile. Other lines: b"hint TEXT\\n" (the
 resume hint, ending.set_resume_hint), b"folder TIME PATH\\n" (the run's --save folder, whose
-`latest`, once this run has written it after TIME, names the checkpoint, ending.set_checkpoint_folder)
-and b"end\\n" (the rank ends
-the job on purpose: say nothing).
+`latest`, once this run has written it after TIME, names the checkpoint,
+ending.set_checkpoint_folder) and b"end\\n" (the rank ends the job on purpose: say nothing).
 Process ids serve to know when every rank is gone (one that died before connecting included) and to
 end ranks a launcher leaves running. Standard library only: it starts in milliseconds.
 """

@@ -4,7 +4,9 @@ test, and every rank's output shown on failure. The helpers behind it (and those
 share: mpiexec_path, rank_environment, launch) live in tests/helpers.py."""
 import pytest
 
-from helpers import run_ranks
+from npmegatron.autograd import fusion     # first: npmegatron sets the BLAS threads before NumPy loads
+from fakes.strict_cupy import strict_cupy  # noqa: E402
+from helpers import run_ranks  # noqa: E402
 
 
 @pytest.fixture
@@ -17,3 +19,14 @@ def mpirun():
     check=True a non-zero exit fails the test with every rank's output; a run past `timeout`
     seconds is killed (mpiexec and every rank) and fails the test."""
     return run_ranks
+
+
+@pytest.fixture
+def fresh_strict_cupy(monkeypatch):
+    """The strict CuPy stand-in on one device, counters reset, every fused chain compiled afresh
+    (a kernel made under another test's stand-in is forgotten)."""
+    for chain in fusion.CHAINS.values():
+        monkeypatch.setattr(chain, "_kernel", None)
+    with strict_cupy(devices=1) as module:
+        module._strict.reset()
+        yield module

@@ -4,18 +4,12 @@ heads, as many calls as for one sequence; values and gradients equal NumPy's."""
 import numpy
 import pytest
 
-from fakes.strict_cupy import strict_cupy
 from npmegatron import autograd as ag
-from npmegatron.autograd import fusion
 
 
 @pytest.fixture
-def cp(monkeypatch):
-    for chain in fusion.CHAINS.values():       # kernels made by another test's stand-in
-        monkeypatch.setattr(chain, "_kernel", None)
-    with strict_cupy(devices=1) as module:
-        module._strict.reset()
-        yield module
+def cp(fresh_strict_cupy):
+    return fresh_strict_cupy
 
 
 def attention(xp, qkv_host, g_host, block_size):

@@ -5,18 +5,12 @@ blocks blockwise attention draws."""
 import numpy
 import pytest
 
-from fakes.strict_cupy import strict_cupy
-from npmegatron.autograd import fusion
 from npmegatron.tensor_parallel import random as dropout_random
 
 
 @pytest.fixture
-def cp(monkeypatch):
-    for chain in fusion.CHAINS.values():       # kernels made by another test's stand-in
-        monkeypatch.setattr(chain, "_kernel", None)
-    with strict_cupy(devices=1) as module:
-        module._strict.reset()
-        yield module
+def cp(fresh_strict_cupy):
+    return fresh_strict_cupy
 
 
 @pytest.mark.parametrize("dtype", [numpy.float32, numpy.float64])

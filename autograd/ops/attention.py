@@ -240,8 +240,9 @@ def _heads_first(xp, batch):
     more than one sequence. Views of the (b, t, heads, 3, d) projection walk batch and heads with
     two strides that do not merge, so each of attention's GEMMs would be one cuBLAS call per
     sequence, each too small to fill the GPU (GPT-2 124M, micro-batch 8, H200: 5,376 GEMM calls a
-    step, mostly on 32 x 32 tiles). One copy each way per layer makes every GEMM one strided-batched call
-    over batch x heads. The CPU works sequence by sequence anyway (_by_heads), so it reads the views."""
+    step, mostly on 32 x 32 tiles). One copy each way per layer makes every GEMM one strided-batched
+    call over batch x heads. The CPU works sequence by sequence anyway (_by_heads), so it reads the
+    views."""
     return xp.__name__ != "numpy" and batch > 1
 
 
@@ -255,7 +256,8 @@ class PackedCausalAttention(Function):
         ctx.qkv_shape = qkv.shape
         xp = get_array_module(qkv)
         if _heads_first(xp, qkv.shape[0]):
-            heads = xp.empty((3,) + _unpack(qkv)[0].shape, qkv.dtype)
+            b, t, h, _, d = qkv.shape
+            heads = xp.empty((3, b, h, t, d), qkv.dtype)
             heads[...] = qkv.transpose(3, 0, 2, 1, 4)
             return CausalAttention.forward(ctx, *heads, scale, p, generator, block_size)
         return CausalAttention.forward(ctx, *_unpack(qkv), scale, p, generator, block_size)
