@@ -81,14 +81,19 @@ def backward(tensors, grad_tensors=None):
         # a node may pass an incoming gradient on (Add gives it to both inputs): owned no more
         mine = [owned.pop(id(g), None) is not None for g in grads if g is not None]
         if isinstance(node, AccumulateGrad):
-            results = node.run(grads, adopt=all(mine))
+            results, summed = node.run(grads, adopt=all(mine)), ()
+        elif getattr(getattr(node, "function", None), "adds_pending_grads", False):
+            results = node.run(grads, _pending(buffers, node))
+            summed = node.summed_pending
         else:
-            results = node.run(grads)
+            results, summed = node.run(grads), ()
         for position, (edge, g) in enumerate(zip(node.edges, results)):
             if edge is None:
                 continue
             child, index = edge
-            if g is not None:
+            if g is not None and position in summed:
+                _replace(buffers, child, index, g, owned)
+            elif g is not None:
                 _accumulate(buffers, child, index, g, owned, position in getattr(node, "fresh_grads", ()))
             consumers[child] -= 1
             if consumers[child] == 0:
@@ -116,6 +121,27 @@ def _release(node, consumers, ready, buffers):
 
 def _make_accumulator(t):
     return edge_of(t)[0]
+
+
+def _pending(buffers, node):
+    """Per input of `node`, the gradient its producer has accumulated so far, or None."""
+    pending = []
+    for edge in node.edges:
+        slots = buffers.get(edge[0]) if edge is not None else None
+        pending.append(slots[edge[1]] if slots is not None else None)
+    return tuple(pending)
+
+
+def _replace(buffers, node, index, g, owned):
+    """The slot becomes g, a fresh array that already includes the slot's gradient
+    (Context.sum_pending)."""
+    slots = buffers.get(node)
+    if slots is None:
+        slots = buffers[node] = [None] * getattr(node, "n_outputs", 1)
+    if slots[index] is not None:
+        owned.pop(id(slots[index]), None)
+    slots[index] = g
+    owned[id(g)] = g
 
 
 def _accumulate(buffers, node, index, g, owned=None, fresh=False):

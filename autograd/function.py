@@ -17,6 +17,8 @@ class Context:
         self.needs_input_grad = needs_input_grad
         self.saved = ()
         self.fresh_grads = ()
+        self.pending_grads = None
+        self.summed_pending = ()
 
     def save_for_backward(self, *arrays):
         self.saved = arrays
@@ -26,6 +28,13 @@ class Context:
         to (a GEMM's or a reduction's result, not a view of an incoming gradient): a leaf may take
         one as its .grad without the copy (engine.py)."""
         self.fresh_grads = indices
+
+    def sum_pending(self, *indices):
+        """Backward's gradients for these inputs already include `pending_grads` (the gradient
+        each input holds from its other consumers when this backward runs, offered to Functions
+        that set `adds_pending_grads`): the engine replaces that gradient instead of adding to it,
+        which saves the add's launch (LayerNorm's kernel adds the residual path's gradient)."""
+        self.summed_pending = indices
 
 
 class Node:
@@ -39,16 +48,21 @@ class Node:
         self.name = function.__name__
         self.storage = None         # the 16-bit format its input gradients are rounded to
         self.fresh_grads = ()       # the last run's ctx.fresh_grads
+        self.summed_pending = ()    # the last run's ctx.summed_pending
 
-    def run(self, grads):
+    def run(self, grads, pending=None):
+        """Backward on the output gradients; `pending` (engine.py): the inputs' gradients so far,
+        given only where no 16-bit rounding of the results follows (it would round their sum)."""
         if self.ctx is None:
             raise RuntimeError(f"backward through {self.name} a second time: its saved arrays were "
                                "freed after the first backward; run the forward again")
+        if self.storage is None:
+            self.ctx.pending_grads = pending
         if _profile.active():
             result = _profile.timed(self.name, 1, lambda: self.function.backward(self.ctx, *grads))
         else:
             result = self.function.backward(self.ctx, *grads)
-        self.fresh_grads = self.ctx.fresh_grads
+        self.fresh_grads, self.summed_pending = self.ctx.fresh_grads, self.ctx.summed_pending
         self.ctx = None     # drop saved arrays as soon as they are used
         result = result if isinstance(result, tuple) else (result,)
         if self.storage is not None:    # gradients of 16-bit activations are 16-bit (precision.py)
@@ -65,6 +79,7 @@ class Function:
     """
 
     float32_output = False
+    adds_pending_grads = False      # backward may add ctx.pending_grads into its results
 
     @staticmethod
     def forward(ctx, *arrays, **params):

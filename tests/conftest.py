@@ -4,7 +4,7 @@ test, and every rank's output shown on failure. The helpers behind it (and those
 share: mpiexec_path, rank_environment, launch) live in tests/helpers.py."""
 import pytest
 
-from npmegatron.autograd import fusion     # first: npmegatron sets the BLAS threads before NumPy loads
+from npmegatron.autograd import fusion, row_kernels     # first: npmegatron sets the BLAS threads before NumPy loads
 from fakes.strict_cupy import strict_cupy  # noqa: E402
 from helpers import run_ranks  # noqa: E402
 
@@ -27,6 +27,8 @@ def fresh_strict_cupy(monkeypatch):
     (a kernel made under another test's stand-in is forgotten)."""
     for chain in fusion.CHAINS.values():
         monkeypatch.setattr(chain, "_kernel", None)
+    for kernel in row_kernels.KERNELS.values():
+        monkeypatch.setattr(kernel, "_compiled", {})
     with strict_cupy(devices=1) as module:
         module._strict.reset()
         yield module

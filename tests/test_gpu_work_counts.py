@@ -146,10 +146,10 @@ def count_gpt2(*flags):
     return json.loads(run.stdout[run.stdout.index("\n{") + 1:])
 
 
-#: Launches per transformer layer (forward + backward) outside attention's core, as measured at
-#: GPT-2 124M's shapes; a change that adds launches fails here (docs/gpu.md, "Counting the GPU's
-#: work", lists them). The targets are 30 and 35.
-LAYER_BUDGET, LAYER_BUDGET_WITH_DROPOUT = 35, 39
+#: Launches per transformer layer (forward + backward) outside attention's core at GPT-2 124M's
+#: shapes, the issue's budgets (measured: 27, and 31 with dropout; docs/gpu.md, "Counting the
+#: GPU's work", lists them).
+LAYER_BUDGET, LAYER_BUDGET_WITH_DROPOUT = 30, 35
 #: The optimizer step's launches for the 2-layer model (28 parameters: a norm kernel and an
 #: update kernel each, and 4 to join the norms); the target is 20.
 OPTIMIZER_BUDGET = 60
@@ -183,7 +183,7 @@ def test_16_bit_rounding_is_one_kernel_per_array_on_the_gpu():
 
 #: --bf16's launches per layer outside attention's core at GPT-2 124M's shapes: the float32 ones
 #: plus one rounding kernel per Function output and per input gradient.
-BF16_LAYER_BUDGET = 81
+BF16_LAYER_BUDGET = 75
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ except Exception:
     pytest.skip("no CUDA device", allow_module_level=True)
 
 from npmegatron import autograd as ag  # noqa: E402
-from npmegatron.autograd import gemm  # noqa: E402
+from npmegatron.autograd import gemm, row_kernels  # noqa: E402
 from npmegatron.tensor_parallel import random as dropout_random  # noqa: E402
 
 
@@ -125,3 +125,26 @@ def test_the_fused_layernorm_and_cross_entropy_equal_numpy():
             rng.standard_normal((64, 100)), rng.integers(0, 100, (3, 5))]
     for got, expected in zip(small_graph(cupy, host), small_graph(numpy, host)):
         numpy.testing.assert_allclose(got, expected, rtol=1e-11, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [numpy.float32, numpy.float64])
+@pytest.mark.parametrize("cols", [7, 64, 768, 1600, 5000])
+def test_the_layer_norm_row_kernels_equal_their_numpy_twins(dtype, cols):
+    """What the strict stand-in runs in their place (row_kernels.py's twins), to round-off: the
+    same formulas, sums in double on both, in another order and with multiply-adds on the GPU."""
+    rng = numpy.random.default_rng(cols)
+    x, g, pending = (rng.standard_normal((37, cols)).astype(dtype) + 3 for _ in range(3))
+    weight, bias = rng.standard_normal(cols).astype(dtype), rng.standard_normal(cols).astype(dtype)
+    out, xhat, rstd = (a.get() for a in row_kernels.layer_norm_forward(*map(cupy.asarray, (x, weight, bias)), 1e-5))
+    want = [numpy.empty_like(x), numpy.empty_like(x), numpy.empty((37, 1), dtype)]
+    row_kernels.layer_norm_forward_rows(x, weight, bias, want[1], want[0], want[2], cols, 1e-5)
+    tolerance = dict(rtol=2e-6, atol=2e-6) if dtype == numpy.float32 else dict(rtol=1e-13, atol=1e-13)
+    for got, expected in zip((out, xhat, rstd), want):
+        numpy.testing.assert_allclose(got, expected, **tolerance)
+    for added in (None, pending):
+        gx = row_kernels.layer_norm_backward(*map(cupy.asarray, (g, weight, xhat, rstd)),
+                                             None if added is None else cupy.asarray(added)).get()
+        expected = numpy.empty_like(g)
+        row_kernels.layer_norm_backward_rows(g, weight, xhat, rstd, g if added is None else added, expected,
+                                             cols, int(added is not None))
+        numpy.testing.assert_allclose(gx, expected, **tolerance)

@@ -5,6 +5,7 @@ Fused means one Function with a hand-written backward, as Megatron's fused kerne
 """
 import numpy
 
+from .. import row_kernels
 from ..backend import get_array_module, scatter_add, to_numpy
 from ..errors import InputError
 from ..function import Function
@@ -110,18 +111,27 @@ COMPILED_LAYER_NORM_SIZE = 1 << 16
 
 
 class LayerNorm(Function):
-    """(x - mean) / sqrt(var + eps) * weight + bias over the last axis, fused both ways: the
-    chains below on a GPU and for small arrays, numba kernels of the same formulas for large
-    arrays on the CPU (_layer_norm_cpu.py)."""
+    """(x - mean) / sqrt(var + eps) * weight + bias over the last axis, fused both ways: on a GPU
+    the row kernels of row_kernels.py (one launch forward; backward one for the input's gradient,
+    which also adds the residual path's gradient, and one for the weight's and bias's); numba
+    kernels of the same formulas for large arrays on the CPU (_layer_norm_cpu.py); the chains
+    above for small CPU arrays and what the row kernels do not take."""
+
+    adds_pending_grads = True
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
         xp = get_array_module(x)
         x2 = x.reshape(-1, x.shape[-1])
-        ctx.compiled = xp is numpy and x.size >= COMPILED_LAYER_NORM_SIZE
-        if ctx.compiled:
+        ctx.path = ("numba" if xp is numpy and x.size >= COMPILED_LAYER_NORM_SIZE
+                    else "rows" if row_kernels.gpu_supports(x2) and weight.flags.c_contiguous
+                    and bias.flags.c_contiguous else "chains")
+        if ctx.path == "numba":
             from . import _layer_norm_cpu          # numba is imported for large arrays only
             out, xhat, rstd = _layer_norm_cpu.forward(x2, weight, bias, eps)
+        elif ctx.path == "rows":
+            out, xhat, rstd = row_kernels.layer_norm_forward(x2, weight, bias, eps)
+        if ctx.path != "chains":
             ctx.save_for_backward(xhat, rstd, weight)
             return out.reshape(x.shape)
         # three kernels: the mean, the centred squares' sum, then xhat and the output
@@ -135,11 +145,11 @@ class LayerNorm(Function):
 
     @staticmethod
     def backward(ctx, g):
-        xhat, statistic, weight = ctx.saved        # statistic: rstd (compiled) or the square sum
+        xhat, statistic, weight = ctx.saved        # statistic: rstd, or the square sum (chains)
         ctx.mark_fresh(1, 2)            # made here (two parts of one complex sum on a GPU)
         need_x, need_w, need_b = ctx.needs_input_grad
         g2 = g.reshape(xhat.shape)
-        if ctx.compiled:
+        if ctx.path == "numba":
             from . import _layer_norm_cpu
             gx, gw, gb = _layer_norm_cpu.backward(g2, weight, xhat, statistic)
             return gx.reshape(g.shape), gw, gb
@@ -149,7 +159,10 @@ class LayerNorm(Function):
             gw, gb = sums.real, sums.imag       # strided views: the leaves' gradients copy them
         elif need_w or need_b:
             gw, gb = ((g2 * xhat).sum(axis=0), None) if need_w else (None, bias_grad(g2))
-        if need_x:
+        if need_x and ctx.path == "rows":
+            gx = row_kernels.layer_norm_backward(_c_ordered(g2), weight, xhat, statistic,
+                                                 _pending_rows(ctx, g, xhat.shape)).reshape(g.shape)
+        elif need_x:
             # dx = rstd * (gh - mean(gh) - xhat * mean(gh * xhat)), gh = g * weight
             sums = layer_norm_row_sums(g2, weight, xhat).reshape(-1, 1)
             gx = get_array_module(g2).empty_like(g2)
@@ -157,6 +170,21 @@ class LayerNorm(Function):
                                  ctx.eps, gx)
             gx = gx.reshape(g.shape)
         return gx, gw, gb
+
+
+def _c_ordered(a):
+    """a, or a C-ordered copy of it (an incoming gradient may be a strided view)."""
+    return a if a.flags.c_contiguous else get_array_module(a).ascontiguousarray(a)
+
+
+def _pending_rows(ctx, g, shape):
+    """The input's gradient so far (the residual path's), as rows, when the row kernel can add it
+    (same shape and dtype, C-ordered); the engine then takes the kernel's result as the sum."""
+    pending = ctx.pending_grads[0] if ctx.pending_grads else None
+    if pending is None or pending.shape != g.shape or pending.dtype != g.dtype or not pending.flags.c_contiguous:
+        return None
+    ctx.sum_pending(0)
+    return pending.reshape(shape)
 
 
 def check_ids(ids, size, what, fix, ignore_index=None):

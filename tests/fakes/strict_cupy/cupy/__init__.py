@@ -30,6 +30,7 @@ It behaves as CuPy does where bugs hide, and is stricter where that catches them
 * cupy.random: NumPy generators behind CuPy's API; no generator state can be read or saved.
 * cupy.cuda: runtime.getDeviceCount() from env STRICT_CUPY_DEVICES (default 8; 0/none: no
   driver), Device, Stream, Event, get_current_stream; cupy.cuda.nccl over MPI.
+* cupy.RawKernel for sources that name a NumPy twin (cupy._raw).
 * cupyx.scatter_add, cupyx.scipy.special.erf.
 
 The rest of `cupy.<name>` is NumPy's function of that name under CuPy's rules, for the names
@@ -40,6 +41,7 @@ from ._functions import (array, asanyarray, asarray, asnumpy, get_array_module, 
                          lookup as _lookup, ufunc)
 from ._fusion import fuse  # noqa: F401
 from . import cuda, random  # noqa: F401
+from ._raw import RawKernel  # noqa: F401
 
 __version__ = "14.0.0"
 _cache = {}
@@ -90,7 +92,6 @@ def _not_emulated(name):
 
 ElementwiseKernel = _not_emulated("ElementwiseKernel")
 ReductionKernel = _not_emulated("ReductionKernel")
-RawKernel = _not_emulated("RawKernel")
 RawModule = _not_emulated("RawModule")
 
 

@@ -1,0 +1,179 @@
+"""LayerNorm's row kernels on the GPU, written in CUDA C, each with the NumPy twin it must equal.
+
+`cupy.fuse` ends a kernel at its one reduction, so a LayerNorm built from fused chains takes three
+launches forward (the mean, the centred squares' sum, the normalisation) and three backward.
+A row of GPT-2 (768 to a few thousand values) fits one thread block, so one block a row can
+reduce twice and write the row in a single launch, as Apex's and Megatron's fused LayerNorm do:
+forward is one launch, and backward one for the input's gradient (plus the fused column sums of
+the weight's and bias's gradients, nn.py). Sums accumulate in double, as the CPU's numba
+kernels do; the values written are the array's dtype.
+
+Each kernel's source names its twin (`// twin: module:function`): the NumPy function that
+computes the same numbers from the same arguments, in place on the output arrays. The strict
+CuPy stand-in (tests/fakes/strict_cupy) runs the twin where CuPy would run the kernel, so the CPU
+tests count and check every launch of this path; the GPU test files hold the kernels to their
+twins on a real card.
+"""
+import numpy
+
+from .backend import get_array_module
+
+_BLOCK_SUM = r"""
+// The sum of v over the block, returned to every thread (blockDim.x a multiple of 32, <= 1024).
+__device__ double block_sum(double v, double* shared) {
+    for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffff, v, offset);
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    __syncthreads();                      // shared may still be read by a previous call
+    if (lane == 0) shared[warp] = v;
+    __syncthreads();
+    double total = 0.0;
+    for (int w = 0; w < warps; ++w) total += shared[w];
+    return total;
+}
+"""
+
+_FORWARD = _BLOCK_SUM + r"""
+// twin: {module}:layer_norm_forward_rows
+extern "C" __global__ void layer_norm_forward_rows_{T}(
+        const {T}* x, const {T}* weight, const {T}* bias, {T}* xhat, {T}* out, {T}* rstd,
+        int cols, double eps) {
+    __shared__ double shared[32];
+    size_t start = (size_t)blockIdx.x * cols;
+    double sum = 0.0;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) sum += (double)x[start + c];
+    double mean = block_sum(sum, shared) / cols;
+    double squares = 0.0;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        double d = (double)x[start + c] - mean;
+        squares += d * d;
+    }
+    double inv = 1.0 / sqrt(block_sum(squares, shared) / cols + eps);
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        {T} h = ({T})(((double)x[start + c] - mean) * inv);
+        xhat[start + c] = h;
+        out[start + c] = h * weight[c] + bias[c];
+    }
+    if (threadIdx.x == 0) rstd[blockIdx.x] = ({T})inv;
+}
+"""
+
+_BACKWARD = _BLOCK_SUM + r"""
+// twin: {module}:layer_norm_backward_rows
+// gx = rstd (gh - mean(gh) - xhat mean(gh xhat)), gh = g weight; plus `pending` (the gradient
+// the input already has from its other consumer, the residual path) when add_pending is 1.
+extern "C" __global__ void layer_norm_backward_rows_{T}(
+        const {T}* g, const {T}* weight, const {T}* xhat, const {T}* rstd, const {T}* pending,
+        {T}* gx, int cols, int add_pending) {
+    __shared__ double shared[32];
+    size_t start = (size_t)blockIdx.x * cols;
+    double sum_gh = 0.0, sum_ghx = 0.0;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        double gh = (double)g[start + c] * (double)weight[c];
+        sum_gh += gh;
+        sum_ghx += gh * (double)xhat[start + c];
+    }
+    double mean_gh = block_sum(sum_gh, shared) / cols;
+    double mean_ghx = block_sum(sum_ghx, shared) / cols;
+    double inv = (double)rstd[blockIdx.x];
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        double gh = (double)g[start + c] * (double)weight[c];
+        {T} d = ({T})((gh - mean_gh - (double)xhat[start + c] * mean_ghx) * inv);
+        gx[start + c] = add_pending ? pending[start + c] + d : d;
+    }
+}
+"""
+
+_TYPES = {numpy.dtype(numpy.float32): "float", numpy.dtype(numpy.float64): "double"}
+
+
+#: Every row kernel by name (a test's fresh CuPy stand-in forgets what an earlier one compiled).
+KERNELS = {}
+
+
+class RowKernel:
+    """A CUDA kernel run with one thread block per row of a C-ordered (rows, cols) array."""
+
+    def __init__(self, name, source):
+        self.name, self.source = name, source
+        self._compiled = {}     # dtype -> cupy.RawKernel, compiled on first use
+        KERNELS[name] = self
+
+    def __call__(self, rows, cols, dtype, *args):
+        import cupy
+        kernel = self._compiled.get(dtype)
+        if kernel is None:
+            kernel = self._compiled[dtype] = cupy.RawKernel(*self.code(dtype))
+        kernel((rows,), (threads_for(cols),), args)
+
+    def code(self, dtype):
+        """(CUDA source, kernel name) for arrays of `dtype`."""
+        type_name = _TYPES[numpy.dtype(dtype)]
+        return self.source.replace("{T}", type_name).replace("{module}", __name__), f"{self.name}_{type_name}"
+
+
+def threads_for(cols):
+    """Threads a block: about four values each, whole warps, at most 1024."""
+    return min(1024, max(32, -(-cols // 128) * 32))
+
+
+def gpu_supports(x):
+    """True for the arrays the row kernels take: CuPy, float32/float64, C-ordered rows."""
+    return (get_array_module(x) is not numpy and x.dtype in _TYPES and x.ndim == 2
+            and x.flags.c_contiguous and x.shape[0] > 0 and x.shape[1] > 0)
+
+
+_forward_kernel = RowKernel("layer_norm_forward_rows", _FORWARD)
+_backward_kernel = RowKernel("layer_norm_backward_rows", _BACKWARD)
+
+
+def layer_norm_forward(x, weight, bias, eps):
+    """(out, xhat, rstd) of LayerNorm over the rows of a C-ordered 2-D CuPy array: one launch."""
+    xp = get_array_module(x)
+    rows, cols = x.shape
+    xhat, out, rstd = xp.empty_like(x), xp.empty_like(x), xp.empty((rows, 1), x.dtype)
+    _forward_kernel(rows, cols, x.dtype, x, _contiguous(weight), _contiguous(bias), xhat, out, rstd,
+                    numpy.int32(cols), numpy.float64(eps))
+    return out, xhat, rstd
+
+
+def layer_norm_backward(g, weight, xhat, rstd, pending=None):
+    """The input's gradient (plus `pending`, when given, added in the same kernel): one launch."""
+    xp = get_array_module(g)
+    rows, cols = g.shape
+    gx = xp.empty_like(g)
+    _backward_kernel(rows, cols, g.dtype, _contiguous(g), _contiguous(weight), xhat, rstd,
+                     g if pending is None else _contiguous(pending), gx, numpy.int32(cols),
+                     numpy.int32(pending is not None))
+    return gx
+
+
+def _contiguous(a):
+    """The kernels index raw memory: a strided array is refused rather than copied unseen."""
+    if not a.flags.c_contiguous:
+        raise ValueError(f"the LayerNorm row kernels need C-ordered arrays, got strides {a.strides}")
+    return a
+
+
+# --- the twins: the kernels' arithmetic in NumPy, in place on the output arrays ---------------
+
+def layer_norm_forward_rows(x, weight, bias, xhat, out, rstd, cols, eps):
+    """layer_norm_forward_rows_{T}: sums in float64, values in x's dtype."""
+    wide = x.astype(numpy.float64)
+    mean = wide.sum(axis=-1, keepdims=True) / int(cols)
+    d = wide - mean
+    inv = 1.0 / numpy.sqrt((d * d).sum(axis=-1, keepdims=True) / int(cols) + float(eps))
+    xhat[...] = d * inv
+    out[...] = xhat * weight + bias
+    rstd[...] = inv
+
+
+def layer_norm_backward_rows(g, weight, xhat, rstd, pending, gx, cols, add_pending):
+    """layer_norm_backward_rows_{T}: sums in float64, the result in g's dtype, then + pending."""
+    gh = g.astype(numpy.float64) * weight.astype(numpy.float64)
+    mean_gh = gh.sum(axis=-1, keepdims=True) / int(cols)
+    mean_ghx = (gh * xhat).sum(axis=-1, keepdims=True) / int(cols)
+    d = ((gh - mean_gh - xhat.astype(numpy.float64) * mean_ghx) * rstd.astype(numpy.float64)).astype(g.dtype)
+    if add_pending:
+        gx[...] = pending + d
+    else:
+        gx[...] = d
