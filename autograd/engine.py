@@ -82,11 +82,16 @@ def backward(tensors, grad_tensors=None):
         mine = [owned.pop(id(g), None) is not None for g in grads if g is not None]
         if isinstance(node, AccumulateGrad):
             results, summed = node.run(grads, adopt=all(mine)), ()
-        elif getattr(getattr(node, "function", None), "adds_pending_grads", False):
-            results = node.run(grads, _pending(buffers, node))
-            summed = node.summed_pending
         else:
-            results, summed = node.run(grads), ()
+            function = getattr(node, "function", None)
+            pending = _pending(buffers, node) if getattr(function, "adds_pending_grads", False) else None
+            destinations = (_destinations(buffers, node) if getattr(function, "writes_grad_destinations", False)
+                            else None)
+            results = node.run(grads, pending, destinations) if pending or destinations else node.run(grads)
+            summed = set(getattr(node, "summed_pending", ()))
+            if destinations:
+                summed.update(i for i, (d, g) in enumerate(zip(destinations, results))
+                              if d is not None and g is d[0])
         for position, (edge, g) in enumerate(zip(node.edges, results)):
             if edge is None:
                 continue
@@ -132,6 +137,26 @@ def _pending(buffers, node):
     return tuple(pending)
 
 
+def _destinations(buffers, node):
+    """Per input of `node`: (main_grad, accumulate) where its gradient may be written straight
+    into the leaf's flat gradient buffer, else None. Offered where that array would end up
+    holding the sum anyway: to overwrite when the leaf has no gradient yet, from this walk or an
+    earlier one; to add to when main_grad already holds all there is (an earlier micro-batch's
+    gradient, or this walk's from another Function that wrote it there)."""
+    out = []
+    for edge in node.edges:
+        where = None
+        if edge is not None and isinstance(edge[0], AccumulateGrad) and edge[0].leaf.main_grad is not None:
+            leaf, slots = edge[0].leaf, buffers.get(edge[0])
+            held, main = (slots[0] if slots else None), edge[0].leaf.main_grad
+            if held is None and leaf.grad is None:
+                where = (main, False)
+            elif (held is main and leaf.grad is None) or (held is None and leaf.grad is main):
+                where = (main, True)
+        out.append(where)
+    return tuple(out) if any(out) else None
+
+
 def _replace(buffers, node, index, g, owned):
     """The slot becomes g, a fresh array that already includes the slot's gradient
     (Context.sum_pending)."""
@@ -153,6 +178,9 @@ def _accumulate(buffers, node, index, g, owned=None, fresh=False):
         slots = buffers[node] = [None] * getattr(node, "n_outputs", 1)
     if slots[index] is None:
         slots[index] = g
+    elif isinstance(node, AccumulateGrad) and slots[index] is node.leaf.main_grad:
+        slots[index] += g       # a Function wrote there (_destinations): it keeps the whole sum
+        return
     else:
         if owned is not None:
             owned.pop(id(slots[index]), None)

@@ -19,6 +19,7 @@ class Context:
         self.fresh_grads = ()
         self.pending_grads = None
         self.summed_pending = ()
+        self.grad_destinations = None
 
     def save_for_backward(self, *arrays):
         self.saved = arrays
@@ -28,6 +29,12 @@ class Context:
         to (a GEMM's or a reduction's result, not a view of an incoming gradient): a leaf may take
         one as its .grad without the copy (engine.py)."""
         self.fresh_grads = indices
+
+    def destination(self, index):
+        """(array, accumulate) where backward may put input `index`'s gradient itself, or None:
+        the leaf's main_grad, to be overwritten (accumulate False) or added to (engine.py).
+        Backward then returns that array as the gradient."""
+        return self.grad_destinations[index] if self.grad_destinations else None
 
     def sum_pending(self, *indices):
         """Backward's gradients for these inputs already include `pending_grads` (the gradient
@@ -50,14 +57,16 @@ class Node:
         self.fresh_grads = ()       # the last run's ctx.fresh_grads
         self.summed_pending = ()    # the last run's ctx.summed_pending
 
-    def run(self, grads, pending=None):
+    def run(self, grads, pending=None, destinations=None):
         """Backward on the output gradients; `pending` (engine.py): the inputs' gradients so far,
-        given only where no 16-bit rounding of the results follows (it would round their sum)."""
+        given only where no 16-bit rounding of the results follows (it would round their sum);
+        `destinations`: per input, where backward may write the gradient (Context.destination)."""
         if self.ctx is None:
             raise RuntimeError(f"backward through {self.name} a second time: its saved arrays were "
                                "freed after the first backward; run the forward again")
         if self.storage is None:
             self.ctx.pending_grads = pending
+            self.ctx.grad_destinations = destinations
         if _profile.active():
             result = _profile.timed(self.name, 1, lambda: self.function.backward(self.ctx, *grads))
         else:
@@ -80,6 +89,7 @@ class Function:
 
     float32_output = False
     adds_pending_grads = False      # backward may add ctx.pending_grads into its results
+    writes_grad_destinations = False    # backward may write into ctx.destination(i)
 
     @staticmethod
     def forward(ctx, *arrays, **params):

@@ -22,7 +22,11 @@ class AccumulateGrad:
         # inputs, and a leaf's grad must be its own (optimizers and all-reduces write into it),
         # unless the engine knows no one else holds it (`adopt`: engine._accumulate). Later ones
         # are added in place: grad may be a view into a data-parallel bucket.
-        if leaf.grad is None:
+        # A Function that wrote straight into the leaf's main_grad (engine._destinations) hands
+        # that very array on: it already holds the sum.
+        if g is leaf.grad or (leaf.grad is None and g is leaf.main_grad):
+            leaf.grad = g
+        elif leaf.grad is None:
             leaf.grad = g if adopt else g.copy()
         else:
             leaf.grad += g

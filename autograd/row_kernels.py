@@ -83,6 +83,36 @@ extern "C" __global__ void layer_norm_backward_rows_{T}(
 }
 """
 
+_COLUMNS = r"""
+// twin: {module}:layer_norm_column_sums_rows
+// gw = sum over rows of g xhat and gb = sum over rows of g, written (or, with accumulate_*, added)
+// straight into their destinations. A block of 32 x 32 threads takes 32 columns: each thread sums
+// every 32nd row of its column, then the first row of threads adds the 32 partial sums in order.
+extern "C" __global__ void layer_norm_column_sums_{T}(
+        const {T}* g, const {T}* xhat, {T}* gw, {T}* gb, int rows, int cols,
+        int accumulate_w, int accumulate_b) {
+    __shared__ double part_w[32][33], part_b[32][33];
+    int c = blockIdx.x * 32 + threadIdx.x;
+    double sw = 0.0, sb = 0.0;
+    if (c < cols) {
+        for (int r = threadIdx.y; r < rows; r += 32) {
+            double gv = (double)g[(size_t)r * cols + c];
+            sw += gv * (double)xhat[(size_t)r * cols + c];
+            sb += gv;
+        }
+    }
+    part_w[threadIdx.y][threadIdx.x] = sw;
+    part_b[threadIdx.y][threadIdx.x] = sb;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < cols) {
+        double tw = 0.0, tb = 0.0;
+        for (int i = 0; i < 32; ++i) { tw += part_w[i][threadIdx.x]; tb += part_b[i][threadIdx.x]; }
+        gw[c] = accumulate_w ? gw[c] + ({T})tw : ({T})tw;
+        gb[c] = accumulate_b ? gb[c] + ({T})tb : ({T})tb;
+    }
+}
+"""
+
 _TYPES = {numpy.dtype(numpy.float32): "float", numpy.dtype(numpy.float64): "double"}
 
 
@@ -99,11 +129,14 @@ class RowKernel:
         KERNELS[name] = self
 
     def __call__(self, rows, cols, dtype, *args):
+        self.launch(dtype, (rows,), (threads_for(cols),), args)
+
+    def launch(self, dtype, grid, block, args):
         import cupy
         kernel = self._compiled.get(dtype)
         if kernel is None:
             kernel = self._compiled[dtype] = cupy.RawKernel(*self.code(dtype))
-        kernel((rows,), (threads_for(cols),), args)
+        kernel(grid, block, args)
 
     def code(self, dtype):
         """(CUDA source, kernel name) for arrays of `dtype`."""
@@ -124,6 +157,7 @@ def gpu_supports(x):
 
 _forward_kernel = RowKernel("layer_norm_forward_rows", _FORWARD)
 _backward_kernel = RowKernel("layer_norm_backward_rows", _BACKWARD)
+_columns_kernel = RowKernel("layer_norm_column_sums", _COLUMNS)
 
 
 def layer_norm_forward(x, weight, bias, eps):
@@ -145,6 +179,19 @@ def layer_norm_backward(g, weight, xhat, rstd, pending=None):
                      g if pending is None else _contiguous(pending), gx, numpy.int32(cols),
                      numpy.int32(pending is not None))
     return gx
+
+
+def layer_norm_column_sums(g, xhat, gw=None, gb=None):
+    """(gw, gb): the weight's and the bias's gradients, sum(g xhat) and sum(g) over rows, in one
+    launch. gw and gb: None for new arrays, or (array, accumulate) to write into (Context.destination)."""
+    xp = get_array_module(g)
+    rows, cols = g.shape
+    outs = [(xp.empty(cols, g.dtype), False) if d is None else d for d in (gw, gb)]
+    (w, add_w), (b, add_b) = outs
+    _columns_kernel.launch(g.dtype, (-(-cols // 32),), (32, 32),
+                           (_contiguous(g), xhat, _contiguous(w), _contiguous(b), numpy.int32(rows),
+                            numpy.int32(cols), numpy.int32(add_w), numpy.int32(add_b)))
+    return w, b
 
 
 def _contiguous(a):
@@ -177,3 +224,14 @@ def layer_norm_backward_rows(g, weight, xhat, rstd, pending, gx, cols, add_pendi
         gx[...] = pending + d
     else:
         gx[...] = d
+
+
+def layer_norm_column_sums_rows(g, xhat, gw, gb, rows, cols, accumulate_w, accumulate_b):
+    """layer_norm_column_sums_{T}: sums in float64, each cast to g's dtype, then added if asked."""
+    wide = g.astype(numpy.float64)
+    sums = ((wide * xhat).sum(axis=0).astype(g.dtype), wide.sum(axis=0).astype(g.dtype))
+    for out, total, accumulate in zip((gw, gb), sums, (accumulate_w, accumulate_b)):
+        if accumulate:
+            out += total
+        else:
+            out[...] = total

@@ -45,7 +45,7 @@ class Tensor:
     """
 
     __slots__ = ("data", "requires_grad", "grad", "grad_fn", "output_index", "_accumulator", "name",
-                 "__weakref__")
+                 "main_grad", "__weakref__")
 
     def __init__(self, data, requires_grad=False, name=None):
         if isinstance(data, Tensor):
@@ -55,6 +55,9 @@ class Tensor:
         self.data = data
         self.requires_grad = requires_grad
         self.grad = None
+        # A leaf's place in a flat gradient buffer (Megatron's main_grad; set by the data-parallel
+        # buckets on a GPU): backward may write the gradient there itself (engine.py)
+        self.main_grad = None
         self.grad_fn = None
         self.output_index = 0
         self._accumulator = None

@@ -66,8 +66,8 @@ def build_optimizer(model, params, grid, config):
     bucket_size, lr, decay = config.parallel.ddp_bucket_size, config.lr, config.weight_decay
     storage = config.model.storage_format     # --fp16/--bf16: float32 master weights
     if not config.parallel.use_distributed_optimizer:
-        return (GradientBuckets(params, grid.dp_group, bucket_size),
-                AdamW(params, lr=lr, weight_decay=decay, storage=storage))
+        buckets = GradientBuckets(params, grid.dp_group, bucket_size)
+        return buckets, AdamW(params, lr=lr, weight_decay=decay, storage=storage, layout=buckets.layout)
     tied = getattr(model, "tied", None)
     buckets = ShardedGradientBuckets(params, grid.dp_group, bucket_size, alone=[tied.weight] if tied else [])
     return buckets, DistributedAdamW(buckets, lr=lr, weight_decay=decay, storage=storage)

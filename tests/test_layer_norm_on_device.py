@@ -42,7 +42,7 @@ def test_one_launch_forward_two_backward_and_numpys_values(cp):
     got = residual_block(cp, host)
     names = [(launch.op.split(".")[-1], launch.name) for launch in cp._strict.launches()
              if launch.op.startswith("LayerNorm.")]
-    assert names == [("forward", "layer_norm_forward_rows_double"), ("backward", "layer_norm_column_sums"),
+    assert names == [("forward", "layer_norm_forward_rows_double"), ("backward", "layer_norm_column_sums_double"),
                      ("backward", "layer_norm_backward_rows_double")]
     for g, e in zip(got, expected):
         numpy.testing.assert_allclose(cp.asnumpy(g), e, rtol=1e-12, atol=1e-12)

@@ -135,9 +135,28 @@ def bias_grad(g):
     return g2.sum(axis=0)
 
 
-def _weight_grad(x, g, grid=None):
-    """x^T g summed over all leading dimensions in one GEMM (no per-batch temporaries)."""
-    return gemm.matmul(gemm.rows(x).T, gemm.rows(g), grid=grid)
+def _weight_grad(x, g, grid=None, destination=None):
+    """x^T g summed over all leading dimensions in one GEMM (no per-batch temporaries); written
+    into or added to `destination` (Context.destination) by the GEMM itself when given."""
+    if destination is None:
+        return gemm.matmul(gemm.rows(x).T, gemm.rows(g), grid=grid)
+    out, accumulate = destination
+    return gemm.matmul(gemm.rows(x).T, gemm.rows(g), out=out, accumulate=accumulate, grid=grid)
+
+
+def bias_grad_to(g, destination=None):
+    """bias_grad(g), written into `destination` (Context.destination) by the reduction itself, or
+    added to it; without one, a new array."""
+    if destination is None:
+        return bias_grad(g)
+    out, accumulate = destination
+    if accumulate:
+        out += bias_grad(g)
+    elif get_array_module(g) is numpy:
+        out[...] = bias_grad(g)
+    else:
+        gemm.rows(g).sum(axis=0, out=out)
+    return out
 
 
 class MatMul(Function):
@@ -168,6 +187,8 @@ class Linear(Function):
     gradients' sum is not rounded) or whose operands were never rounded would be rounded by cuBLAS
     on a GPU, where NumPy computes in float32. The strict stand-in refuses such operands."""
 
+    writes_grad_destinations = True
+
     @staticmethod
     def forward(ctx, x, w, b=None):
         _check_matmul(x, w)
@@ -196,8 +217,8 @@ class Linear(Function):
         ctx.mark_fresh(1, 2)            # a GEMM's and a reduction's results (engine.py)
         x, _ = ctx.saved
         need = ctx.needs_input_grad
-        gw = _weight_grad(x, g, ctx.grid) if need[1] else None
-        gb = bias_grad(g) if len(need) > 2 and need[2] else None
+        gw = _weight_grad(x, g, ctx.grid, ctx.destination(1)) if need[1] else None
+        gb = bias_grad_to(g, ctx.destination(2)) if len(need) > 2 and need[2] else None
         return gw, gb
 
 

@@ -115,6 +115,8 @@ class BiasDropoutAdd(Function):
     output's bias (Megatron's bias_dropout_add). One kernel forward on a GPU besides the mask's;
     with p = 0 (or p = None: not training) one kernel and no mask. The masks are Dropout's."""
 
+    writes_grad_destinations = True
+
     @staticmethod
     def forward(ctx, y, bias, residual, p, generator):
         xp = get_array_module(y)
@@ -148,8 +150,22 @@ class BiasDropoutAdd(Function):
             gy = precision.round_(gy, ctx.storage)
         # the bias's gradient summed over the leading axes as Add's backward summed it, so the
         # numbers are the unfused ops' (one reduction kernel on a GPU either way)
-        gb = gy.sum(axis=tuple(range(gy.ndim - 1))) if need_bias else None
+        gb = _bias_sum(gy, ctx.destination(1)) if need_bias else None
         return gy if need_y else None, gb, g
+
+
+def _bias_sum(gy, destination):
+    """gy summed over the leading axes (Add's backward's reduction), into or added to
+    `destination` (Context.destination) when given."""
+    axes = tuple(range(gy.ndim - 1))
+    if destination is None:
+        return gy.sum(axis=axes)
+    out, accumulate = destination
+    if accumulate:
+        out += gy.sum(axis=axes)
+    else:
+        gy.sum(axis=axes, out=out)
+    return out
 
 
 def dropout(x, p, generator, training=True):

@@ -7,7 +7,7 @@ from ..backend import get_array_module
 from ..errors import InputError
 from ..function import Function
 from ..fusion import fused
-from .arithmetic import bias_grad
+from .arithmetic import bias_grad_to
 
 
 class Exp(Function):
@@ -196,6 +196,8 @@ class BiasGelu(Function):
     backward recomputes it from the saved y and b inside the chain, or, for large float32 arrays
     on the CPU, inside a compiled kernel that also recomputes tanh (_gelu_cpu.py)."""
 
+    writes_grad_destinations = True
+
     @staticmethod
     def forward(ctx, y, b, approximate):
         ctx.compiled = compiled_gelu(approximate, y.dtype, y.size, get_array_module(y) is numpy)
@@ -217,7 +219,7 @@ class BiasGelu(Function):
             return gy, (gb if ctx.needs_input_grad[1] else None)
         y, b, kept = ctx.saved
         gy = ctx.backward_chain(g, y, b, kept)
-        gb = bias_grad(gy) if ctx.needs_input_grad[1] else None
+        gb = bias_grad_to(gy, ctx.destination(1)) if ctx.needs_input_grad[1] else None
         return gy, gb
 
 

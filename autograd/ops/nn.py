@@ -113,11 +113,13 @@ COMPILED_LAYER_NORM_SIZE = 1 << 16
 class LayerNorm(Function):
     """(x - mean) / sqrt(var + eps) * weight + bias over the last axis, fused both ways: on a GPU
     the row kernels of row_kernels.py (one launch forward; backward one for the input's gradient,
-    which also adds the residual path's gradient, and one for the weight's and bias's); numba
+    which also adds the residual path's gradient, and one for the weight's and bias's, written
+    into their main_grad when the engine offers it); numba
     kernels of the same formulas for large arrays on the CPU (_layer_norm_cpu.py); the chains
     above for small CPU arrays and what the row kernels do not take."""
 
     adds_pending_grads = True
+    writes_grad_destinations = True
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
@@ -154,7 +156,11 @@ class LayerNorm(Function):
             gx, gw, gb = _layer_norm_cpu.backward(g2, weight, xhat, statistic)
             return gx.reshape(g.shape), gw, gb
         gw = gb = gx = None
-        if need_w and need_b:
+        if need_w and need_b and ctx.path == "rows":      # one kernel, into main_grad if offered
+            g2 = _c_ordered(g2)
+            gw, gb = row_kernels.layer_norm_column_sums(g2, xhat, ctx.destination(1),
+                                                        ctx.destination(2))
+        elif need_w and need_b:
             sums = layer_norm_column_sums(g2, xhat)
             gw, gb = sums.real, sums.imag       # strided views: the leaves' gradients copy them
         elif need_w or need_b:

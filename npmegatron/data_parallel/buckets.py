@@ -8,24 +8,30 @@ its AccumulateGrad node counts it done, and a bucket whose parameters are all do
 pre-divided by the DP size and handed to comm.all_reduce_async
 (MPI, node shared memory or NCCL, as comm chooses for the array). Buckets are launched in a fixed
 order so every rank issues the same sequence of collectives. Earlier micro-batches only
-accumulate: one DP sync per optimizer step. With one DP rank there are no buckets (the
-distributed optimizer's subclass keeps them, to shard AdamW's state).
+accumulate: one DP sync per optimizer step.
+
+The buckets are slices of one flat gradient buffer, and the parameters views of one flat buffer
+of the same layout (optim/flat.py, Megatron's ParamAndGradBuffer), so that on a GPU the optimizer
+updates them all in one kernel. There, each parameter's view is also its `main_grad`: backward's
+GEMMs, reductions and LayerNorm kernels write the gradient straight into it (engine.py), so
+filling the buffer costs no kernel a parameter. At DP = 1 nothing is communicated (there are no
+buckets); the GPU keeps the flat buffers all the same. On the CPU, DP = 1 keeps the gradients
+backward makes (no buffers), and the optimizer updates parameter by parameter either way.
 """
+import numpy
+
 from .. import comm
 from ..autograd import grad_accumulator
+from ..optim.flat import FlatLayout
 
 
 class Bucket:
-    def __init__(self, params, xp, dtype, multiple_of=1):
-        """multiple_of: the buffer is padded to a multiple of it (the distributed optimizer's
-        reduce-scatter splits it evenly over the DP ranks)."""
-        self.params = params
-        size = sum(p.data.size for p in params)
-        self.buffer = xp.zeros(-(-size // multiple_of) * multiple_of, dtype)
-        self.views, offset = {}, 0
-        for p in params:
-            self.views[id(p)] = self.buffer[offset:offset + p.data.size].reshape(p.shape)
-            offset += p.data.size
+    def __init__(self, params, layout, span):
+        """span: the bucket's slice of the layout (padded, under the distributed optimizer, to a
+        multiple of the DP size, which its reduce-scatter splits evenly)."""
+        self.params, self.span = params, span
+        self.buffer = layout.grad[span]
+        self.views = {id(p): layout.grad_views[id(p)] for p in params}
         self.remaining = len(params)
         self.request = None
         self.reducing = False       # launched and not yet waited on: no writes (BucketWrittenError)
@@ -63,25 +69,34 @@ class GradientBuckets:
         """bucket_size: parameters (elements) per bucket, Megatron's --ddp-bucket-size."""
         self.group, self.params = group, list(params)
         self.active, self.final = False, set()
+        groups = group_params(self.params, bucket_size, alone)
+        self.layout = FlatLayout(groups, group.size if self.shards else 1)
         self.buckets = []
-        if group.size == 1 and not self.shards:
+        communicates = group.size > 1 or self.shards
+        if communicates or self.layout.xp is not numpy:     # flat buffers (module docstring)
+            self.layout.hold_parameters()
+        if not communicates:
             return
-        first = self.params[0]
-        self.buckets = [Bucket(ps, first.xp, first.dtype, group.size if self.shards else 1)
-                        for ps in group_params(self.params, bucket_size, alone)]
+        self.buckets = [Bucket(ps, self.layout, span) for ps, span in zip(groups, self.layout.spans)]
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         for p in self.params:
             grad_accumulator(p).hooks.append(self._on_grad_ready)
 
     def zero_grad(self):
-        """Before the first micro-batch: each parameter's grad is its zeroed bucket view."""
+        """Before the first micro-batch: each parameter's grad is its zeroed view of the flat
+        gradient buffer (one fill for all), or None where there is none (backward makes it)."""
         self._refuse_writes("zero_grad")
         for p in self.params:
             p.grad = None
-        for b in self.buckets:
-            b.buffer.fill(0)
-            for p in b.params:
-                p.grad = b.views[id(p)]
+        if self.layout.grad is None:
+            return
+        if self.layout.xp is not numpy:     # backward writes gradients there itself (engine.py)
+            for p in self.params:
+                p.main_grad = self.layout.grad_views[id(p)]
+        if self.buckets:
+            self.layout.grad.fill(0)
+            for p in self.params:
+                p.grad = self.layout.grad_views[id(p)]
 
     def start_sync(self, params=None):
         """Call before the backward that gives `params` (default: all) their last gradient

@@ -10,23 +10,21 @@ parameters only.
   ends (the tied word embedding) works unchanged on those blocks: TP ranks of a stage have the same
   buckets, and the word embedding has a bucket of its own, so its blocks match on both ends.
 - Each rank updates its block of every bucket (AdamW's arithmetic, element by element the same as
-  AdamW's), then the blocks are all-gathered into the parameters, which live in one flat buffer
-  per bucket for this.
+  AdamW's: one kernel a bucket), then the blocks are all-gathered into the parameters, which are
+  views of the buckets' flat parameter buffer (buckets.py).
 
 State saved in a checkpoint is gathered whole per parameter (state_dict, collective over DP), so
 a checkpoint loads at any DP size, with or without this optimizer.
 """
-import numpy
-
 from .. import comm
-from ..optim.adamw import AdamW, gradient_factor, publish_rounded, sum_of_squares
+from ..optim.adamw import AdamW
 from .buckets import GradientBuckets
 
 
 class ShardedGradientBuckets(GradientBuckets):
-    """GradientBuckets whose buckets are reduce-scattered, with the parameters moved into flat
-    buffers of the buckets' layout. `alone`: parameters that get a bucket of their own (the tied
-    word embedding: its blocks must match between the first and the last pipeline stage)."""
+    """GradientBuckets whose buckets are reduce-scattered, each bucket's `block` (a slice of the
+    bucket) this rank's. `alone`: parameters that get a bucket of their own (the tied word
+    embedding: its blocks must match between the first and the last pipeline stage)."""
 
     shards = True
 
@@ -36,13 +34,6 @@ class ShardedGradientBuckets(GradientBuckets):
         for b in self.buckets:
             block = b.buffer.size // size
             b.block = slice(rank * block, (rank + 1) * block)
-            b.param_buffer = b.buffer.copy()
-            offset = 0
-            for p in b.params:
-                view = b.param_buffer[offset:offset + p.data.size].reshape(p.shape)
-                view[...] = p.data
-                p.data = view
-                offset += p.data.size
 
     def _launch(self, bucket):
         return comm.reduce_scatter_async(bucket.buffer, self.group)
@@ -65,12 +56,24 @@ class ShardedGradientBuckets(GradientBuckets):
             state_offset += stop - start
         return out, state_offset
 
+    def blocks(self):
+        """(this rank's block of each bucket as a slice of the layout, the same block's slice of
+        an array of all blocks end to end: the distributed optimizer's state)."""
+        out, state_offset = [], 0
+        for b in self.buckets:
+            start = b.span.start + b.block.start
+            size = b.block.stop - b.block.start
+            out.append((slice(start, start + size), slice(state_offset, state_offset + size)))
+            state_offset += size
+        return out
+
     def gather_parameters(self):
         """Every rank's updated block of each bucket into every rank's parameters."""
         for b in self.buckets:
-            whole = comm.all_gather(b.param_buffer[b.block], self.group)
-            if whole is not b.param_buffer:
-                b.param_buffer[...] = whole
+            data = self.layout.data[b.span]
+            whole = comm.all_gather(data[b.block], self.group)
+            if whole is not data:
+                data[...] = whole
 
 
 class DistributedAdamW(AdamW):
@@ -78,58 +81,28 @@ class DistributedAdamW(AdamW):
     parameters; step() updates the blocks and all-gathers the parameters."""
 
     def __init__(self, buckets, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, storage=None):
-        self.params, self.buckets = buckets.params, buckets
+        self.params, self.buckets, self.layout = buckets.params, buckets, buckets.layout
         self._settings(lr, betas, eps, weight_decay, storage)
         self.segments, size = buckets.segments()
-        first = self.params[0]
-        self.exp_avg = [first.xp.zeros(size, first.dtype)]
-        self.exp_avg_sq = [first.xp.zeros(size, first.dtype)]
-        self.master = None
+        self.regions = buckets.blocks()     # one update kernel and one norm reduction a bucket
+        self.regions_are_parameters = False
+        self._make_state(size)
+        self.exp_avg, self.exp_avg_sq = [self._m], [self._v]
         if storage:     # float32 master weights of this rank's blocks only (ZeRO-1 shards them too)
-            self.master = [first.xp.zeros(size, first.dtype)]
+            self.master = [self._master]
             self._master_from_parameters()
 
     def _master_from_parameters(self):
-        for p, mine, where in self.segments:
-            self.master[0][where] = self._flat(p.data, mine)
-
-    def _flat(self, array, where):
-        return array.reshape(-1)[where]
+        for where, state in self.regions:
+            self._master[state] = self.layout.data[where]
 
     def step(self, lr=None):
-        lr = self._advance(lr)
-        m, v = self.exp_avg[0], self.exp_avg_sq[0]
-        for p, mine, state in self.segments:
-            if p.grad is None:
-                continue
-            data, grad = self._flat(p.data, mine), self._flat(p.grad, mine)
-            if self.master is None:
-                self._update(p, data, grad, m[state], v[state], lr)
-            else:
-                master = self.master[0][state]
-                self._update(p, master, grad, m[state], v[state], lr)
-                publish_rounded(data, master, self.storage)
+        super().step(lr)
         self.buckets.gather_parameters()
 
-    def grad_norm_squared(self, grid, skip=()):
-        """The squared global gradient norm from this rank's blocks: summed over the DP group,
-        then over the model-parallel group (as optim.adamw.grad_norm_squared)."""
-        xp = self.params[0].xp
-        parts = [sum_of_squares(xp, self._flat(p.grad, mine)) for p, mine, _ in self.segments
-                 if p.grad is not None and id(p) not in skip]
-        total = (xp.stack(parts).astype(numpy.float64).sum() if parts else xp.zeros((), numpy.float64)).reshape(1)
-        for group in (grid.dp_group, grid.mp_group):
-            if group.size > 1:
-                total = comm.all_reduce(total, group)
-        return total
-
-    def clip(self, norm, max_norm, loss_scale=1.0):
-        """Unscale this rank's blocks of the gradients and clip them to max_norm (norm: unscaled)."""
-        factor = gradient_factor(norm, max_norm, loss_scale)
-        if factor is not None:
-            for p, mine, _ in self.segments:
-                if p.grad is not None:
-                    self._flat(p.grad, mine)[...] *= p.dtype.type(factor)
+    def norm_groups(self, grid):
+        """This rank's blocks: the rest of each bucket is on the other DP ranks."""
+        return [grid.dp_group, grid.mp_group]
 
     def state_dict(self):
         """Collective over DP: the moments gathered whole, one array per parameter in the order of

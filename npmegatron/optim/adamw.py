@@ -5,17 +5,19 @@ import math
 import numpy
 
 from .. import comm
-from ..autograd import get_array_module, precision
+from ..autograd import cpu_blocks, get_array_module, precision
 from ..autograd.fusion import fused, fused_reduction
+from .flat import FlatLayout
 
 
 @fused
-def adamw_update_(xp, p, g, m, v, grad_scale, decay, beta1, one_minus_beta1, beta2, one_minus_beta2,
+def adamw_update_(xp, p, g, m, v, decayed, grad_scale, decay, beta1, one_minus_beta1, beta2, one_minus_beta2,
                   rsqrt_bias2, eps, step_size):
-    """One AdamW step on one parameter, in place on p, m and v (one kernel on the GPU):
-    p = decay p - step_size m / (sqrt(v) / sqrt(bias2) + eps) after the moment updates, with the
-    gradient times grad_scale (unscaling and clipping, applied here rather than in a pass of
-    their own over the gradients). Every scalar is computed on the host (see fusion.py)."""
+    """One AdamW step, in place on p, m and v (one kernel on the GPU, however many parameters the
+    arrays hold end to end): p = decay p - step_size m / (sqrt(v) / sqrt(bias2) + eps) after the
+    moment updates, with the gradient times grad_scale (unscaling and clipping, applied here rather
+    than in a pass of their own over the gradients), and decay only where `decayed` (matrices).
+    Every scalar is computed on the host (see fusion.py)."""
     g = g * grad_scale
     t = g * one_minus_beta1
     m *= beta1
@@ -29,44 +31,79 @@ def adamw_update_(xp, p, g, m, v, grad_scale, decay, beta1, one_minus_beta1, bet
     t += eps
     xp.divide(m, t, out=t)
     t *= step_size
-    p *= decay
-    p -= t
+    # p times decay where decayed, p itself elsewhere: each element's numbers are those of a
+    # per-parameter update with decay `decay` or 1
+    xp.subtract(xp.where(decayed, p * decay, p), t, out=p)
 
 
-#: float32 parameters at least this large are updated by the numba kernel on the CPU
-#: (_adamw_cpu.py); below that, importing numba costs more than it saves.
+#: float32 arrays at least this large are updated by the numba kernel on the CPU (_adamw_cpu.py);
+#: below that, importing numba costs more than it saves.
 COMPILED_UPDATE_SIZE = 1 << 16
 
 
-def _update_for(p, g):
-    """The AdamW update to run on this parameter: the chain, or the compiled CPU kernel."""
-    if (get_array_module(p) is numpy and p.dtype == numpy.float32 and g.dtype == numpy.float32
-            and p.size >= COMPILED_UPDATE_SIZE and p.flags.c_contiguous and g.flags.c_contiguous):
+def run_update(p, g, m, v, decayed, *scalars):
+    """adamw_update_ on these arrays: the chain (on the CPU, a flat array's pieces shared among
+    threads, as cpu_blocks does with rows), or the compiled CPU kernel for large float32 arrays."""
+    if get_array_module(p) is not numpy:
+        return adamw_update_(p, g, m, v, decayed, *scalars)
+    if (p.dtype == numpy.float32 and g.dtype == numpy.float32 and p.size >= COMPILED_UPDATE_SIZE
+            and p.flags.c_contiguous and g.flags.c_contiguous):
         from ._adamw_cpu import adamw_update_ as compiled   # numba is imported for large arrays only
-        return compiled
-    return adamw_update_
+        return compiled(p, g, m, v, decayed, *scalars)
+    if p.ndim != 1 or p.size < cpu_blocks.MIN_BLOCKED_ELEMENTS:
+        return adamw_update_(p, g, m, v, decayed, *scalars)
+    piece = cpu_blocks.BLOCK_ELEMENTS
+
+    def work(start, stop):
+        part = slice(start * piece, stop * piece)
+        adamw_update_(p[part], g[part], m[part], v[part], decayed[part], *scalars)
+
+    cpu_blocks.for_row_blocks(-(-p.size // piece), piece, work)
 
 
 class AdamW:
     """Adam with decoupled weight decay. Biases and LayerNorm parameters (the 1-D ones) are not
     decayed, as in Megatron and nanoGPT.
 
+    The moments (and master weights) of all parameters live in flat arrays laid out as `layout`
+    (optim/flat.py; by default the parameters end to end). Where the layout also holds the
+    parameters and their gradients (the data-parallel buckets' buffers), a step is one update
+    kernel for all of them, and the gradient norm one reduction; otherwise one of each a parameter.
+
     Under mixed precision (`storage` 'fp16' or 'bf16', autograd/precision.py) the parameters hold
     16-bit values and the optimizer keeps float32 master weights (`master`): each step updates the
     master and writes it back rounded, so updates smaller than a 16-bit step still accumulate."""
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, storage=None):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, storage=None,
+                 layout=None):
         self.params = list(params)
         self._settings(lr, betas, eps, weight_decay, storage)
-        self.exp_avg = [p.xp.zeros_like(p.data) for p in self.params]
-        self.exp_avg_sq = [p.xp.zeros_like(p.data) for p in self.params]
-        self.master = [p.data.copy() for p in self.params] if storage else None
+        self.layout = layout or FlatLayout([self.params])
+        # (layout slice, state slice) pairs the flat update covers: here all of it, state and
+        # layout alike
+        self.regions = [(slice(0, self.layout.size), slice(0, self.layout.size))]
+        self.regions_are_parameters = True      # the distributed optimizer's are blocks
+        self._make_state(self.layout.size)
+        self.exp_avg, self.exp_avg_sq = ([self.layout.view(flat, p) for p in self.params]
+                                         for flat in (self._m, self._v))
+        if storage:
+            self.master = [self.layout.view(self._master, p) for p in self.params]
+            self._master_from_parameters()
 
     def _settings(self, lr, betas, eps, weight_decay, storage=None):
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.storage = storage
         self.step_count = 0
         self.grad_scale = 1.0       # what the next step multiplies the gradients by (scale_gradients)
+
+    def _make_state(self, size):
+        """Flat moments (and float32 masters under mixed precision) of `size` elements, and which
+        elements of the layout are decayed."""
+        xp, dtype = self.layout.xp, self.layout.dtype
+        self._m, self._v = xp.zeros(size, dtype), xp.zeros(size, dtype)
+        self._master = xp.zeros(size, dtype) if self.storage else None
+        self.master = None
+        self.decayed = self.layout.mask(lambda p: p.ndim >= 2)
 
     def scale_gradients(self, factor):
         """Multiply the gradients by `factor` in the next step's update itself (clip_gradients):
@@ -112,28 +149,60 @@ class AdamW:
     def step(self, lr=None):
         lr = self._advance(lr)
         grad_scale, self.grad_scale = self.grad_scale, 1.0
-        for i, (p, m, v) in enumerate(zip(self.params, self.exp_avg, self.exp_avg_sq)):
-            if p.grad is None:
-                continue
-            if self.master is None:
-                self._update(p, p.data, p.grad, m, v, lr, grad_scale)
-            else:
-                self._update(p, self.master[i], p.grad, m, v, lr, grad_scale)
-                publish_rounded(p.data, self.master[i], self.storage)
+        scalars = (grad_scale,) + self._scalars(lr)
+        layout = self.layout
+        if layout.grad is None:         # parameters and gradients apart: one update each
+            for p in self.params:
+                if p.grad is not None:
+                    where = layout.where[id(p)]
+                    self._update(p.data, p.grad, where, where, scalars)
+            return
+        layout.gather_grads()
+        for where, state in self.regions:
+            # on the CPU one update a parameter (a piece of it, in a block), the numbers as ever
+            for piece in layout.counted_runs(where, split=True) if layout.xp is numpy else [where]:
+                at = slice(state.start + piece.start - where.start, state.start + piece.stop - where.start)
+                self._update(layout.data[piece], layout.grad[piece], piece, at, scalars)
 
     def _advance(self, lr):
         """Count the step; the learning rate it uses."""
         self.step_count += 1
         return self.lr if lr is None else lr
 
-    def _update(self, p, data, grad, m, v, lr, grad_scale=1.0):
-        """The update of `data` (all of parameter p, or a block of it) from grad times grad_scale,
-        in place on m, v."""
+    def _scalars(self, lr):
+        """adamw_update_'s scalars after grad_scale, computed on the host."""
         beta1, beta2 = self.betas
         bias1, bias2 = 1 - beta1 ** self.step_count, 1 - beta2 ** self.step_count
-        decay = 1 - lr * self.weight_decay if self.weight_decay and p.ndim >= 2 else 1.0
-        _update_for(data, grad)(data, grad, m, v, grad_scale, decay, beta1, 1 - beta1, beta2, 1 - beta2,
-                                1 / math.sqrt(bias2), self.eps, lr / bias1)
+        decay = 1 - lr * self.weight_decay if self.weight_decay else 1.0
+        return decay, beta1, 1 - beta1, beta2, 1 - beta2, 1 / math.sqrt(bias2), self.eps, lr / bias1
+
+    def _update(self, data, grad, where, state, scalars):
+        """Update `data` (parameters at `where` in the layout, any shape) from `grad`, with the
+        state at `state` in the flat state arrays; under mixed precision the master is updated
+        and `data` becomes its 16-bit rounding."""
+        shape = data.shape
+        m, v = self._m[state].reshape(shape), self._v[state].reshape(shape)
+        target = data if self._master is None else self._master[state].reshape(shape)
+        run_update(target, grad, m, v, self.decayed[where].reshape(shape), *scalars)
+        if self._master is not None:
+            publish_rounded(data, target, self.storage)
+
+    def grad_norm_squared(self, grid, skip=()):
+        """The squared global gradient norm (as grad_norm_squared below): one sum of squares a
+        stretch of the flat gradients that holds no parameter of `skip`, where the layout holds
+        the gradients."""
+        grad, xp = self.layout.grad, self.layout.xp
+        if grad is None or (xp is numpy and self.regions_are_parameters):
+            return grad_norm_squared(self.params, grid.mp_group, skip)
+        self.layout.gather_grads()
+        # on the CPU a sum a parameter (or a parameter's piece of a block), the numbers as ever
+        parts = [sum_of_squares(xp, grad[run]) for where, _ in self.regions
+                 for run in self.layout.counted_runs(where, skip, split=xp is numpy)]
+        return all_reduced(float64_total(xp, parts), self.norm_groups(grid))
+
+    def norm_groups(self, grid):
+        """The groups whose ranks hold other parts of the gradients: the model-parallel one."""
+        return [grid.mp_group]
 
 
 def publish_rounded(param, master, storage):
@@ -161,12 +230,23 @@ def grad_norm_squared(params, group=None, skip=()):
     count (they are counted once, on TP rank 0)."""
     grads = [p.grad for p in params if p.grad is not None and id(p) not in skip]
     xp = params[0].xp if params else numpy
-    if not grads:
-        total = xp.zeros(1, numpy.float64)
-    else:
-        total = xp.stack([sum_of_squares(xp, g) for g in grads]).astype(numpy.float64).sum().reshape(1)
-    if group is not None and group.size > 1:
-        total = comm.all_reduce(total, group)
+    return all_reduced(float64_total(xp, [sum_of_squares(xp, g) for g in grads]), [group])
+
+
+def float64_total(xp, parts):
+    """The sum of 0-d partial sums in float64, as an array of shape (1,)."""
+    if not parts:
+        return xp.zeros(1, numpy.float64)
+    if len(parts) == 1:         # one flat buffer: no stack and sum to launch
+        return parts[0].astype(numpy.float64).reshape(1)
+    return xp.stack(parts).astype(numpy.float64).sum().reshape(1)
+
+
+def all_reduced(total, groups):
+    """total summed over each group of more than one rank, in order."""
+    for group in groups:
+        if group is not None and group.size > 1:
+            total = comm.all_reduce(total, group)
     return total
 
 

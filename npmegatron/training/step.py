@@ -61,18 +61,13 @@ def clip_after_step(model, params, loss_sum, norm_skip, max_norm, optimizer=None
     a loss scaled by `loss_scale`) and clipped to max_norm, by the optimizer's next update where it
     can (AdamW.scale_gradients). Both numbers reach the host together:
     the step's one synchronisation. A norm that is not finite (a 16-bit overflow) leaves the
-    gradients as they are. A distributed optimizer (data_parallel/distributed_optimizer.py)
-    measures and clips its blocks."""
-    sharded = hasattr(optimizer, "grad_norm_squared")
-    squared = (optimizer.grad_norm_squared(model.grid, norm_skip) if sharded
+    gradients as they are. The optimizer measures the gradients as it holds them (AdamW: one
+    reduction a flat buffer; the distributed optimizer: its blocks)."""
+    squared = (optimizer.grad_norm_squared(model.grid, norm_skip) if optimizer is not None
                else grad_norm_squared(params, model.grid.mp_group, norm_skip))
     both = model.xp.concatenate([sum_losses(model, loss_sum), squared])
     loss_total, norm_squared = (float(v) for v in to_numpy(both))
     norm = math.sqrt(norm_squared) / loss_scale
-    if not math.isfinite(norm):
-        return loss_total, norm
-    if sharded:
-        optimizer.clip(norm, max_norm, loss_scale)
-    else:
+    if math.isfinite(norm):
         clip_gradients(params, norm, max_norm, loss_scale, optimizer)
     return loss_total, norm

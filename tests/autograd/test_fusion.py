@@ -274,7 +274,8 @@ def _cases(dtype=np.float64):
     lr, wd, b1, b2, eps, step = 1e-2, 0.1, 0.9, 0.999, 1e-8, 3
     bias1, bias2 = 1 - b1 ** step, 1 - b2 ** step
     m_new, v_new = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
-    p_new = p * (1 - lr * wd) - lr * (m_new / bias1) / (np.sqrt(v_new / bias2) + eps)
+    decayed = np.arange(p.size).reshape(p.shape) % 3 != 0       # decay on some elements only
+    p_new = np.where(decayed, p * (1 - lr * wd), p) - lr * (m_new / bias1) / (np.sqrt(v_new / bias2) + eps)
     x2, x2_max = x.reshape(-1, SHAPE[-1]), x.reshape(-1, SHAPE[-1]).max(axis=-1, keepdims=True)
     x2_sum = np.exp(x2 - x2_max).sum(axis=-1, keepdims=True)
     target = np.array([0, 4, 2, -1, 1, 3])[:, None]         # -1: the target is another rank's
@@ -318,7 +319,7 @@ def _cases(dtype=np.float64):
         "dropout_": ((x.copy(), keep, 1 / 0.7), lambda: {0: np.where(keep, x / 0.7, 0)}),
         "dropout_softmax_backward_": ((g.copy(), y, keep, dot, 1 / 0.7, 0.5),
                                       lambda: {0: 0.5 * y * (np.where(keep, g / 0.7, 0) - dot)}),
-        "adamw_update_": ((p.copy(), g / 0.5, m.copy(), v.copy(), 0.5, 1 - lr * wd, b1, 1 - b1, b2, 1 - b2,
+        "adamw_update_": ((p.copy(), g / 0.5, m.copy(), v.copy(), decayed, 0.5, 1 - lr * wd, b1, 1 - b1, b2, 1 - b2,
                            1 / math.sqrt(bias2), eps, lr / bias1),
                           lambda: {0: p_new, 2: m_new, 3: v_new}),
     }
