@@ -85,7 +85,7 @@ def backward(tensors, grad_tensors=None):
         else:
             function = getattr(node, "function", None)
             pending = _pending(buffers, node) if getattr(function, "adds_pending_grads", False) else None
-            destinations = (_destinations(buffers, node) if getattr(function, "writes_grad_destinations", False)
+            destinations = (_destinations(buffers, node, consumers) if getattr(function, "writes_grad_destinations", False)
                             else None)
             results = node.run(grads, pending, destinations) if pending or destinations else node.run(grads)
             summed = set(getattr(node, "summed_pending", ()))
@@ -137,12 +137,13 @@ def _pending(buffers, node):
     return tuple(pending)
 
 
-def _destinations(buffers, node):
+def _destinations(buffers, node, consumers):
     """Per input of `node`: (main_grad, accumulate) where its gradient may be written straight
-    into the leaf's flat gradient buffer, else None. Offered where that array would end up
-    holding the sum anyway: to overwrite when the leaf has no gradient yet, from this walk or an
-    earlier one; to add to when main_grad already holds all there is (an earlier micro-batch's
-    gradient, or this walk's from another Function that wrote it there)."""
+    into the leaf's flat gradient buffer, else None. Offered where that array ends up holding the
+    very sum the engine would make, added in the engine's order: to overwrite when the leaf has
+    no gradient yet, from this walk or an earlier one; to add to when main_grad holds this walk's
+    gradient so far (another Function wrote it there), or an earlier walk's when this is the
+    walk's last contribution (the engine adds a walk's contributions together first)."""
     out = []
     for edge in node.edges:
         where = None
@@ -151,7 +152,8 @@ def _destinations(buffers, node):
             held, main = (slots[0] if slots else None), edge[0].leaf.main_grad
             if held is None and leaf.grad is None:
                 where = (main, False)
-            elif (held is main and leaf.grad is None) or (held is None and leaf.grad is main):
+            elif (held is main and leaf.grad is None) or \
+                    (held is None and leaf.grad is main and consumers[edge[0]] == 1):
                 where = (main, True)
         out.append(where)
     return tuple(out) if any(out) else None

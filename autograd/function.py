@@ -67,6 +67,10 @@ class Node:
         if self.storage is None:
             self.ctx.pending_grads = pending
             self.ctx.grad_destinations = destinations
+        elif destinations:
+            # the results are rounded in place below: a gradient written into main_grad may be
+            # (that is its rounding), a sum added there may not (the sum is not rounded)
+            self.ctx.grad_destinations = tuple(None if d is None or d[1] else d for d in destinations)
         if _profile.active():
             result = _profile.timed(self.name, 1, lambda: self.function.backward(self.ctx, *grads))
         else:
