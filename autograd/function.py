@@ -3,9 +3,14 @@
 As in Chainer and PyTorch, a Function saves only what it asks for (`ctx.save_for_backward`) and
 reads `ctx.needs_input_grad` so it never computes a gradient nobody wants.
 """
+import weakref
+
+import numpy
+
 from . import precision as _precision
 from . import profile as _profile
 from . import tensor as _tensor
+from .backend import get_array_module
 from .graph import edge_of
 from .tensor import Tensor
 
@@ -15,14 +20,37 @@ class Context:
 
     def __init__(self, needs_input_grad):
         self.needs_input_grad = needs_input_grad
-        self.saved = ()
+        self.kept = ()              # the saved arrays as kept: 16-bit where `in_16_bit` says
+        self.grid_indices = ()
+        self.in_16_bit = ()
         self.fresh_grads = ()
         self.pending_grads = None
         self.summed_pending = ()
         self.grad_destinations = None
 
     def save_for_backward(self, *arrays):
-        self.saved = arrays
+        self.kept, self.grid_indices, self.in_16_bit = arrays, (), ()
+
+    def on_grid(self, *indices):
+        """The saved arrays at these indices lie on the 16-bit grid under --fp16/--bf16 (inputs or
+        outputs of this Function, which are rounded): on a GPU they are kept as 16-bit arrays, the
+        same numbers in half the bytes (precision.py), and backward reads them back in float32."""
+        self.grid_indices = indices
+
+    @property
+    def saved(self):
+        """The saved arrays, those kept in 16 bits cast back to float32 (once, on first reading)."""
+        if self.in_16_bit:
+            self.kept = tuple(a.astype(numpy.float32) if i in self.in_16_bit else a
+                              for i, a in enumerate(self.kept))
+            self.in_16_bit = ()
+        return self.kept
+
+    def keep_16_bit(self, fmt):
+        """Keep the on-grid saved arrays that are float32 device arrays as 16-bit arrays."""
+        chosen = tuple(i for i in self.grid_indices if i < len(self.kept) and _keepable(self.kept[i]))
+        self.kept = tuple(_in_16_bit(a, fmt) if i in chosen else a for i, a in enumerate(self.kept))
+        self.in_16_bit = chosen
 
     def mark_fresh(self, *indices):
         """Backward's gradients for these inputs are arrays it made and keeps no other reference
@@ -42,6 +70,38 @@ class Context:
         that set `adds_pending_grads`): the engine replaces that gradient instead of adding to it,
         which saves the add's launch (LayerNorm's kernel adds the residual path's gradient)."""
         self.summed_pending = indices
+
+
+def _keepable(a):
+    return a is not None and getattr(a, "dtype", None) == numpy.float32 and get_array_module(a) is not numpy
+
+
+#: (pointer, bytes, format) of a C-ordered float32 buffer -> (weak reference to the array owning it,
+#: its 16-bit copy): an activation kept by two Functions (attention's output is the projection's
+#: input) is cast once and kept once. An entry goes when its array is freed.
+_kept_copies = {}
+
+
+def _in_16_bit(a, fmt):
+    """a as a 16-bit array, shared with an earlier keeping of the same buffer where there is one."""
+    if not a.flags.c_contiguous:
+        return _precision.to_16_bit(a, fmt)
+    owner = a if a.base is None else a.base
+    key = (a.data.ptr, a.nbytes, fmt)
+    entry = _kept_copies.get(key)
+    if entry is not None and entry[0]() is owner:
+        return entry[1].reshape(a.shape)
+    copy = _precision.to_16_bit(a, fmt)
+
+    def forget(ref, key=key):
+        if _kept_copies.get(key, (None,))[0] is ref:
+            del _kept_copies[key]
+
+    try:
+        _kept_copies[key] = (weakref.ref(owner, forget), copy)
+    except TypeError:       # an array type without weak references: no sharing, still exact
+        pass
+    return copy
 
 
 class Node:
@@ -118,6 +178,8 @@ class Function:
         if storage is not None and not cls.float32_output:
             outs = tuple(_precision.round_(o, storage) for o in outs)
         tensors = tuple(Tensor(o, requires_grad=record) for o in outs)
+        if record and ctx.grid_indices and _precision.kept_in_16_bit():
+            ctx.keep_16_bit(storage)        # after the rounding: saved outputs are on the grid now
         if record:
             node = Node(cls, ctx, tuple(edge_of(x) for x in inputs), len(outs))
             node.storage = storage

@@ -3,7 +3,7 @@ from some outputs, grouped by Function. Views count their base buffer once."""
 
 
 def _arrays(ctx):
-    values = list(ctx.saved or ()) + list(vars(ctx).values())
+    values = list(ctx.kept or ()) + list(vars(ctx).values())     # as kept: not cast back
     for v in values:
         if hasattr(v, "nbytes") and hasattr(v, "shape"):
             yield v

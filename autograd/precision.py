@@ -11,13 +11,22 @@ float32 master weights (npmegatron/optim/adamw.py).
 
 Why rounding rather than 16-bit arrays: NumPy has no 16-bit matmul (float16 runs in a scalar loop,
 hundreds of times slower than float32 BLAS) and bfloat16 (ml_dtypes) has none at all, so every op
-would cast its inputs up and its outputs down anyway. The numbers are the same; the memory is not:
-arrays stay float32, so this saves no bytes (the plan and the training header report what 16-bit
-storage would hold).
+would cast its inputs up and its outputs down anyway. On the CPU the arrays stay float32, so this
+saves no bytes there (the plan and the training header report what 16-bit storage would hold).
+
+On a GPU what the tape keeps is 16-bit: a Function names the saved arrays that lie on the grid
+(`Context.on_grid`: its rounded inputs and outputs), and they are kept as float16 or bfloat16
+arrays (`to_16_bit`), which holds the same numbers exactly in half the bytes; backward reads them
+back in float32. So a GPU run keeps the CPU emulation's numbers bit for bit.
 """
 import contextlib
 
 import numpy
+
+try:
+    import ml_dtypes        # bfloat16 for NumPy and CuPy 14 (the gpu and test extras)
+except ImportError:
+    ml_dtypes = None
 
 from .backend import get_array_module
 from .fusion import fused
@@ -46,6 +55,35 @@ def storage(fmt):
         yield
     finally:
         _active = previous
+
+
+#: Whether a GPU run keeps saved arrays that lie on the grid as 16-bit arrays (tests turn it off to
+#: show the numbers do not change).
+keep_16_bit_on_gpu = True
+
+
+def kept_in_16_bit():
+    """The 16-bit format saved arrays on the grid are kept in on a GPU now, or None."""
+    return _active if keep_16_bit_on_gpu else None
+
+
+def sixteen_bit_dtype(fmt):
+    """The array dtype of 16-bit format `fmt`: float16, or ml_dtypes' bfloat16."""
+    if fmt == "fp16":
+        return numpy.dtype(numpy.float16)
+    if ml_dtypes is None:
+        raise ImportError("bfloat16 arrays need ml_dtypes: pip install 'npmegatron[gpu]'")
+    return numpy.dtype(ml_dtypes.bfloat16)
+
+
+def to_16_bit(x, fmt):
+    """x (float32 on fmt's grid) as a 16-bit array of the same values: one cast, exact on the grid."""
+    return x.astype(sixteen_bit_dtype(fmt))
+
+
+def is_16_bit(x):
+    """Whether x is a float16 or bfloat16 array."""
+    return x.dtype == numpy.float16 or x.dtype.name == "bfloat16"
 
 
 #: float32 arrays at least this large are rounded by the numba kernels on the CPU.

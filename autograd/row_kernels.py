@@ -13,9 +13,15 @@ computes the same numbers from the same arguments, in place on the output arrays
 CuPy stand-in (tests/fakes/strict_cupy) runs the twin where CuPy would run the kernel, so the CPU
 tests count and check every launch of this path; the GPU test files hold the kernels to their
 twins on a real card.
+
+Under --fp16/--bf16 each kernel also comes in a "kept input" variant (`keep=` the format): forward
+keeps LayerNorm's input itself as a 16-bit array (exact: the input lies on the grid) and each
+row's mean and 1/std in double, in place of the float32 xhat; backward recomputes xhat from them
+with forward's own expression, so the numbers are the same bit for bit in fewer bytes.
 """
 import numpy
 
+from . import precision
 from .backend import get_array_module
 
 _BLOCK_SUM = r"""
@@ -33,9 +39,10 @@ __device__ double block_sum(double v, double* shared) {
 """
 
 _FORWARD = _BLOCK_SUM + r"""
-// twin: {module}:layer_norm_forward_rows
-extern "C" __global__ void layer_norm_forward_rows_{T}(
-        const {T}* x, const {T}* weight, const {T}* bias, {T}* xhat, {T}* out, {T}* rstd,
+// twin: {module}:layer_norm_forward_rows{twin}
+// kept: xhat, or (KEEP_INPUT) x in 16 bits; stats: rstd, or (KEEP_INPUT) mean and 1/std in double.
+extern "C" __global__ void layer_norm_forward_rows_{name}(
+        const {T}* x, const {T}* weight, const {T}* bias, KEPT* kept, {T}* out, STAT* stats,
         int cols, double eps) {
     __shared__ double shared[32];
     size_t start = (size_t)blockIdx.x * cols;
@@ -50,19 +57,26 @@ extern "C" __global__ void layer_norm_forward_rows_{T}(
     double inv = 1.0 / sqrt(block_sum(squares, shared) / cols + eps);
     for (int c = threadIdx.x; c < cols; c += blockDim.x) {
         {T} h = ({T})(((double)x[start + c] - mean) * inv);
-        xhat[start + c] = h;
+        kept[start + c] = TO_KEPT(KEEP_INPUT ? x[start + c] : h);
         out[start + c] = h * weight[c] + bias[c];
     }
-    if (threadIdx.x == 0) rstd[blockIdx.x] = ({T})inv;
+    if (threadIdx.x == 0) {
+#if KEEP_INPUT
+        stats[2 * blockIdx.x] = mean;
+        stats[2 * blockIdx.x + 1] = inv;
+#else
+        stats[blockIdx.x] = ({T})inv;
+#endif
+    }
 }
 """
 
 _BACKWARD = _BLOCK_SUM + r"""
-// twin: {module}:layer_norm_backward_rows
+// twin: {module}:layer_norm_backward_rows{twin}
 // gx = rstd (gh - mean(gh) - xhat mean(gh xhat)), gh = g weight; plus `pending` (the gradient
 // the input already has from its other consumer, the residual path) when add_pending is 1.
-extern "C" __global__ void layer_norm_backward_rows_{T}(
-        const {T}* g, const {T}* weight, const {T}* xhat, const {T}* rstd, const {T}* pending,
+extern "C" __global__ void layer_norm_backward_rows_{name}(
+        const {T}* g, const {T}* weight, const KEPT* kept, const STAT* stats, const {T}* pending,
         {T}* gx, int cols, int add_pending) {
     __shared__ double shared[32];
     size_t start = (size_t)blockIdx.x * cols;
@@ -70,26 +84,26 @@ extern "C" __global__ void layer_norm_backward_rows_{T}(
     for (int c = threadIdx.x; c < cols; c += blockDim.x) {
         double gh = (double)g[start + c] * (double)weight[c];
         sum_gh += gh;
-        sum_ghx += gh * (double)xhat[start + c];
+        sum_ghx += gh * (double)XHAT(blockIdx.x, start + c);
     }
     double mean_gh = block_sum(sum_gh, shared) / cols;
     double mean_ghx = block_sum(sum_ghx, shared) / cols;
-    double inv = (double)rstd[blockIdx.x];
+    double inv = (double)RSTD(blockIdx.x);
     for (int c = threadIdx.x; c < cols; c += blockDim.x) {
         double gh = (double)g[start + c] * (double)weight[c];
-        {T} d = ({T})((gh - mean_gh - (double)xhat[start + c] * mean_ghx) * inv);
+        {T} d = ({T})((gh - mean_gh - (double)XHAT(blockIdx.x, start + c) * mean_ghx) * inv);
         gx[start + c] = add_pending ? pending[start + c] + d : d;
     }
 }
 """
 
 _COLUMNS = r"""
-// twin: {module}:layer_norm_column_sums_rows
+// twin: {module}:layer_norm_column_sums_rows{twin}
 // gw = sum over rows of g xhat and gb = sum over rows of g, written (or, with accumulate_*, added)
 // straight into their destinations. A block of 32 x 32 threads takes 32 columns: each thread sums
 // every 32nd row of its column, then the first row of threads adds the 32 partial sums in order.
-extern "C" __global__ void layer_norm_column_sums_{T}(
-        const {T}* g, const {T}* xhat, {T}* gw, {T}* gb, int rows, int cols,
+extern "C" __global__ void layer_norm_column_sums_{name}(
+        const {T}* g, const KEPT* kept, const STAT* stats, {T}* gw, {T}* gb, int rows, int cols,
         int accumulate_w, int accumulate_b) {
     __shared__ double part_w[32][33], part_b[32][33];
     int c = blockIdx.x * 32 + threadIdx.x;
@@ -97,7 +111,7 @@ extern "C" __global__ void layer_norm_column_sums_{T}(
     if (c < cols) {
         for (int r = threadIdx.y; r < rows; r += 32) {
             double gv = (double)g[(size_t)r * cols + c];
-            sw += gv * (double)xhat[(size_t)r * cols + c];
+            sw += gv * (double)XHAT(r, (size_t)r * cols + c);
             sb += gv;
         }
     }
@@ -115,6 +129,31 @@ extern "C" __global__ void layer_norm_column_sums_{T}(
 
 _TYPES = {numpy.dtype(numpy.float32): "float", numpy.dtype(numpy.float64): "double"}
 
+#: What the kept array and the statistics are: xhat and rstd in the array's dtype, or (KEEP_INPUT)
+#: the input in 16 bits and each row's mean and 1/std in double. XHAT(row, i) is xhat's element i
+#: either way: under KEEP_INPUT recomputed with forward's expression, so bit for bit the same.
+_KEPT_XHAT = r"""
+#define KEEP_INPUT 0
+typedef {T} KEPT;
+typedef {T} STAT;
+#define TO_KEPT(v) (v)
+#define XHAT(row, i) kept[i]
+#define RSTD(row) stats[row]
+"""
+_KEPT_INPUT = r"""
+#include <{header}>
+#define KEEP_INPUT 1
+typedef {kept} KEPT;
+typedef double STAT;
+#define TO_KEPT(v) {to_kept}(v)
+#define XHAT(row, i) (({T})(((double){from_kept}(kept[i]) - stats[2 * (row)]) * stats[2 * (row) + 1]))
+#define RSTD(row) (({T})stats[2 * (row) + 1])
+"""
+_SIXTEEN_BIT = {"bf16": {"header": "cuda_bf16.h", "kept": "__nv_bfloat16", "to_kept": "__float2bfloat16",
+                         "from_kept": "__bfloat162float"},
+                "fp16": {"header": "cuda_fp16.h", "kept": "__half", "to_kept": "__float2half",
+                         "from_kept": "__half2float"}}
+
 
 #: Every row kernel by name (a test's fresh CuPy stand-in forgets what an earlier one compiled).
 KERNELS = {}
@@ -125,23 +164,28 @@ class RowKernel:
 
     def __init__(self, name, source):
         self.name, self.source = name, source
-        self._compiled = {}     # dtype -> cupy.RawKernel, compiled on first use
+        self._compiled = {}     # (dtype, kept format) -> cupy.RawKernel, compiled on first use
         KERNELS[name] = self
 
-    def __call__(self, rows, cols, dtype, *args):
-        self.launch(dtype, (rows,), (threads_for(cols),), args)
+    def __call__(self, rows, cols, dtype, keep, *args):
+        self.launch(dtype, keep, (rows,), (threads_for(cols),), args)
 
-    def launch(self, dtype, grid, block, args):
+    def launch(self, dtype, keep, grid, block, args):
         import cupy
-        kernel = self._compiled.get(dtype)
+        kernel = self._compiled.get((dtype, keep))
         if kernel is None:
-            kernel = self._compiled[dtype] = cupy.RawKernel(*self.code(dtype))
+            kernel = self._compiled[(dtype, keep)] = cupy.RawKernel(*self.code(dtype, keep))
         kernel(grid, block, args)
 
-    def code(self, dtype):
-        """(CUDA source, kernel name) for arrays of `dtype`."""
+    def code(self, dtype, keep=None):
+        """(CUDA source, kernel name) for arrays of `dtype`, keeping xhat (keep None) or the input
+        in the 16-bit format `keep`."""
         type_name = _TYPES[numpy.dtype(dtype)]
-        return self.source.replace("{T}", type_name).replace("{module}", __name__), f"{self.name}_{type_name}"
+        prelude = _KEPT_XHAT if keep is None else _KEPT_INPUT.format(T="{T}", **_SIXTEEN_BIT[keep])
+        name = type_name if keep is None else f"{type_name}_kept_{keep}"
+        source = (prelude + self.source).replace("{T}", type_name).replace("{module}", __name__)
+        return source.replace("{twin}", "" if keep is None else "_kept_input").replace("{name}", name), \
+            f"{self.name}_{name}"
 
 
 def threads_for(cols):
@@ -160,36 +204,47 @@ _backward_kernel = RowKernel("layer_norm_backward_rows", _BACKWARD)
 _columns_kernel = RowKernel("layer_norm_column_sums", _COLUMNS)
 
 
-def layer_norm_forward(x, weight, bias, eps):
-    """(out, xhat, rstd) of LayerNorm over the rows of a C-ordered 2-D CuPy array: one launch."""
+def layer_norm_forward(x, weight, bias, eps, keep=None):
+    """LayerNorm over the rows of a C-ordered 2-D CuPy array, one launch: (out, kept, stats), kept
+    and stats being xhat and rstd, or with keep="bf16"/"fp16" (x on that grid) x as a 16-bit
+    array and each row's (mean, 1/std) in float64 (module docstring)."""
     xp = get_array_module(x)
     rows, cols = x.shape
-    xhat, out, rstd = xp.empty_like(x), xp.empty_like(x), xp.empty((rows, 1), x.dtype)
-    _forward_kernel(rows, cols, x.dtype, x, _contiguous(weight), _contiguous(bias), xhat, out, rstd,
+    out = xp.empty_like(x)
+    if keep is None:
+        kept, stats = xp.empty_like(x), xp.empty((rows, 1), x.dtype)
+    else:
+        kept, stats = xp.empty(x.shape, precision.sixteen_bit_dtype(keep)), xp.empty((rows, 2), numpy.float64)
+    _forward_kernel(rows, cols, x.dtype, keep, x, _contiguous(weight), _contiguous(bias), kept, out, stats,
                     numpy.int32(cols), numpy.float64(eps))
-    return out, xhat, rstd
+    return out, kept, stats
 
 
-def layer_norm_backward(g, weight, xhat, rstd, pending=None):
+def kept_format(kept):
+    """The 16-bit format of a kept input (layer_norm_forward's keep), or None for a kept xhat."""
+    return {"bfloat16": "bf16", "float16": "fp16"}.get(kept.dtype.name)
+
+
+def layer_norm_backward(g, weight, kept, stats, pending=None):
     """The input's gradient (plus `pending`, when given, added in the same kernel): one launch."""
     xp = get_array_module(g)
     rows, cols = g.shape
     gx = xp.empty_like(g)
-    _backward_kernel(rows, cols, g.dtype, _contiguous(g), _contiguous(weight), xhat, rstd,
+    _backward_kernel(rows, cols, g.dtype, kept_format(kept), _contiguous(g), _contiguous(weight), kept, stats,
                      g if pending is None else _contiguous(pending), gx, numpy.int32(cols),
                      numpy.int32(pending is not None))
     return gx
 
 
-def layer_norm_column_sums(g, xhat, gw=None, gb=None):
+def layer_norm_column_sums(g, kept, stats, gw=None, gb=None):
     """(gw, gb): the weight's and the bias's gradients, sum(g xhat) and sum(g) over rows, in one
     launch. gw and gb: None for new arrays, or (array, accumulate) to write into (Context.destination)."""
     xp = get_array_module(g)
     rows, cols = g.shape
     outs = [(xp.empty(cols, g.dtype), False) if d is None else d for d in (gw, gb)]
     (w, add_w), (b, add_b) = outs
-    _columns_kernel.launch(g.dtype, (-(-cols // 32),), (32, 32),
-                           (_contiguous(g), xhat, _contiguous(w), _contiguous(b), numpy.int32(rows),
+    _columns_kernel.launch(g.dtype, kept_format(kept), (-(-cols // 32),), (32, 32),
+                           (_contiguous(g), kept, stats, _contiguous(w), _contiguous(b), numpy.int32(rows),
                             numpy.int32(cols), numpy.int32(add_w), numpy.int32(add_b)))
     return w, b
 
@@ -226,7 +281,7 @@ def layer_norm_backward_rows(g, weight, xhat, rstd, pending, gx, cols, add_pendi
         gx[...] = d
 
 
-def layer_norm_column_sums_rows(g, xhat, gw, gb, rows, cols, accumulate_w, accumulate_b):
+def layer_norm_column_sums_rows(g, xhat, stats, gw, gb, rows, cols, accumulate_w, accumulate_b):
     """layer_norm_column_sums_{T}: sums in float64, each cast to g's dtype, then added if asked."""
     wide = g.astype(numpy.float64)
     sums = ((wide * xhat).sum(axis=0).astype(g.dtype), wide.sum(axis=0).astype(g.dtype))
@@ -235,3 +290,35 @@ def layer_norm_column_sums_rows(g, xhat, gw, gb, rows, cols, accumulate_w, accum
             out += total
         else:
             out[...] = total
+
+
+def xhat_from_input(kept, stats, dtype):
+    """XHAT of the kept-input variant: forward's xhat, recomputed from x and the row's statistics
+    (NumPy or CuPy arrays)."""
+    return ((kept.astype(numpy.float64) - stats[:, :1]) * stats[:, 1:]).astype(dtype)
+
+
+def layer_norm_forward_rows_kept_input(x, weight, bias, kept, out, stats, cols, eps):
+    """layer_norm_forward_rows_{T}_kept_{fmt}: the same output; x kept in 16 bits, (mean, 1/std)."""
+    xhat, rstd = numpy.empty_like(x), numpy.empty((x.shape[0], 1), x.dtype)
+    layer_norm_forward_rows(x, weight, bias, xhat, out, rstd, cols, eps)
+    wide = x.astype(numpy.float64)
+    stats[:, 0] = wide.sum(axis=-1) / int(cols)
+    d = wide - stats[:, :1]
+    stats[:, 1] = 1.0 / numpy.sqrt((d * d).sum(axis=-1) / int(cols) + float(eps))
+    kept[...] = x.astype(kept.dtype)
+    if not numpy.array_equal(kept.astype(x.dtype), x, equal_nan=True):
+        raise ValueError("LayerNorm would keep its input in 16 bits, but the input is not on the 16-bit "
+                         "grid (the kernel assumes it is a rounded activation)")
+
+
+def layer_norm_backward_rows_kept_input(g, weight, kept, stats, pending, gx, cols, add_pending):
+    """layer_norm_backward_rows_{T}_kept_{fmt}: xhat and rstd recomputed, then the same formula."""
+    layer_norm_backward_rows(g, weight, xhat_from_input(kept, stats, g.dtype), stats[:, 1:].astype(g.dtype),
+                             pending, gx, cols, add_pending)
+
+
+def layer_norm_column_sums_rows_kept_input(g, kept, stats, gw, gb, rows, cols, accumulate_w, accumulate_b):
+    """layer_norm_column_sums_{T}_kept_{fmt}: xhat recomputed, then the same sums."""
+    layer_norm_column_sums_rows(g, xhat_from_input(kept, stats, g.dtype), stats, gw, gb, rows, cols,
+                                accumulate_w, accumulate_b)

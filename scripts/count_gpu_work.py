@@ -24,6 +24,7 @@ sys.path.insert(1, ROOT)
 import cupy  # noqa: E402
 import numpy  # noqa: E402
 
+from npmegatron.autograd.memory import saved_bytes_by_function  # noqa: E402
 from npmegatron.config import GPTConfig, TrainConfig  # noqa: E402
 from npmegatron.run import assemble  # noqa: E402
 from npmegatron.training.step import clip_after_step, setup_objects_frozen, train_step  # noqa: E402
@@ -52,6 +53,18 @@ def count_step(cfg, batch, seq):
     return {"forward_backward": forward_backward, "optimizer": STRICT.launches(),
             "syncs_forward_backward": syncs, "syncs_optimizer": STRICT.counters()["sync"],
             "peak_bytes": STRICT.memory()["peak_bytes"]}
+
+
+def kept_for_backward(cfg, batch, seq):
+    """(bytes the tape keeps for backward after one forward, parameters excluded, by Function;
+    bytes of the parameters the forward reads)."""
+    run = assemble(TrainConfig(model=cfg, seq_length=seq, micro_batch_size=batch, lr=1e-4, min_lr=0.0),
+                   world_size=1)
+    ids = numpy.random.default_rng(cfg.seed).integers(0, cfg.vocab_size, (batch, seq + 1))
+    _, loss = run.model.chunks[0](ids[:, :-1], ids[:, 1:])     # PP 1: one chunk, the whole model
+    params = [p.data for p in run.params]
+    buffers = [p if p.base is None else p.base for p in params]      # views of the flat buffers on a GPU
+    return saved_bytes_by_function([loss], exclude=buffers), sum(p.nbytes for p in params)
 
 
 def summary(launches):
@@ -101,6 +114,9 @@ def measure(cfg, batch, seq, check_depth=False):
         three = count_step(dataclasses.replace(cfg, num_layers=3), batch, seq)
         third = difference(three["forward_backward"], two["forward_backward"])
         same_at_depth_3 = sorted(map(_identity, third)) == sorted(map(_identity, layer))
+    kept_one, _ = kept_for_backward(dataclasses.replace(cfg, num_layers=1), batch, seq)
+    kept_two, param_bytes = kept_for_backward(dataclasses.replace(cfg, num_layers=2), batch, seq)
+    kept_layer = {name: kept_two.get(name, 0) - kept_one.get(name, 0) for name in kept_two}
     core = [launch for launch in layer if launch.op.startswith(ATTENTION_CORE)]
     rest = [launch for launch in layer if not launch.op.startswith(ATTENTION_CORE)]
     outside = difference(one["forward_backward"], layer)
@@ -113,7 +129,11 @@ def measure(cfg, batch, seq, check_depth=False):
             "step_two_layers": summary(two["forward_backward"] + two["optimizer"]),
             "syncs_per_step": two["syncs_forward_backward"] + two["syncs_optimizer"],
             "third_layer_adds_the_same_launches": same_at_depth_3,
-            "peak_bytes_two_layers": two["peak_bytes"]}
+            "peak_bytes_two_layers": two["peak_bytes"],
+            "kept_for_backward_per_layer": sum(kept_layer.values()),
+            "kept_for_backward_per_layer_by_function": {k: v for k, v in kept_layer.items() if v},
+            "kept_for_backward_two_layers": sum(kept_two.values()),
+            "parameter_bytes_two_layers": param_bytes}
 
 
 def format_report(result):
@@ -130,7 +150,11 @@ def format_report(result):
         s = result[key]
         lines.append(f"{label:<42}{s['launches']:>9}{s['by_kind'].get('gemm', 0):>7}{s['hidden_copies']:>15}")
     lines += [f"host synchronisations per step: {result['syncs_per_step']}",
-              f"peak device bytes (2 layers): {result['peak_bytes_two_layers']:,}", "",
+              f"peak device bytes (2 layers): {result['peak_bytes_two_layers']:,}",
+              f"bytes kept for backward (parameters excluded): {result['kept_for_backward_per_layer']:,} per "
+              f"layer, {result['kept_for_backward_two_layers']:,} for the 2-layer model; by Function, per layer: "
+              + ", ".join(f"{k} {v:,}" for k, v in result["kept_for_backward_per_layer_by_function"].items()),
+              f"bytes of the parameters forward reads (2 layers): {result['parameter_bytes_two_layers']:,}", "",
               "the rest of the layer, by kind: " + ", ".join(f"{k} {n}" for k, n in
                                                             result["layer_without_attention_core"]["by_kind"].items()),
               "", "launches per layer by autograd Function (attention's core included):"]

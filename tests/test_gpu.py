@@ -72,7 +72,7 @@ def train_on_gpu(mpirun, tmp_path, n, tp, pp, **extra):
         # (a branch's end: bias_dropout_add_forward, or under 16-bit rounding y + bias rounded and
         # then dropout_add_forward, as the two ops it fuses computed it)
         fused = set(record["fused"])
-        assert {"bias_gelu_tanh", "adamw_update_"} <= fused, record
+        assert {"bias_gelu_tanh_output", "bias_gelu_tanh_backward_recomputed", "adamw_update_"} <= fused, record
         assert fused & {"bias_dropout_add_forward", "dropout_add_forward"}, record
     return record
 

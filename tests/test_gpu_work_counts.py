@@ -175,21 +175,32 @@ def test_16_bit_rounding_is_one_kernel_per_array_on_the_gpu():
     """--bf16 and --fp16 keep float32 arrays on the 16-bit grid (autograd/precision.py): each
     rounding is one fused kernel in place, strided views included, never the generic integer
     code's nine kernels."""
-    plain = count()["layer_without_attention_core"]["launches"]
+    plain = count()
     for flag in ("--bf16", "--fp16"):
-        layer = count(flag)["layer_without_attention_core"]
+        result = count(flag)
+        layer = result["layer_without_attention_core"]
         assert "_round_bf16_" not in layer["by_op"], layer["by_op"]
-        assert layer["launches"] <= plain + 50, (flag, layer["launches"], plain)
+        assert layer["launches"] <= plain["layer_without_attention_core"]["launches"] + 60, (flag, layer["launches"])
+        # what the tape keeps is 16-bit (precision.py): about half the float32 run's bytes
+        assert result["kept_for_backward_per_layer"] <= KEPT_FRACTION * plain["kept_for_backward_per_layer"]
+        assert result["kept_for_backward_two_layers"] <= KEPT_FRACTION * plain["kept_for_backward_two_layers"]
 
 
-#: --bf16's launches per layer outside attention's core at GPT-2 124M's shapes: the float32 ones
-#: plus one rounding kernel per Function output and per input gradient.
-BF16_LAYER_BUDGET = 75
+#: --bf16's launches per layer outside attention's core at GPT-2 124M's shapes (measured: 86): the
+#: float32 ones, one rounding kernel per Function output and per input gradient, and one cast each
+#: way per activation kept in 16 bits (the Linears' inputs, q/k/v, the GeLU's input).
+BF16_LAYER_BUDGET = 86
+#: Bytes kept for backward under --bf16/--fp16 against the float32 run, at most (the issue's 55 %;
+#: measured at GPT-2 124M's shapes: 50.1 % per layer, 50.0 % for the 2-layer model).
+KEPT_FRACTION = 0.55
 
 
 @pytest.mark.slow
-def test_gpt2_bf16_layer_budget():
-    assert count_gpt2("--bf16")["layer_without_attention_core"]["launches"] <= BF16_LAYER_BUDGET
+def test_gpt2_bf16_layer_budget_and_bytes_kept_for_backward():
+    result, plain = count_gpt2("--bf16"), count_gpt2()
+    assert result["layer_without_attention_core"]["launches"] <= BF16_LAYER_BUDGET
+    assert result["kept_for_backward_per_layer"] <= KEPT_FRACTION * plain["kept_for_backward_per_layer"]
+    assert result["kept_for_backward_two_layers"] <= KEPT_FRACTION * plain["kept_for_backward_two_layers"]
 
 
 def test_under_16_bit_storage_the_linears_run_16_bit_tensor_cores():

@@ -148,3 +148,23 @@ def test_the_layer_norm_row_kernels_equal_their_numpy_twins(dtype, cols):
         row_kernels.layer_norm_backward_rows(g, weight, xhat, rstd, g if added is None else added, expected,
                                              cols, int(added is not None))
         numpy.testing.assert_allclose(gx, expected, **tolerance)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+@pytest.mark.parametrize("cols", [7, 768, 1600])
+def test_the_kept_input_layer_norm_kernels_give_the_xhat_kernels_numbers_bit_for_bit(fmt, cols):
+    """--fp16/--bf16 keep LayerNorm's input in 16 bits and the rows' (mean, 1/std) in double, and
+    recompute xhat with forward's expression: the same bits as the kernels that keep xhat."""
+    sixteen = numpy.float16 if fmt == "fp16" else ml_dtypes.bfloat16
+    rng = numpy.random.default_rng(cols)
+    x, g = (cupy.asarray((rng.standard_normal((37, cols)) + 3).astype(sixteen).astype(numpy.float32)) for _ in range(2))
+    weight, bias = (cupy.asarray(rng.standard_normal(cols).astype(numpy.float32)) for _ in range(2))
+    out, xhat, rstd = row_kernels.layer_norm_forward(x, weight, bias, 1e-5)
+    out_kept, kept, stats = row_kernels.layer_norm_forward(x, weight, bias, 1e-5, keep=fmt)
+    assert kept.dtype == numpy.dtype(sixteen) and bool((kept.astype(numpy.float32) == x).all())
+    assert bool((out_kept == out).all())
+    gx, gx_kept = (row_kernels.layer_norm_backward(g, weight, k, s, x) for k, s in ((xhat, rstd), (kept, stats)))
+    assert bool((gx_kept == gx).all())
+    sums, sums_kept = (row_kernels.layer_norm_column_sums(g, k, s) for k, s in ((xhat, rstd), (kept, stats)))
+    for a, b in zip(sums, sums_kept):
+        assert bool((a == b).all())

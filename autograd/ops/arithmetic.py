@@ -193,6 +193,7 @@ class Linear(Function):
     def forward(ctx, x, w, b=None):
         _check_matmul(x, w)
         ctx.save_for_backward(x, w)
+        ctx.on_grid(0)      # x: kept in 16 bits on a GPU (w is the parameter, kept anyway)
         # Under 16-bit storage x, w and the output's gradient are on the 16-bit grid (inputs and
         # parameters are rounded Function outputs; each Linear output has one consumer, whose
         # node rounds the gradient it returns), so cuBLAS may run 16-bit tensor cores exactly.

@@ -192,7 +192,10 @@ class CausalAttention(Function):
 
         _by_heads(xp, q, k.shape[2], block_size, share)
         ctx.scale, ctx.p, ctx.generator, ctx.block_size = scale, p, generator, block_size
-        ctx.save_for_backward(q, k, v, out, lse)
+        # out is kept as laid out, (b, t, heads, d): the projection keeps the same buffer as its
+        # input, and under --fp16/--bf16 on a GPU both keep one 16-bit copy (function.py)
+        ctx.save_for_backward(q, k, v, out.transpose(0, 2, 1, 3), lse)
+        ctx.on_grid(0, 1, 2, 3)
         return out
 
     @staticmethod
@@ -206,7 +209,11 @@ class CausalAttention(Function):
 
 def _backward_into(ctx, g, dq, dk, dv):
     """CausalAttention's backward, into dq (overwritten) and dk, dv (zeros, accumulated)."""
-    q, k, v, out, lse = ctx.saved
+    saved = ctx.saved
+    if len(saved) == 3:         # PackedCausalAttention's: q, k and v as one array
+        saved = ctx.split_qkv(saved[0]) + saved[1:]
+    q, k, v, out, lse = saved
+    out = out.transpose(0, 2, 1, 3)
     xp = get_array_module(g)
 
     def share(bs, hs):
@@ -259,8 +266,14 @@ class PackedCausalAttention(Function):
             b, t, h, _, d = qkv.shape
             heads = xp.empty((3, b, h, t, d), qkv.dtype)
             heads[...] = qkv.transpose(3, 0, 2, 1, 4)
-            return CausalAttention.forward(ctx, *heads, scale, p, generator, block_size)
-        return CausalAttention.forward(ctx, *_unpack(qkv), scale, p, generator, block_size)
+            source, ctx.split_qkv = heads, tuple
+        else:
+            source, ctx.split_qkv = qkv, _unpack
+        out = CausalAttention.forward(ctx, *ctx.split_qkv(source), scale, p, generator, block_size)
+        # q, k and v kept as the one array they are views of: one 16-bit copy under --fp16/--bf16
+        ctx.save_for_backward(source, *ctx.kept[3:])
+        ctx.on_grid(0, 1)
+        return out
 
     @staticmethod
     def backward(ctx, g):

@@ -129,6 +129,19 @@ def bias_gelu_tanh_backward(xp, g, y, b, t):
 
 
 @fused
+def bias_gelu_tanh_output(xp, y, b):
+    """bias_gelu_tanh's output alone (t is not written)."""
+    return _gelu_tanh(xp, y + b)[0]
+
+
+@fused
+def bias_gelu_tanh_backward_recomputed(xp, g, y, b):
+    """bias_gelu_tanh_backward with t recomputed from y + b by forward's own expression."""
+    x = y + b
+    return _gelu_tanh_grad(xp, g, x, _gelu_tanh(xp, x)[1])
+
+
+@fused
 def gelu_erf(xp, x):
     return _gelu_erf(xp, x)
 
@@ -146,6 +159,19 @@ def bias_gelu_erf(xp, y, b):
 @fused
 def bias_gelu_erf_backward(xp, g, y, b, cdf):
     return _gelu_erf_grad(xp, g, y + b, cdf)
+
+
+@fused
+def bias_gelu_erf_output(xp, y, b):
+    """bias_gelu_erf's output alone (Phi is not written)."""
+    return _gelu_erf(xp, y + b)[0]
+
+
+@fused
+def bias_gelu_erf_backward_recomputed(xp, g, y, b):
+    """bias_gelu_erf_backward with Phi recomputed from y + b by forward's own expression."""
+    x = y + b
+    return _gelu_erf_grad(xp, g, x, _gelu_erf(xp, x)[1])
 
 
 class GeluTanh(Function):
@@ -178,6 +204,10 @@ class GeluErf(Function):
 
 _BIAS_GELU = {"tanh": (bias_gelu_tanh, bias_gelu_tanh_backward),
               "none": (bias_gelu_erf, bias_gelu_erf_backward)}
+#: on a GPU backward recomputes tanh (or Phi) inside its chain instead of keeping a second
+#: activation of the MLP's width (as Megatron's fused bias_gelu does): the same launch count
+_BIAS_GELU_RECOMPUTED = {"tanh": (bias_gelu_tanh_output, bias_gelu_tanh_backward_recomputed),
+                         "none": (bias_gelu_erf_output, bias_gelu_erf_backward_recomputed)}
 
 
 #: float32 tanh-GeLU inputs at least this large run the numba kernels on the CPU (_gelu_cpu.py);
@@ -193,8 +223,9 @@ def compiled_gelu(approximate, dtype, size, on_cpu):
 
 class BiasGelu(Function):
     """gelu(y + b) in one pass each way (Megatron's fused bias_gelu): y + b is never stored;
-    backward recomputes it from the saved y and b inside the chain, or, for large float32 arrays
-    on the CPU, inside a compiled kernel that also recomputes tanh (_gelu_cpu.py)."""
+    backward recomputes it from the saved y and b inside the chain, and on a GPU tanh (or Phi)
+    too; for large float32 arrays on the CPU, inside a compiled kernel that also recomputes tanh
+    (_gelu_cpu.py). Small CPU arrays keep tanh (or Phi)."""
 
     writes_grad_destinations = True
 
@@ -205,10 +236,15 @@ class BiasGelu(Function):
             from . import _gelu_cpu                 # numba is imported for large arrays only
             ctx.save_for_backward(y, b)
             return _gelu_cpu.forward(y, b)
-        chain, ctx.backward_chain = _BIAS_GELU[approximate]
-        out, kept = chain(y, b)
-        ctx.save_for_backward(y, b, kept)
-        return out
+        if get_array_module(y) is numpy:
+            chain, ctx.backward_chain = _BIAS_GELU[approximate]
+            out, kept = chain(y, b)
+            ctx.save_for_backward(y, b, kept)
+            return out
+        chain, ctx.backward_chain = _BIAS_GELU_RECOMPUTED[approximate]
+        ctx.save_for_backward(y, b)
+        ctx.on_grid(0)
+        return chain(y, b)
 
     @staticmethod
     def backward(ctx, g):
@@ -217,8 +253,7 @@ class BiasGelu(Function):
             from . import _gelu_cpu
             gy, gb = _gelu_cpu.backward(g, *ctx.saved)
             return gy, (gb if ctx.needs_input_grad[1] else None)
-        y, b, kept = ctx.saved
-        gy = ctx.backward_chain(g, y, b, kept)
+        gy = ctx.backward_chain(g, *ctx.saved)
         gb = bias_grad_to(gy, ctx.destination(1)) if ctx.needs_input_grad[1] else None
         return gy, gb
 

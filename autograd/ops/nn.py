@@ -5,7 +5,7 @@ Fused means one Function with a hand-written backward, as Megatron's fused kerne
 """
 import numpy
 
-from .. import row_kernels
+from .. import precision, row_kernels
 from ..backend import get_array_module, scatter_add, to_numpy
 from ..errors import InputError
 from ..function import Function
@@ -132,7 +132,8 @@ class LayerNorm(Function):
             from . import _layer_norm_cpu          # numba is imported for large arrays only
             out, xhat, rstd = _layer_norm_cpu.forward(x2, weight, bias, eps)
         elif ctx.path == "rows":
-            out, xhat, rstd = row_kernels.layer_norm_forward(x2, weight, bias, eps)
+            # under --fp16/--bf16 the kernel keeps x itself in 16 bits (precision.py), not xhat
+            out, xhat, rstd = row_kernels.layer_norm_forward(x2, weight, bias, eps, keep=precision.kept_in_16_bit())
         if ctx.path != "chains":
             ctx.save_for_backward(xhat, rstd, weight)
             return out.reshape(x.shape)
@@ -147,7 +148,9 @@ class LayerNorm(Function):
 
     @staticmethod
     def backward(ctx, g):
-        xhat, statistic, weight = ctx.saved        # statistic: rstd, or the square sum (chains)
+        # xhat and rstd, the square sum for chains, or for rows under --fp16/--bf16 x in 16 bits
+        # and each row's (mean, 1/std), from which the kernels recompute xhat
+        xhat, statistic, weight = ctx.saved
         ctx.mark_fresh(1, 2)            # made here (two parts of one complex sum on a GPU)
         need_x, need_w, need_b = ctx.needs_input_grad
         g2 = g.reshape(xhat.shape)
@@ -158,12 +161,14 @@ class LayerNorm(Function):
         gw = gb = gx = None
         if need_w and need_b and ctx.path == "rows":      # one kernel, into main_grad if offered
             g2 = _c_ordered(g2)
-            gw, gb = row_kernels.layer_norm_column_sums(g2, xhat, ctx.destination(1),
+            gw, gb = row_kernels.layer_norm_column_sums(g2, xhat, statistic, ctx.destination(1),
                                                         ctx.destination(2))
         elif need_w and need_b:
             sums = layer_norm_column_sums(g2, xhat)
             gw, gb = sums.real, sums.imag       # strided views: the leaves' gradients copy them
         elif need_w or need_b:
+            if ctx.path == "rows" and row_kernels.kept_format(xhat):
+                xhat = row_kernels.xhat_from_input(xhat, statistic, g2.dtype)
             gw, gb = ((g2 * xhat).sum(axis=0), None) if need_w else (None, bias_grad(g2))
         if need_x and ctx.path == "rows":
             gx = row_kernels.layer_norm_backward(_c_ordered(g2), weight, xhat, statistic,

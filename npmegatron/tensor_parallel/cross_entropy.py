@@ -62,6 +62,8 @@ class _VocabParallelCrossEntropy(Function):
             sum_exp = comm.all_reduce(exp_sum(flat[:, :real], global_max)[:, None], group)
         losses = (xp.log(sum_exp) - target_z)[:, 0]
         ctx.save_for_backward(kept, global_max, sum_exp, local_t, mine)
+        if xp is not numpy:
+            ctx.on_grid(0)      # the logits (the CPU keeps the softmax): in 16 bits under --fp16/--bf16
         ctx.shape, ctx.reduction, ctx.real = logits.shape, reduction, real
         if reduction == "none":
             return losses.reshape(targets.shape)

@@ -98,14 +98,19 @@ def memory_note(trainer):
                     recompute_num_layers=cfg.recompute_num_layers or 1)
     layers = cfg.num_layers // (grid.pp_size * trainer.model.virtual_size)
     # --fp16/--bf16: 16-bit weights and activations, float32 gradients, masters and moments.
-    # This project holds the 16-bit values in float32 arrays (autograd/precision.py), so these are
-    # the bytes 16-bit storage implies, not what NumPy allocates here.
+    # On the CPU this project holds the 16-bit values in float32 arrays, on a GPU only the weights
+    # (autograd/precision.py: the activations kept for backward are 16-bit arrays there), so these
+    # are the bytes 16-bit storage implies.
     stored = 2 if cfg.storage_format else w
     per_layer = chunk_activation_bytes(cfg, layout, stored, layers)[0] / layers
     kept = "2 moments" + (" + float32 master" if cfg.storage_format else "")
     optimizer = (f"{(3 if cfg.storage_format else 2) * w / shard:g} B AdamW state ({kept}"
                  + (f", 1/{shard}: distributed)" if shard > 1 else ")"))
-    implied = f" ({cfg.storage_format} as stored by a 16-bit backend; float32 arrays here)" if stored != w else ""
+    implied = ""
+    if stored != w:
+        held = ("activations kept as 16-bit arrays, weights as float32 arrays" if cfg.device == "gpu"
+                else "float32 arrays here")
+        implied = f" ({cfg.storage_format} as stored by a 16-bit backend; {held})"
     return (f"memory: {stored} B weight + {w} B gradient + {optimizer} per parameter; "
             f"{per_layer / 2 ** 20:.2f} MiB of activations kept per layer and micro-batch{implied}")
 

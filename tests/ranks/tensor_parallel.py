@@ -205,7 +205,8 @@ def dropout_masks(world, grid):
         if node.name in ("Dropout", "DropoutAdd", "BiasDropoutAdd"):    # the last two: + residual
             masks["hidden"].append(node.ctx.saved[0])
         if node.name in ("CausalAttention", "PackedCausalAttention"):   # no mask kept: drawn again
-            q, k = node.ctx.saved[:2]
+            saved = node.ctx.saved
+            q, k = node.ctx.split_qkv(saved[0])[:2] if node.name == "PackedCausalAttention" else saved[:2]
             shape = q.shape[:3] + k.shape[2:3]
             masks["attention"].append(node.ctx.generator.random(shape, q.dtype) >= node.ctx.p)
         stack.extend(e[0] for e in node.edges if e is not None)

@@ -248,6 +248,8 @@ def call_ufunc(ufunc, name, args, kwargs):
             ufunc(*values, out=tuple(o._v for o in outs) if len(outs) > 1 else outs[0]._v)
             return outs[0] if len(outs) == 1 else tuple(outs)
         result = ufunc(*values)
+    if any_array:       # NumPy gives a scalar for 0-d operands; CuPy's kernel a 0-d array
+        result = tuple(map(numpy.asarray, result)) if isinstance(result, tuple) else numpy.asarray(result)
     if isinstance(result, tuple):
         return tuple(make(r, weak=False) for r in result)
     return make(result, weak=False)

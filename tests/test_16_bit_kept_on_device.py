@@ -1,0 +1,147 @@
+"""Under --fp16/--bf16 on a GPU (the strict stand-in) the tape keeps in 16 bits what lies on the
+16-bit grid (autograd/precision.py, Context.on_grid): the saved activations are float16 or
+bfloat16 arrays, half the bytes, and the numbers do not change, bit for bit, since every value
+kept lies on the grid. LayerNorm keeps its input in 16 bits and its rows' statistics in place of
+xhat (row_kernels.py's kept-input kernels). The GPT-2-shape figures are in
+tests/test_gpu_work_counts.py."""
+import numpy
+import pytest
+
+from npmegatron import autograd as ag
+from npmegatron.autograd import precision, row_kernels
+from npmegatron.config import GPTConfig, TrainConfig
+from npmegatron.run import assemble
+
+FORMATS = ("bf16", "fp16")
+
+
+@pytest.fixture
+def cp(fresh_strict_cupy):
+    return fresh_strict_cupy
+
+
+def root(a):
+    return a if a.base is None else a.base
+
+
+def kept_arrays(loss, params=()):
+    """Every array the tape reachable from `loss` keeps for backward, as kept (not cast back),
+    but the parameters' (views of the flat buffers on a GPU: the tape refers to them, owns none)."""
+    exclude = {id(root(p.data)) for p in params}
+    arrays, stack, seen = [], [loss.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if getattr(node, "ctx", None) is not None:
+            arrays += [(node.name, a) for a in node.ctx.kept if hasattr(a, "dtype") and id(root(a)) not in exclude]
+        stack.extend(edge[0] for edge in node.edges if edge is not None)
+    return arrays
+
+
+def train_pass(cp, fmt, batch, keep, monkeypatch, **options):
+    """(loss, every parameter's gradient, the arrays kept for backward) of one forward and backward
+    of a 2-layer GPT on the stand-in under `fmt`, keeping on-grid arrays in 16 bits or not."""
+    monkeypatch.setattr(precision, "keep_16_bit_on_gpu", keep)
+    cfg = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=96, max_position_embeddings=32,
+                    hidden_dropout=0.1, attention_dropout=0.1, device="gpu", **{fmt: True}, **options)
+    run = assemble(TrainConfig(model=cfg, seq_length=32, micro_batch_size=batch, lr=1e-4, min_lr=0.0), world_size=1)
+    ids = numpy.random.default_rng(7).integers(0, cfg.vocab_size, (batch, 33))
+    _, loss = run.model.chunks[0](ids[:, :-1], ids[:, 1:])
+    kept = [(name, a.dtype, a.nbytes) for name, a in kept_arrays(loss, run.params)]
+    ag.backward(loss)
+    return cp.asnumpy(loss.data), [cp.asnumpy(p.grad) for p in run.params], kept
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("batch", [1, 2], ids=["views-of-qkv", "heads-first"])
+def test_keeping_16_bit_arrays_changes_no_number(cp, monkeypatch, fmt, batch):
+    loss, grads, kept = train_pass(cp, fmt, batch, True, monkeypatch)
+    loss_apart, grads_apart, kept_apart = train_pass(cp, fmt, batch, False, monkeypatch)
+    assert numpy.array_equal(loss, loss_apart)
+    for g, h in zip(grads, grads_apart):
+        assert numpy.array_equal(g, h)
+    sixteen = numpy.dtype(precision.sixteen_bit_dtype(fmt))
+    half = sum(n for _, dtype, n in kept if dtype == sixteen)
+    assert half and sum(n for *_, n in kept) <= 0.55 * sum(n for *_, n in kept_apart)
+    # what stays wider: statistics (attention's log-sum-exp, LayerNorm's rows, the loss's)
+    wide = [(name, n) for name, dtype, n in kept if dtype.kind == "f" and dtype.itemsize >= 4]
+    assert sum(n for _, n in wide) < 0.15 * half, wide
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_with_full_recomputation_only_the_chunks_inputs_are_kept_in_16_bits(cp, monkeypatch, fmt):
+    options = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    loss, grads, kept = train_pass(cp, fmt, 2, True, monkeypatch, **options)
+    loss_apart, grads_apart, _ = train_pass(cp, fmt, 2, False, monkeypatch, **options)
+    assert numpy.array_equal(loss, loss_apart)
+    for g, h in zip(grads, grads_apart):
+        assert numpy.array_equal(g, h)
+    recomputed = [dtype for name, dtype, _ in kept if name == "Recompute"]
+    assert recomputed and all(dtype == precision.sixteen_bit_dtype(fmt) for dtype in recomputed)
+
+
+def layer_norm_pass(cp, fmt, keep, monkeypatch):
+    monkeypatch.setattr(precision, "keep_16_bit_on_gpu", keep)
+    rng = numpy.random.default_rng(2)
+    x, w, b, g = (cp.asarray(rng.standard_normal(s).astype(numpy.float32)) for s in ((4, 7, 40), 40, 40, (4, 7, 40)))
+    leaves = [ag.Tensor(a, requires_grad=True) for a in (x, w, b)]
+    cp._strict.reset()
+    with precision.storage(fmt):
+        h = leaves[0] * 3.0             # rounded: on the grid, as LayerNorm's inputs are
+        y = ag.layer_norm(h, leaves[1], leaves[2])
+        kept = y.grad_fn.ctx.kept
+        ag.backward(y, g)
+    names = [launch.name for launch in cp._strict.launches() if launch.kind == "raw"]
+    return [cp.asnumpy(a) for a in [y.data] + [leaf.grad for leaf in leaves]], kept, names
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_layer_norm_keeps_its_input_and_row_statistics_with_the_same_numbers_and_launches(cp, monkeypatch, fmt):
+    got, kept, names = layer_norm_pass(cp, fmt, True, monkeypatch)
+    expected, kept_apart, names_apart = layer_norm_pass(cp, fmt, False, monkeypatch)
+    for a, e in zip(got, expected):
+        assert numpy.array_equal(a, e)
+    assert kept[0].dtype == precision.sixteen_bit_dtype(fmt) and kept[1].dtype == numpy.float64
+    assert kept[1].shape == (28, 2) and kept_apart[0].dtype == numpy.float32
+    assert names == [f"{n}_float_kept_{fmt}" for n in ("layer_norm_forward_rows", "layer_norm_column_sums",
+                                                      "layer_norm_backward_rows")]
+    assert names_apart == [f"{n}_float" for n in ("layer_norm_forward_rows", "layer_norm_column_sums",
+                                                  "layer_norm_backward_rows")]
+
+
+def test_the_kept_input_kernel_refuses_an_input_off_the_grid():
+    """What the kernel would do silently (keep a rounded input) its twin refuses on the stand-in."""
+    x = numpy.random.default_rng(1).standard_normal((3, 40)).astype(numpy.float32)
+    kept = numpy.empty(x.shape, precision.sixteen_bit_dtype("bf16"))
+    with pytest.raises(ValueError, match="not on the 16-bit grid"):
+        row_kernels.layer_norm_forward_rows_kept_input(x, numpy.ones(40, numpy.float32), numpy.zeros(40, numpy.float32),
+                                                       kept, numpy.empty_like(x), numpy.empty((3, 2)),
+                                                       numpy.int32(40), numpy.float64(1e-5))
+
+
+def test_an_activation_two_functions_keep_is_kept_once(cp, monkeypatch):
+    """Attention's output is the projection's input: one 16-bit copy serves both."""
+    cfg = GPTConfig(num_layers=1, hidden_size=64, num_attention_heads=4, vocab_size=96, max_position_embeddings=32,
+                    device="gpu", bf16=True)
+    run = assemble(TrainConfig(model=cfg, seq_length=32, micro_batch_size=2, lr=1e-4, min_lr=0.0), world_size=1)
+    ids = numpy.random.default_rng(7).integers(0, cfg.vocab_size, (2, 33))
+    _, loss = run.model.chunks[0](ids[:, :-1], ids[:, 1:])
+    kept = kept_arrays(loss)
+    attention_out = [a for name, a in kept if name == "PackedCausalAttention" and a.ndim == 4]
+    projection_in = [a for name, a in kept if name == "Linear" and a.shape == (2, 32, 64)]
+    assert len(attention_out) == 1 and projection_in
+    assert any(a.data.ptr == attention_out[0].data.ptr for a in projection_in)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_0d_array_rounds_in_one_kernel_as_larger_ones_do(cp, fmt):
+    """A reduction's result is 0-d on a GPU: its rounding keeps the uint32 arithmetic of the fused
+    chain (the stand-in's NumPy would turn 0-d results into scalars and promote them)."""
+    host = numpy.float32(1.2345678)
+    x = cp.asarray(host)
+    cp._strict.reset()
+    precision.round_(x, fmt)
+    assert len(cp._strict.launches()) == 1
+    assert cp.asnumpy(x) == host.astype(precision.sixteen_bit_dtype(fmt)).astype(numpy.float32)
