@@ -41,7 +41,7 @@ class Context:
     def saved(self):
         """The saved arrays, those kept in 16 bits cast back to float32 (once, on first reading)."""
         if self.in_16_bit:
-            self.kept = tuple(a.astype(numpy.float32) if i in self.in_16_bit else a
+            self.kept = tuple(_precision.to_float32(a) if i in self.in_16_bit else a
                               for i, a in enumerate(self.kept))
             self.in_16_bit = ()
         return self.kept

@@ -127,7 +127,8 @@ UFUNCS = {"add": (np.add, 2), "subtract": (np.subtract, 2), "multiply": (np.mult
           "equal": (np.equal, 2), "not_equal": (np.not_equal, 2), "exp": (np.exp, 1),
           "log": (np.log, 1), "tanh": (np.tanh, 1), "sqrt": (np.sqrt, 1), "abs": (np.abs, 1),
           "maximum": (np.maximum, 2), "minimum": (np.minimum, 2), "where": (_where, 3),
-          "bitwise_xor": (np.bitwise_xor, 2), "bitwise_and": (np.bitwise_and, 2), "right_shift": (np.right_shift, 2)}
+          "bitwise_xor": (np.bitwise_xor, 2), "bitwise_and": (np.bitwise_and, 2), "right_shift": (np.right_shift, 2),
+          "left_shift": (np.left_shift, 2)}
 
 
 def _binary(name, reflected=False, inplace=False):
@@ -286,6 +287,10 @@ def _cases(dtype=np.float64):
         "fp16_round_": ((x * 1e3,), lambda: {0: (x * 1e3).astype(np.float16).astype(dtype)}),
         "bf16_round_bits_": ((bits.copy(),), lambda: {0: precision._round_bf16_(np, bits.copy().view(np.float32))
                                                           .view(np.uint32)}),
+        "bf16_top_bits_": ((bits.copy(), np.empty(bits.shape, np.uint16)),
+                           lambda: {1: (bits >> 16).astype(np.uint16)}),
+        "bf16_widen_bits_": (((bits >> 16).astype(np.uint16), np.empty(bits.shape, np.uint32)),
+                             lambda: {1: (bits >> 16) << 16}),
         "exp_sum": ((x2, x2_max), lambda: np.exp(x2 - x2_max).sum(axis=-1)),
         "square_sum": ((x,), lambda: (x * x).sum()),
         "cross_entropy_grad_": ((x2, x2_max, x2_sum, target, columns, 0.5, np.empty_like(x2)),
@@ -367,7 +372,8 @@ def test_chain_keeps_float32(name):
     arrays = [a for a in (result if isinstance(result, tuple) else (result,)) if a is not None]
     arrays += [a for a in args if isinstance(a, np.ndarray)]
     # a chain's two sums come back as one complex sum (nn.layer_norm_row_sums), in float32's pair
-    assert all(a.dtype in (np.float32, np.bool_, np.complex64, np.uint64, np.uint32, np.int64) for a in arrays)
+    assert all(a.dtype in (np.float32, np.bool_, np.complex64, np.uint64, np.uint32, np.uint16, np.int64)
+               for a in arrays)
 
 
 @pytest.mark.parametrize("name", sorted(_cases()))
