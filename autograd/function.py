@@ -22,7 +22,7 @@ class Context:
         self.needs_input_grad = needs_input_grad
         self.kept = ()              # the saved arrays as kept: 16-bit where `in_16_bit` says
         self.grid_indices = ()
-        self.in_16_bit = ()
+        self.in_16_bit = ()             # indices of `kept` held in 16 bits
         self.fresh_grads = ()
         self.pending_grads = None
         self.summed_pending = ()
@@ -49,7 +49,7 @@ class Context:
     def keep_16_bit(self, fmt):
         """Keep the on-grid saved arrays that are float32 device arrays as 16-bit arrays."""
         chosen = tuple(i for i in self.grid_indices if i < len(self.kept) and _keepable(self.kept[i]))
-        self.kept = tuple(_in_16_bit(a, fmt) if i in chosen else a for i, a in enumerate(self.kept))
+        self.kept = tuple(kept_16_bit_copy(a, fmt) if i in chosen else a for i, a in enumerate(self.kept))
         self.in_16_bit = chosen
 
     def mark_fresh(self, *indices):
@@ -82,8 +82,9 @@ def _keepable(a):
 _kept_copies = {}
 
 
-def _in_16_bit(a, fmt):
-    """a as a 16-bit array, shared with an earlier keeping of the same buffer where there is one."""
+def kept_16_bit_copy(a, fmt):
+    """a (float32 on fmt's grid) as a 16-bit array, shared with an earlier keeping of the same
+    buffer where there is one."""
     if not a.flags.c_contiguous:
         return _precision.to_16_bit(a, fmt)
     owner = a if a.base is None else a.base

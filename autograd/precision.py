@@ -57,14 +57,14 @@ def storage(fmt):
         _active = previous
 
 
-#: Whether a GPU run keeps saved arrays that lie on the grid as 16-bit arrays (tests turn it off to
-#: show the numbers do not change).
-keep_16_bit_on_gpu = True
+#: Whether a GPU run holds 16-bit arrays: the saved arrays that lie on the grid and the parameters
+#: forward reads (npmegatron's flat buffers). Tests turn it off to show the numbers do not change.
+sixteen_bit_arrays_on_gpu = True
 
 
 def kept_in_16_bit():
     """The 16-bit format saved arrays on the grid are kept in on a GPU now, or None."""
-    return _active if keep_16_bit_on_gpu else None
+    return _active if sixteen_bit_arrays_on_gpu else None
 
 
 def sixteen_bit_dtype(fmt):
@@ -76,17 +76,31 @@ def sixteen_bit_dtype(fmt):
     return numpy.dtype(ml_dtypes.bfloat16)
 
 
-def to_16_bit(x, fmt):
-    """x (float32 on fmt's grid) as a 16-bit array of the same values, in one kernel. On the grid
-    a bfloat16 is the float32's top 16 bits: an integer shift, which on an H200 runs at memory
-    speed where CuPy's float32 -> bfloat16 cast (its rounding, not needed here) measured about
-    a third of it."""
+def to_16_bit(x, fmt, out=None):
+    """x (float32) rounded to a 16-bit array of format fmt (into `out` when given), in one kernel:
+    exact for values on the grid. For bfloat16 on a GPU the rounding is integer arithmetic on
+    the float32 bits (bf16_round_bits_'s, shifted down), which on an H200 runs at memory speed
+    where CuPy's float32 -> bfloat16 cast measured about a third of it."""
     xp = get_array_module(x)
+    out = xp.empty(x.shape, sixteen_bit_dtype(fmt)) if out is None else out
     if fmt == "fp16" or xp is numpy or x.dtype != numpy.float32:
-        return x.astype(sixteen_bit_dtype(fmt))
-    bits = xp.empty(x.shape, numpy.uint16)
-    bf16_top_bits_(x.view(numpy.uint32), bits)
-    return bits.view(sixteen_bit_dtype(fmt))
+        out[...] = x
+    else:
+        bf16_top_bits_(x.view(numpy.uint32), out.view(numpy.uint16))
+    return out
+
+
+def format_of(dtype):
+    """"bf16" or "fp16" for a 16-bit float dtype, else None."""
+    return {"bfloat16": "bf16", "float16": "fp16"}.get(numpy.dtype(dtype).name)
+
+
+def master_dtype(dtype):
+    """float32 for a 16-bit dtype, else `dtype` itself: the dtype of a parameter's gradient (a
+    GPU's 16-bit parameters' gradients add up in float32, Megatron's main_grad), master weights
+    and moments."""
+    dtype = numpy.dtype(dtype)
+    return numpy.dtype(numpy.float32) if dtype == numpy.float16 or dtype.name == "bfloat16" else dtype
 
 
 def to_float32(x):
@@ -101,8 +115,10 @@ def to_float32(x):
 
 @fused
 def bf16_top_bits_(xp, bits, out):
-    """out (uint16) = the top 16 bits of float32 `bits`: the bfloat16 of a value on its grid."""
-    xp.right_shift(bits, 16, out=out)
+    """out (uint16) = float32 `bits` rounded to bfloat16 (nearest even, NaN kept), as
+    bf16_round_bits_ rounds: on the grid the top 16 bits as they are."""
+    number = xp.less_equal(xp.bitwise_and(bits, 0x7FFFFFFF), 0x7F800000)
+    xp.right_shift(bits + (xp.bitwise_and(xp.right_shift(bits, 16), 1) + 0x7FFF) * number, 16, out=out)
 
 
 @fused
@@ -118,7 +134,7 @@ COMPILED_ROUND_SIZE = 1 << 14
 def round_(x, fmt):
     """x rounded to fmt's grid, in place where x is writable (a rounded copy otherwise); arrays
     that are not floating point are returned as they are."""
-    if fmt is None or not hasattr(x, "dtype") or x.dtype.kind != "f":
+    if fmt is None or not hasattr(x, "dtype") or x.dtype.kind != "f" or x.dtype == sixteen_bit_dtype(fmt):
         return x
     xp = get_array_module(x)
     if isinstance(x, numpy.generic) or not getattr(getattr(x, "flags", None), "writeable", True):

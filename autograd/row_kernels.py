@@ -42,7 +42,7 @@ _FORWARD = _BLOCK_SUM + r"""
 // twin: {module}:layer_norm_forward_rows{twin}
 // kept: xhat, or (KEEP_INPUT) x in 16 bits; stats: rstd, or (KEEP_INPUT) mean and 1/std in double.
 extern "C" __global__ void layer_norm_forward_rows_{name}(
-        const {T}* x, const {T}* weight, const {T}* bias, KEPT* kept, {T}* out, STAT* stats,
+        const {T}* x, const WTYPE* weight, const WTYPE* bias, KEPT* kept, {T}* out, STAT* stats,
         int cols, double eps) {
     __shared__ double shared[32];
     size_t start = (size_t)blockIdx.x * cols;
@@ -58,7 +58,7 @@ extern "C" __global__ void layer_norm_forward_rows_{name}(
     for (int c = threadIdx.x; c < cols; c += blockDim.x) {
         {T} h = ({T})(((double)x[start + c] - mean) * inv);
         kept[start + c] = TO_KEPT(KEEP_INPUT ? x[start + c] : h);
-        out[start + c] = h * weight[c] + bias[c];
+        out[start + c] = h * WEIGHT(weight[c]) + WEIGHT(bias[c]);
     }
     if (threadIdx.x == 0) {
 #if KEEP_INPUT
@@ -76,13 +76,13 @@ _BACKWARD = _BLOCK_SUM + r"""
 // gx = rstd (gh - mean(gh) - xhat mean(gh xhat)), gh = g weight; plus `pending` (the gradient
 // the input already has from its other consumer, the residual path) when add_pending is 1.
 extern "C" __global__ void layer_norm_backward_rows_{name}(
-        const {T}* g, const {T}* weight, const KEPT* kept, const STAT* stats, const {T}* pending,
+        const {T}* g, const WTYPE* weight, const KEPT* kept, const STAT* stats, const {T}* pending,
         {T}* gx, int cols, int add_pending) {
     __shared__ double shared[32];
     size_t start = (size_t)blockIdx.x * cols;
     double sum_gh = 0.0, sum_ghx = 0.0;
     for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-        double gh = (double)g[start + c] * (double)weight[c];
+        double gh = (double)g[start + c] * (double)WEIGHT(weight[c]);
         sum_gh += gh;
         sum_ghx += gh * (double)XHAT(blockIdx.x, start + c);
     }
@@ -90,7 +90,7 @@ extern "C" __global__ void layer_norm_backward_rows_{name}(
     double mean_ghx = block_sum(sum_ghx, shared) / cols;
     double inv = (double)RSTD(blockIdx.x);
     for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-        double gh = (double)g[start + c] * (double)weight[c];
+        double gh = (double)g[start + c] * (double)WEIGHT(weight[c]);
         {T} d = ({T})((gh - mean_gh - (double)XHAT(blockIdx.x, start + c) * mean_ghx) * inv);
         gx[start + c] = add_pending ? pending[start + c] + d : d;
     }
@@ -153,6 +153,16 @@ _SIXTEEN_BIT = {"bf16": {"header": "cuda_bf16.h", "kept": "__nv_bfloat16", "to_k
                          "from_kept": "__bfloat162float"},
                 "fp16": {"header": "cuda_fp16.h", "kept": "__half", "to_kept": "__float2half",
                          "from_kept": "__half2float"}}
+#: The weight's and bias's type: the array's, or (a GPU's --fp16/--bf16 parameters) 16-bit.
+_WEIGHT_AS_ARRAY = r"""
+typedef {T} WTYPE;
+#define WEIGHT(v) (v)
+"""
+_WEIGHT_16_BIT = r"""
+#include <{header}>
+typedef {kept} WTYPE;
+#define WEIGHT(v) {from_kept}(v)
+"""
 
 
 #: Every row kernel by name (a test's fresh CuPy stand-in forgets what an earlier one compiled).
@@ -164,25 +174,27 @@ class RowKernel:
 
     def __init__(self, name, source):
         self.name, self.source = name, source
-        self._compiled = {}     # (dtype, kept format) -> cupy.RawKernel, compiled on first use
+        self._compiled = {}     # variant -> cupy.RawKernel, compiled on first use
         KERNELS[name] = self
 
-    def __call__(self, rows, cols, dtype, keep, *args):
-        self.launch(dtype, keep, (rows,), (threads_for(cols),), args)
+    def __call__(self, rows, cols, variant, *args):
+        self.launch(variant, (rows,), (threads_for(cols),), args)
 
-    def launch(self, dtype, keep, grid, block, args):
+    def launch(self, variant, grid, block, args):
+        """variant: (the arrays' dtype, the kept format or None, the weight's 16-bit format or None)."""
         import cupy
-        kernel = self._compiled.get((dtype, keep))
+        kernel = self._compiled.get(variant)
         if kernel is None:
-            kernel = self._compiled[(dtype, keep)] = cupy.RawKernel(*self.code(dtype, keep))
+            kernel = self._compiled[variant] = cupy.RawKernel(*self.code(*variant))
         kernel(grid, block, args)
 
-    def code(self, dtype, keep=None):
+    def code(self, dtype, keep=None, weight=None):
         """(CUDA source, kernel name) for arrays of `dtype`, keeping xhat (keep None) or the input
-        in the 16-bit format `keep`."""
+        in the 16-bit format `keep`, with weights of the arrays' dtype or of 16-bit format `weight`."""
         type_name = _TYPES[numpy.dtype(dtype)]
         prelude = _KEPT_XHAT if keep is None else _KEPT_INPUT.format(T="{T}", **_SIXTEEN_BIT[keep])
-        name = type_name if keep is None else f"{type_name}_kept_{keep}"
+        prelude += _WEIGHT_AS_ARRAY if weight is None else _WEIGHT_16_BIT.format(**_SIXTEEN_BIT[weight])
+        name = type_name + ("" if keep is None else f"_kept_{keep}") + ("" if weight is None else f"_weight_{weight}")
         source = (prelude + self.source).replace("{T}", type_name).replace("{module}", __name__)
         return source.replace("{twin}", "" if keep is None else "_kept_input").replace("{name}", name), \
             f"{self.name}_{name}"
@@ -215,14 +227,14 @@ def layer_norm_forward(x, weight, bias, eps, keep=None):
         kept, stats = xp.empty_like(x), xp.empty((rows, 1), x.dtype)
     else:
         kept, stats = xp.empty(x.shape, precision.sixteen_bit_dtype(keep)), xp.empty((rows, 2), numpy.float64)
-    _forward_kernel(rows, cols, x.dtype, keep, x, _contiguous(weight), _contiguous(bias), kept, out, stats,
-                    numpy.int32(cols), numpy.float64(eps))
+    _forward_kernel(rows, cols, (x.dtype, keep, precision.format_of(weight.dtype)), x, _contiguous(weight),
+                    _contiguous(bias), kept, out, stats, numpy.int32(cols), numpy.float64(eps))
     return out, kept, stats
 
 
 def kept_format(kept):
     """The 16-bit format of a kept input (layer_norm_forward's keep), or None for a kept xhat."""
-    return {"bfloat16": "bf16", "float16": "fp16"}.get(kept.dtype.name)
+    return precision.format_of(kept.dtype)
 
 
 def layer_norm_backward(g, weight, kept, stats, pending=None):
@@ -230,7 +242,8 @@ def layer_norm_backward(g, weight, kept, stats, pending=None):
     xp = get_array_module(g)
     rows, cols = g.shape
     gx = xp.empty_like(g)
-    _backward_kernel(rows, cols, g.dtype, kept_format(kept), _contiguous(g), _contiguous(weight), kept, stats,
+    _backward_kernel(rows, cols, (g.dtype, kept_format(kept), precision.format_of(weight.dtype)), _contiguous(g),
+                     _contiguous(weight), kept, stats,
                      g if pending is None else _contiguous(pending), gx, numpy.int32(cols),
                      numpy.int32(pending is not None))
     return gx
@@ -243,7 +256,7 @@ def layer_norm_column_sums(g, kept, stats, gw=None, gb=None):
     rows, cols = g.shape
     outs = [(xp.empty(cols, g.dtype), False) if d is None else d for d in (gw, gb)]
     (w, add_w), (b, add_b) = outs
-    _columns_kernel.launch(g.dtype, kept_format(kept), (-(-cols // 32),), (32, 32),
+    _columns_kernel.launch((g.dtype, kept_format(kept), None), (-(-cols // 32),), (32, 32),
                            (_contiguous(g), kept, stats, _contiguous(w), _contiguous(b), numpy.int32(rows),
                             numpy.int32(cols), numpy.int32(add_w), numpy.int32(add_b)))
     return w, b

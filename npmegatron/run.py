@@ -66,8 +66,9 @@ def build_optimizer(model, params, grid, config):
     bucket_size, lr, decay = config.parallel.ddp_bucket_size, config.lr, config.weight_decay
     storage = config.model.storage_format     # --fp16/--bf16: float32 master weights
     if not config.parallel.use_distributed_optimizer:
-        buckets = GradientBuckets(params, grid.dp_group, bucket_size)
+        buckets = GradientBuckets(params, grid.dp_group, bucket_size, storage=storage)
         return buckets, AdamW(params, lr=lr, weight_decay=decay, storage=storage, layout=buckets.layout)
     tied = getattr(model, "tied", None)
-    buckets = ShardedGradientBuckets(params, grid.dp_group, bucket_size, alone=[tied.weight] if tied else [])
+    buckets = ShardedGradientBuckets(params, grid.dp_group, bucket_size, alone=[tied.weight] if tied else [],
+                                     storage=storage)
     return buckets, DistributedAdamW(buckets, lr=lr, weight_decay=decay, storage=storage)

@@ -1,7 +1,7 @@
-"""Under --fp16/--bf16 on a GPU (the strict stand-in) the tape keeps in 16 bits what lies on the
-16-bit grid (autograd/precision.py, Context.on_grid): the saved activations are float16 or
-bfloat16 arrays, half the bytes, and the numbers do not change, bit for bit, since every value
-kept lies on the grid. LayerNorm keeps its input in 16 bits and its rows' statistics in place of
+"""Under --fp16/--bf16 on a GPU (the strict stand-in) the parameters forward reads are 16-bit
+arrays (the flat buffer's) and the tape keeps in 16 bits what lies on the 16-bit grid
+(autograd/precision.py, Context.on_grid): half the bytes, and the numbers do not change, bit for
+bit, since every value lies on the grid and every product and sum is still float32. LayerNorm keeps its input in 16 bits and its rows' statistics in place of
 xhat (row_kernels.py's kept-input kernels). The GPT-2-shape figures are in
 tests/test_gpu_work_counts.py."""
 import numpy
@@ -43,7 +43,7 @@ def kept_arrays(loss, params=()):
 def train_pass(cp, fmt, batch, keep, monkeypatch, **options):
     """(loss, every parameter's gradient, the arrays kept for backward) of one forward and backward
     of a 2-layer GPT on the stand-in under `fmt`, keeping on-grid arrays in 16 bits or not."""
-    monkeypatch.setattr(precision, "keep_16_bit_on_gpu", keep)
+    monkeypatch.setattr(precision, "sixteen_bit_arrays_on_gpu", keep)
     cfg = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=96, max_position_embeddings=32,
                     hidden_dropout=0.1, attention_dropout=0.1, device="gpu", **{fmt: True}, **options)
     run = assemble(TrainConfig(model=cfg, seq_length=32, micro_batch_size=batch, lr=1e-4, min_lr=0.0), world_size=1)
@@ -51,14 +51,19 @@ def train_pass(cp, fmt, batch, keep, monkeypatch, **options):
     _, loss = run.model.chunks[0](ids[:, :-1], ids[:, 1:])
     kept = [(name, a.dtype, a.nbytes) for name, a in kept_arrays(loss, run.params)]
     ag.backward(loss)
+    train_pass.parameter_bytes = sum(p.data.nbytes for p in run.params)
     return cp.asnumpy(loss.data), [cp.asnumpy(p.grad) for p in run.params], kept
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("batch", [1, 2], ids=["views-of-qkv", "heads-first"])
 def test_keeping_16_bit_arrays_changes_no_number(cp, monkeypatch, fmt, batch):
+    """16-bit parameters and 16-bit kept activations against float32 arrays on the 16-bit grid:
+    the loss and every gradient equal bit for bit, half the bytes."""
     loss, grads, kept = train_pass(cp, fmt, batch, True, monkeypatch)
+    parameter_bytes = train_pass.parameter_bytes
     loss_apart, grads_apart, kept_apart = train_pass(cp, fmt, batch, False, monkeypatch)
+    assert 2 * parameter_bytes == train_pass.parameter_bytes
     assert numpy.array_equal(loss, loss_apart)
     for g, h in zip(grads, grads_apart):
         assert numpy.array_equal(g, h)
@@ -83,7 +88,7 @@ def test_with_full_recomputation_only_the_chunks_inputs_are_kept_in_16_bits(cp, 
 
 
 def layer_norm_pass(cp, fmt, keep, monkeypatch):
-    monkeypatch.setattr(precision, "keep_16_bit_on_gpu", keep)
+    monkeypatch.setattr(precision, "sixteen_bit_arrays_on_gpu", keep)
     rng = numpy.random.default_rng(2)
     x, w, b, g = (cp.asarray(rng.standard_normal(s).astype(numpy.float32)) for s in ((4, 7, 40), 40, 40, (4, 7, 40)))
     leaves = [ag.Tensor(a, requires_grad=True) for a in (x, w, b)]

@@ -103,5 +103,14 @@ def test_training_path_fp16_and_bf16(mpirun, tmp_path, ranks, tp, pp):
 
 
 @pytest.mark.slow
+def test_training_path_bf16_with_the_distributed_optimizer(mpirun, tmp_path):
+    """--bf16 at DP 2 with ZeRO-1: each rank updates its float32 masters and the 16-bit parameter
+    buffers are all-gathered in bfloat16 (NCCL_BFLOAT16); the NumPy run's figures and a bitwise
+    resume."""
+    train_on_gpu(mpirun, tmp_path, 2, 1, 1, dtype="float32", rtol=1e-3, bf16=True, loss_scale=512.0,
+                 use_distributed_optimizer=True)
+
+
+@pytest.mark.slow
 def test_training_path_tp2_pp2_dp2(mpirun, tmp_path):
     train_on_gpu(mpirun, tmp_path, 8, 2, 2)

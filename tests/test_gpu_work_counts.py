@@ -204,12 +204,13 @@ def test_gpt2_bf16_layer_budget_and_bytes_kept_for_backward():
 
 
 def test_under_16_bit_storage_the_linears_run_16_bit_tensor_cores():
-    """--bf16 / --fp16: every Linear's GEMM (the layers' 2-D products and the output layer) runs
-    32F_FAST_16BF / 32F_FAST_16F on float32 operands that the stand-in checks lie on the grid;
-    attention's products, whose probabilities are not rounded, stay 32F."""
-    for flag, compute in (("--bf16", "32F_FAST_16BF"), ("--fp16", "32F_FAST_16F")):
+    """--bf16 / --fp16: every Linear's GEMM (the layers' 2-D products and the output layer) takes
+    16-bit operands (the 16-bit weights and the 16-bit copy of its input or output gradient) and
+    sums in float32 into a float32 result; attention's products, whose probabilities are not
+    rounded, stay float32."""
+    for flag, sixteen in (("--bf16", "bfloat16"), ("--fp16", "float16")):
         result = count(flag)
         gemms = {**result["layer"]["gemms"], **result["outside_layers"]["gemms"]}
         linears = {key for key in gemms if key.startswith("gemmEx ")}
-        assert linears and all(f" compute {compute} " in key for key in linears), gemms
-        assert all(" compute 32F " in key for key in set(gemms) - linears), gemms
+        assert linears and all(f"gemmEx {sixteen}x{sixteen}->float32 compute 32F " in key for key in linears), gemms
+        assert all("float32xfloat32->float32 compute 32F " in key for key in set(gemms) - linears), gemms

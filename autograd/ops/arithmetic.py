@@ -4,7 +4,7 @@ import numpy
 from .. import gemm, precision
 from ..backend import get_array_module
 from ..errors import InputError
-from ..function import Function
+from ..function import Function, kept_16_bit_copy
 from ..tensor import Tensor
 
 
@@ -192,13 +192,20 @@ class Linear(Function):
     @staticmethod
     def forward(ctx, x, w, b=None):
         _check_matmul(x, w)
-        ctx.save_for_backward(x, w)
-        ctx.on_grid(0)      # x: kept in 16 bits on a GPU (w is the parameter, kept anyway)
         # Under 16-bit storage x, w and the output's gradient are on the 16-bit grid (inputs and
         # parameters are rounded Function outputs; each Linear output has one consumer, whose
         # node rounds the gradient it returns), so cuBLAS may run 16-bit tensor cores exactly.
         ctx.grid = precision.active()
-        out = gemm.matmul(x, w, grid=ctx.grid)
+        if w.dtype == x.dtype:
+            ctx.save_for_backward(x, w)
+            ctx.on_grid(0)      # x: kept in 16 bits on a GPU (w is the parameter, kept anyway)
+            out = gemm.matmul(x, w, grid=ctx.grid)
+        else:
+            # a GPU's 16-bit weights (--fp16/--bf16): x in 16 bits too, the copy backward keeps,
+            # and products summed in float32
+            x = kept_16_bit_copy(x, precision.format_of(w.dtype))
+            ctx.save_for_backward(x, w)
+            out = gemm.matmul(x, w, out=_float32(x, x.shape[:-1] + w.shape[-1:]))
         if b is not None:
             out += b
         return out
@@ -211,16 +218,38 @@ class Linear(Function):
     @staticmethod
     def input_grad(ctx, g):
         _, w = ctx.saved
-        return gemm.matmul(g, w.T, grid=ctx.grid) if ctx.needs_input_grad[0] else None
+        if not ctx.needs_input_grad[0]:
+            return None
+        if w.dtype == g.dtype:
+            return gemm.matmul(g, w.T, grid=ctx.grid)
+        g16 = Linear._sixteen_bit_grad(ctx, g, w)
+        return gemm.matmul(g16, w.T, out=_float32(g, g.shape[:-1] + w.shape[:1]))
 
     @staticmethod
     def parameter_grads(ctx, g):
         ctx.mark_fresh(1, 2)            # a GEMM's and a reduction's results (engine.py)
-        x, _ = ctx.saved
+        x, w = ctx.saved
         need = ctx.needs_input_grad
-        gw = _weight_grad(x, g, ctx.grid, ctx.destination(1)) if need[1] else None
+        gw = None
+        if need[1] and x.dtype == g.dtype:
+            gw = _weight_grad(x, g, ctx.grid, ctx.destination(1))
+        elif need[1]:
+            into = ctx.destination(1) or (_float32(g, w.shape), False)
+            gw = _weight_grad(x, Linear._sixteen_bit_grad(ctx, g, w), None, into)
         gb = bias_grad_to(g, ctx.destination(2)) if len(need) > 2 and need[2] else None
         return gw, gb
+
+    @staticmethod
+    def _sixteen_bit_grad(ctx, g, w):
+        """The output's gradient in w's 16-bit format (on its grid: one cast for both GEMMs)."""
+        if getattr(ctx, "grad_16_bit", None) is None:
+            ctx.grad_16_bit = precision.to_16_bit(g, precision.format_of(w.dtype))
+        return ctx.grad_16_bit
+
+
+def _float32(like, shape):
+    """An uninitialised float32 array of `shape` on like's device: a 16-bit product's output."""
+    return get_array_module(like).empty(shape, numpy.float32)
 
 
 def add(a, b):

@@ -1,4 +1,5 @@
 """Shape ops: reshape, transpose, split, concatenate and indexing. Each backward is the inverse."""
+from .. import precision
 from ..backend import get_array_module, scatter_add
 from ..errors import InputError
 from ..function import Function
@@ -88,7 +89,7 @@ class GetItem(Function):
     @staticmethod
     def backward(ctx, g):
         xp = get_array_module(g)
-        gx = xp.zeros(ctx.shape, ctx.dtype)
+        gx = xp.zeros(ctx.shape, precision.master_dtype(ctx.dtype))     # float32 for a 16-bit parameter
         if _is_basic(ctx.index):
             gx[ctx.index] = g
         else:           # advanced indexing may repeat an element: sum, do not overwrite

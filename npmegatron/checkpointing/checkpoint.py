@@ -313,8 +313,9 @@ def load(root, model, optimizer, grid, pipeline_layout=None):
         param.data[...] = param.xp.asarray(tensors[f"model.{name}"])
         if optimizer is None:     # else the optimizer keeps these as float32 masters, then rounds
             precision.round_(param.data, model.cfg.storage_format)
-    if optimizer is not None:
+    if optimizer is not None:     # the weights at full precision: the masters under --fp16/--bf16
         optimizer.load_state_dict({"hyperparameters": manifest["optimizer"],
+                                   "weights": [tensors[f"model.{name}"] for name in names],
                                    **{kind: [tensors[f"{kind}.{name}"] for name in names] for kind in MOMENTS}})
     # The dropout generator is a position (iteration, micro-batch), the same on every rank.
     model.rng.set_states(manifest["ranks"][0]["rng"])

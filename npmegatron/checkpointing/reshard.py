@@ -19,7 +19,7 @@ import os
 import numpy
 from safetensors import SafetensorError, safe_open
 
-from ..autograd import InputError
+from ..autograd import InputError, precision
 from .manifest import shard_name, shard_path
 
 SAVED_DTYPES = {"F32": numpy.float32, "F64": numpy.float64}    # what the saver writes
@@ -68,7 +68,7 @@ def read_parameters(folder, saved, model, kinds):
     out, covered = {}, {}
     for name, param, spec in model.named_specs():
         for kind in kinds:
-            out[f"{kind}.{name}"] = numpy.zeros(param.shape, numpy.dtype(param.dtype))
+            out[f"{kind}.{name}"] = numpy.zeros(param.shape, precision.master_dtype(param.dtype))
         covered[name] = numpy.zeros(param.shape, bool)
     for file, records in saved.items():
         wanted = [(name, _overlap(mine[name], records[name], spec.shape))

@@ -21,7 +21,7 @@ backward makes (no buffers), and the optimizer updates parameter by parameter ei
 import numpy
 
 from .. import comm
-from ..autograd import grad_accumulator
+from ..autograd import grad_accumulator, precision
 from ..optim.flat import FlatLayout
 
 
@@ -65,8 +65,9 @@ class GradientBuckets:
     #: bucket is padded to a multiple of the DP size, and buckets exist even at DP = 1.
     shards = False
 
-    def __init__(self, params, group, bucket_size=2 ** 20, alone=()):
-        """bucket_size: parameters (elements) per bucket, Megatron's --ddp-bucket-size."""
+    def __init__(self, params, group, bucket_size=2 ** 20, alone=(), storage=None):
+        """bucket_size: parameters (elements) per bucket, Megatron's --ddp-bucket-size; storage:
+        --fp16/--bf16's format, in which a GPU holds the parameters (FlatLayout.hold_parameters)."""
         self.group, self.params = group, list(params)
         self.active, self.final = False, set()
         groups = group_params(self.params, bucket_size, alone)
@@ -74,7 +75,8 @@ class GradientBuckets:
         self.buckets = []
         communicates = group.size > 1 or self.shards
         if communicates or self.layout.xp is not numpy:     # flat buffers (module docstring)
-            self.layout.hold_parameters()
+            sixteen = storage and self.layout.xp is not numpy and precision.sixteen_bit_arrays_on_gpu
+            self.layout.hold_parameters(precision.sixteen_bit_dtype(storage) if sixteen else None)
         if not communicates:
             return
         self.buckets = [Bucket(ps, self.layout, span) for ps, span in zip(groups, self.layout.spans)]

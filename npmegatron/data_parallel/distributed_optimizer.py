@@ -28,8 +28,8 @@ class ShardedGradientBuckets(GradientBuckets):
 
     shards = True
 
-    def __init__(self, params, group, bucket_size=2 ** 20, alone=()):
-        super().__init__(params, group, bucket_size, alone)
+    def __init__(self, params, group, bucket_size=2 ** 20, alone=(), storage=None):
+        super().__init__(params, group, bucket_size, alone, storage)
         size, rank = group.size, group.rank
         for b in self.buckets:
             block = b.buffer.size // size
@@ -133,4 +133,4 @@ class DistributedAdamW(AdamW):
                 saved = p.xp.asarray(state[kind][index[id(p)]])
                 flat[where] = saved.reshape(-1)[mine]
         if self.master is not None:
-            self._masters_from_loaded_weights()
+            self._masters_from_loaded_weights(state.get("weights"))

@@ -126,19 +126,28 @@ class AdamW:
 
     def load_state_dict(self, state):
         """Restore a state_dict (moments copied in place, onto this optimizer's device). Under
-        mixed precision the parameters hold the loaded weights at full precision: they become the
-        master weights, and the parameters their 16-bit rounding."""
+        mixed precision the loaded weights at full precision (state["weights"], one array a
+        parameter; else the parameters' values) become the master weights, and the parameters
+        their 16-bit rounding."""
         self.step_count = state["hyperparameters"]["step"]
         for kind in ("exp_avg", "exp_avg_sq"):
             for mine, saved in zip(getattr(self, kind), state[kind]):
                 mine[...] = get_array_module(mine).asarray(saved)
         if self.master is not None:
-            self._masters_from_loaded_weights()
+            self._masters_from_loaded_weights(state.get("weights"))
 
-    def _masters_from_loaded_weights(self):
-        """The parameters hold loaded weights at full precision: they become the master weights,
-        and the parameters their 16-bit rounding."""
-        self._master_from_parameters()
+    def _masters_from_loaded_weights(self, weights=None):
+        """The loaded weights (or, without them, the parameters, holding them at full precision)
+        become the master weights, and the parameters their 16-bit rounding. A GPU's 16-bit
+        parameters were rounded as they were loaded, so the masters come from `weights`."""
+        if weights is None:
+            self._master_from_parameters()
+        else:
+            full = self.layout.zeros()
+            for p, w in zip(self.params, weights):
+                self.layout.view(full, p)[...] = self.layout.xp.asarray(w)
+            for where, state in self.regions:
+                self._master[state] = full[where]
         for p in self.params:
             precision.round_(p.data, self.storage)
 
@@ -206,7 +215,11 @@ class AdamW:
 
 
 def publish_rounded(param, master, storage):
-    """The parameter becomes the master weight rounded to the 16-bit grid (in place)."""
+    """The parameter becomes the master weight rounded to the 16-bit grid (in place): a 16-bit
+    array (a GPU's flat buffer) takes it in one kernel, a float32 one is rounded in place."""
+    if param.dtype != master.dtype:
+        precision.to_16_bit(master, storage, out=param)
+        return
     param[...] = master
     precision.round_(param, storage)
 
@@ -286,4 +299,4 @@ def clip_gradients(params, norm, max_norm, loss_scale=1.0, optimizer=None):
     elif factor is not None:
         for p in params:
             if p.grad is not None:
-                p.grad *= p.dtype.type(factor)
+                p.grad *= p.grad.dtype.type(factor)

@@ -44,10 +44,12 @@ class FlatLayout:
             host[self.where[id(p)]] = bool(predicate(p))
         return self.xp.asarray(host)
 
-    def hold_parameters(self):
-        """Move every parameter's values into one flat buffer (`data`; p.data becomes its view)
-        and give the gradients one too (`grad`; `gather_grads` points p.grad at its view)."""
-        self.data, self.grad = self.zeros(), self.zeros()
+    def hold_parameters(self, data_dtype=None):
+        """Move every parameter's values into one flat buffer (`data`, of `data_dtype`, by default
+        the parameters'; p.data becomes its view) and give the gradients one too (`grad`, of the
+        parameters' dtype; `gather_grads` points p.grad at its view). Under --fp16/--bf16 on a GPU
+        `data` is 16-bit: the weights forward reads, beside the optimizer's float32 masters."""
+        self.data, self.grad = self.zeros(data_dtype), self.zeros()
         for p in self.params:
             view = self.view(self.data, p)
             view[...] = p.data

@@ -114,11 +114,11 @@ class _ShardLookup(Function):
         xp = get_array_module(weight)
         if whole:           # one shard holds every row (TP = 1): a plain gather, no masks
             ctx.local, ctx.inside, ctx.shape, ctx.dtype = ids, None, weight.shape, weight.dtype
-            return weight[ids]
+            return _wide(weight[ids])
         local = ids - start
         inside = (local >= 0) & (local < weight.shape[0])
         local = xp.where(inside, local, 0)
-        out = weight[local]
+        out = _wide(weight[local])
         out *= inside[..., None]
         ctx.local, ctx.inside, ctx.shape, ctx.dtype = local, inside, weight.shape, weight.dtype
         return out
@@ -126,13 +126,19 @@ class _ShardLookup(Function):
     @staticmethod
     def backward(ctx, g):
         xp = get_array_module(g)
-        gw = xp.zeros(ctx.shape, ctx.dtype)
+        gw = xp.zeros(ctx.shape, ag.precision.master_dtype(ctx.dtype))     # float32 for 16-bit weights
         ctx.mark_fresh(1)
         rows = g.reshape(-1, ctx.shape[1])
         if ctx.inside is not None:
             rows = rows * ctx.inside.reshape(-1, 1)      # outside rows add zeros to row 0
         scatter_add(gw, ctx.local.reshape(-1), rows)
         return None, gw
+
+
+def _wide(rows):
+    """Looked-up rows in float32: a GPU's 16-bit weights (--fp16/--bf16) widened, as the model
+    computes in float32."""
+    return ag.precision.to_float32(rows) if ag.precision.format_of(rows.dtype) else rows
 
 
 class VocabParallelEmbedding(Module):

@@ -288,7 +288,8 @@ def _cases(dtype=np.float64):
         "bf16_round_bits_": ((bits.copy(),), lambda: {0: precision._round_bf16_(np, bits.copy().view(np.float32))
                                                           .view(np.uint32)}),
         "bf16_top_bits_": ((bits.copy(), np.empty(bits.shape, np.uint16)),
-                           lambda: {1: (bits >> 16).astype(np.uint16)}),
+                           lambda: {1: (precision._round_bf16_(np, bits.copy().view(np.float32)).view(np.uint32)
+                                        >> 16).astype(np.uint16)}),
         "bf16_widen_bits_": (((bits >> 16).astype(np.uint16), np.empty(bits.shape, np.uint32)),
                              lambda: {1: (bits >> 16) << 16}),
         "exp_sum": ((x2, x2_max), lambda: np.exp(x2 - x2_max).sum(axis=-1)),
