@@ -159,7 +159,7 @@ class NCCLBackend:
         self.types = {numpy.dtype(k): v for k, v in (
             ("float16", nccl.NCCL_FLOAT16), ("float32", nccl.NCCL_FLOAT32),
             ("float64", nccl.NCCL_FLOAT64), ("int32", nccl.NCCL_INT32), ("int64", nccl.NCCL_INT64))}
-        if ml_dtypes is not None:   # a GPU's 16-bit parameters under --bf16 (gathered by ZeRO-1)
+        if ml_dtypes is not None and hasattr(nccl, "NCCL_BFLOAT16"):     # NCCL 2.10 and later
             self.types[numpy.dtype(ml_dtypes.bfloat16)] = nccl.NCCL_BFLOAT16
         self.ops = {"sum": nccl.NCCL_SUM, "max": nccl.NCCL_MAX, "min": nccl.NCCL_MIN}
 

@@ -16,6 +16,8 @@ parameters only.
 State saved in a checkpoint is gathered whole per parameter (state_dict, collective over DP), so
 a checkpoint loads at any DP size, with or without this optimizer.
 """
+import numpy
+
 from .. import comm
 from ..optim.adamw import AdamW
 from .buckets import GradientBuckets
@@ -68,12 +70,15 @@ class ShardedGradientBuckets(GradientBuckets):
         return out
 
     def gather_parameters(self):
-        """Every rank's updated block of each bucket into every rank's parameters."""
+        """Every rank's updated block of each bucket into every rank's parameters. A GPU's 16-bit
+        parameters (--fp16/--bf16) travel as their bits (uint16): the same bytes, and a dtype MPI
+        takes too (ranks sharing a GPU gather over MPI, which refuses bfloat16 buffers)."""
         for b in self.buckets:
             data = self.layout.data[b.span]
-            whole = comm.all_gather(data[b.block], self.group)
-            if whole is not data:
-                data[...] = whole
+            bits = data.view(numpy.uint16) if data.dtype.itemsize == 2 else data
+            whole = comm.all_gather(bits[b.block], self.group)
+            if whole is not bits:
+                bits[...] = whole
 
 
 class DistributedAdamW(AdamW):
