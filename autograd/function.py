@@ -11,7 +11,7 @@ from . import precision as _precision
 from . import profile as _profile
 from . import tensor as _tensor
 from .backend import get_array_module
-from .graph import edge_of
+from .graph import AccumulateGrad, edge_of
 from .tensor import Tensor
 
 
@@ -83,16 +83,25 @@ _kept_copies = {}
 
 
 def kept_16_bit_copy(a, fmt):
-    """a (float32 on fmt's grid) as a 16-bit array, shared with an earlier keeping of the same
-    buffer where there is one."""
+    """a (float32 on fmt's grid) as a 16-bit array: the copy its rounding made or an earlier keeping
+    of the same buffer, where there is one; else one cast."""
     if not a.flags.c_contiguous:
         return _precision.to_16_bit(a, fmt)
+    copy = _known_copy(a, fmt)
+    return _remember_copy(a, _precision.to_16_bit(a, fmt), fmt) if copy is None else copy
+
+
+def _known_copy(a, fmt):
+    """The remembered 16-bit copy of C-ordered `a`'s buffer, shaped as a, or None."""
+    owner = a if a.base is None else a.base
+    entry = _kept_copies.get((a.data.ptr, a.nbytes, fmt))
+    return entry[1].reshape(a.shape) if entry is not None and entry[0]() is owner else None
+
+
+def _remember_copy(a, copy, fmt):
+    """Keep `copy` (a's 16-bit copy) for kept_16_bit_copy while a's buffer lives."""
     owner = a if a.base is None else a.base
     key = (a.data.ptr, a.nbytes, fmt)
-    entry = _kept_copies.get(key)
-    if entry is not None and entry[0]() is owner:
-        return entry[1].reshape(a.shape)
-    copy = _precision.to_16_bit(a, fmt)
 
     def forget(ref, key=key):
         if _kept_copies.get(key, (None,))[0] is ref:
@@ -103,6 +112,19 @@ def kept_16_bit_copy(a, fmt):
     except TypeError:       # an array type without weak references: no sharing, still exact
         pass
     return copy
+
+
+def _round(a, fmt, keep_copy):
+    """a rounded to fmt's grid (precision.round_); with keep_copy, on a GPU whose 16-bit arrays are
+    on, the rounding kernel also makes the 16-bit copy a Linear (or a keeping) would cast next."""
+    if not keep_copy or not _precision.kept_in_16_bit() or not _keepable(a):
+        return _precision.round_(a, fmt)
+    if a.flags.c_contiguous and _known_copy(a, fmt) is not None:
+        return a        # a view of an array already rounded, its copy made: nothing to do
+    copy = _precision.round_keeping_copy(a, fmt)
+    if copy is not None:
+        _remember_copy(a, copy, fmt)
+    return a
 
 
 class Node:
@@ -140,7 +162,10 @@ class Node:
         self.ctx = None     # drop saved arrays as soon as they are used
         result = result if isinstance(result, tuple) else (result,)
         if self.storage is not None:    # gradients of 16-bit activations are 16-bit (precision.py)
-            result = tuple(_precision.round_(g, self.storage) for g in result)
+            # a 16-bit copy for the gradients that flow on to other Functions (not a leaf's,
+            # not one written into main_grad)
+            keep = [edge is not None and not isinstance(edge[0], AccumulateGrad) for edge in self.edges]
+            result = tuple(_round(g, self.storage, k) for g, k in zip(result, keep))
         return result
 
 
@@ -177,7 +202,7 @@ class Function:
         outs = out if isinstance(out, tuple) else (out,)
         storage = _precision.active()
         if storage is not None and not cls.float32_output:
-            outs = tuple(_precision.round_(o, storage) for o in outs)
+            outs = tuple(_round(o, storage, record) for o in outs)
         tensors = tuple(Tensor(o, requires_grad=record) for o in outs)
         if record and ctx.grid_indices and _precision.kept_in_16_bit():
             ctx.keep_16_bit(storage)        # after the rounding: saved outputs are on the grid now

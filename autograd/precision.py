@@ -161,6 +161,40 @@ def round_(x, fmt):
     return x
 
 
+def round_keeping_copy(x, fmt):
+    """Round a C-ordered float32 device array in place (round_) and return its 16-bit copy, made by
+    the same kernel: what a Function that keeps or multiplies it in 16 bits would cast again
+    (function.py remembers the copy beside the array). None, and round_ alone, for any other array."""
+    xp = get_array_module(x)
+    if (fmt is None or xp is numpy or not hasattr(x, "dtype") or x.dtype != numpy.float32
+            or not x.flags.c_contiguous or x.size == 0):
+        round_(x, fmt)
+        return None
+    copy = xp.empty(x.shape, sixteen_bit_dtype(fmt))
+    if fmt == "fp16":
+        fp16_round_copy_(x, copy)
+    else:
+        bf16_round_bits_copy_(x.view(numpy.uint32), copy.view(numpy.uint16))
+    return copy
+
+
+@fused
+def fp16_round_copy_(xp, x, copy):
+    """fp16_round_, the float16 values also written to `copy`."""
+    half = x.astype(numpy.float16)
+    xp.multiply(half, 1, out=copy)
+    xp.multiply(half, 1.0, out=x)
+
+
+@fused
+def bf16_round_bits_copy_(xp, bits, copy):
+    """bf16_round_bits_, the bfloat16 bits (the rounded top 16) also written to `copy` (uint16)."""
+    number = xp.less_equal(xp.bitwise_and(bits, 0x7FFFFFFF), 0x7F800000)
+    xp.add(bits, (xp.bitwise_and(xp.right_shift(bits, 16), 1) + 0x7FFF) * number, out=bits)
+    xp.subtract(bits, xp.bitwise_and(bits, 0xFFFF) * number, out=bits)
+    xp.right_shift(bits, 16, out=copy)
+
+
 @fused
 def fp16_round_(xp, x):
     """x rounded in place to float16's grid (past 65504: inf); the multiply by 1 is exact and is

@@ -71,11 +71,12 @@ class ShardedGradientBuckets(GradientBuckets):
 
     def gather_parameters(self):
         """Every rank's updated block of each bucket into every rank's parameters. A GPU's 16-bit
-        parameters (--fp16/--bf16) travel as their bits (uint16): the same bytes, and a dtype MPI
-        takes too (ranks sharing a GPU gather over MPI, which refuses bfloat16 buffers)."""
+        parameters (--fp16/--bf16) travel as float16 whatever their format: the same bytes copied,
+        in a dtype that NCCL and MPI both take (mpi4py refuses bfloat16 device buffers, and NCCL
+        has no 16-bit integer type)."""
         for b in self.buckets:
             data = self.layout.data[b.span]
-            bits = data.view(numpy.uint16) if data.dtype.itemsize == 2 else data
+            bits = data.view(numpy.float16) if data.dtype.itemsize == 2 else data
             whole = comm.all_gather(bits[b.block], self.group)
             if whole is not bits:
                 bits[...] = whole

@@ -287,6 +287,12 @@ def _cases(dtype=np.float64):
         "fp16_round_": ((x * 1e3,), lambda: {0: (x * 1e3).astype(np.float16).astype(dtype)}),
         "bf16_round_bits_": ((bits.copy(),), lambda: {0: precision._round_bf16_(np, bits.copy().view(np.float32))
                                                           .view(np.uint32)}),
+        "fp16_round_copy_": ((x * 1e3, np.empty(x.shape, np.float16)),
+                             lambda: {0: (x * 1e3).astype(np.float16).astype(dtype), 1: (x * 1e3).astype(np.float16)}),
+        "bf16_round_bits_copy_": ((bits.copy(), np.empty(bits.shape, np.uint16)),
+                                  lambda: {0: precision._round_bf16_(np, bits.copy().view(np.float32)).view(np.uint32),
+                                           1: (precision._round_bf16_(np, bits.copy().view(np.float32))
+                                               .view(np.uint32) >> 16).astype(np.uint16)}),
         "bf16_top_bits_": ((bits.copy(), np.empty(bits.shape, np.uint16)),
                            lambda: {1: (precision._round_bf16_(np, bits.copy().view(np.float32)).view(np.uint32)
                                         >> 16).astype(np.uint16)}),
@@ -373,7 +379,8 @@ def test_chain_keeps_float32(name):
     arrays = [a for a in (result if isinstance(result, tuple) else (result,)) if a is not None]
     arrays += [a for a in args if isinstance(a, np.ndarray)]
     # a chain's two sums come back as one complex sum (nn.layer_norm_row_sums), in float32's pair
-    assert all(a.dtype in (np.float32, np.bool_, np.complex64, np.uint64, np.uint32, np.uint16, np.int64)
+    assert all(a.dtype in (np.float32, np.bool_, np.complex64, np.uint64, np.uint32, np.uint16, np.int64,
+                           np.float16)
                for a in arrays)
 
 
