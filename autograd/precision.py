@@ -20,6 +20,7 @@ arrays (`to_16_bit`), which holds the same numbers exactly in half the bytes; ba
 back in float32. So a GPU run keeps the CPU emulation's numbers bit for bit.
 """
 import contextlib
+import sys
 
 import numpy
 
@@ -64,7 +65,21 @@ sixteen_bit_arrays_on_gpu = True
 
 def kept_in_16_bit():
     """The 16-bit format saved arrays on the grid are kept in on a GPU now, or None."""
-    return _active if sixteen_bit_arrays_on_gpu else None
+    if _active is None or not sixteen_bit_arrays_on_gpu:
+        return None
+    return _active if _active == "fp16" or _cupy_has_bfloat16(sys.modules.get("cupy")) else None
+
+
+def holds_16_bit_arrays(xp, fmt):
+    """Whether array module `xp` holds --fp16/--bf16 values in 16-bit arrays (a GPU's parameters and
+    kept activations), rather than in float32 arrays on the grid (the CPU)."""
+    return (fmt is not None and xp is not numpy and sixteen_bit_arrays_on_gpu
+            and (fmt == "fp16" or _cupy_has_bfloat16(xp)))
+
+
+def _cupy_has_bfloat16(cupy):
+    """CuPy holds ml_dtypes' bfloat16 from version 14 on (None: no CuPy loaded, no device arrays)."""
+    return cupy is None or (ml_dtypes is not None and int(cupy.__version__.split(".")[0]) >= 14)
 
 
 def sixteen_bit_dtype(fmt):

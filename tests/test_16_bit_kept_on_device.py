@@ -52,6 +52,7 @@ def train_pass(cp, fmt, batch, keep, monkeypatch, **options):
     kept = [(name, a.dtype, a.nbytes) for name, a in kept_arrays(loss, run.params)]
     ag.backward(loss)
     train_pass.parameter_bytes = sum(p.data.nbytes for p in run.params)
+    train_pass.parameter_dtypes = {p.data.dtype for p in run.params}
     return cp.asnumpy(loss.data), [cp.asnumpy(p.grad) for p in run.params], kept
 
 
@@ -150,3 +151,15 @@ def test_a_0d_array_rounds_in_one_kernel_as_larger_ones_do(cp, fmt):
     precision.round_(x, fmt)
     assert len(cp._strict.launches()) == 1
     assert cp.asnumpy(x) == host.astype(precision.sixteen_bit_dtype(fmt)).astype(numpy.float32)
+
+
+def test_under_cupy_13_bf16_keeps_float32_arrays_on_the_grid(cp, monkeypatch):
+    """CuPy 13 has no bfloat16 arrays: --bf16 then holds its values in float32 arrays, as before
+    (float16 arrays are CuPy's own and stay)."""
+    monkeypatch.setattr(cp, "__version__", "13.6.0")
+    _, _, kept = train_pass(cp, "bf16", 2, True, monkeypatch)
+    assert train_pass.parameter_dtypes == {numpy.dtype(numpy.float32)}
+    assert all(dtype.name != "bfloat16" for _, dtype, _ in kept)
+    _, _, kept = train_pass(cp, "fp16", 2, True, monkeypatch)
+    assert train_pass.parameter_dtypes == {numpy.dtype(numpy.float16)}
+    assert any(dtype == numpy.float16 for _, dtype, _ in kept)

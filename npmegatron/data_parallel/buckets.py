@@ -75,7 +75,7 @@ class GradientBuckets:
         self.buckets = []
         communicates = group.size > 1 or self.shards
         if communicates or self.layout.xp is not numpy:     # flat buffers (module docstring)
-            sixteen = storage and self.layout.xp is not numpy and precision.sixteen_bit_arrays_on_gpu
+            sixteen = precision.holds_16_bit_arrays(self.layout.xp, storage)
             self.layout.hold_parameters(precision.sixteen_bit_dtype(storage) if sixteen else None)
         if not communicates:
             return
