@@ -186,10 +186,11 @@ def test_16_bit_rounding_is_one_kernel_per_array_on_the_gpu():
         assert result["kept_for_backward_two_layers"] <= KEPT_FRACTION * plain["kept_for_backward_two_layers"]
 
 
-#: --bf16's launches per layer outside attention's core at GPT-2 124M's shapes (measured: 86): the
-#: float32 ones, one rounding kernel per Function output and per input gradient, and one cast each
-#: way per activation kept in 16 bits (the Linears' inputs, q/k/v, the GeLU's input).
-BF16_LAYER_BUDGET = 86
+#: --bf16's launches per layer outside attention's core at GPT-2 124M's shapes (measured: 78): the
+#: float32 ones, one rounding kernel per Function output and per gradient it returns (which also
+#: makes the 16-bit copy a Linear multiplies or a keeping keeps), and the widening of each kept
+#: array in backward.
+BF16_LAYER_BUDGET = 78
 #: Bytes kept for backward under --bf16/--fp16 against the float32 run, at most (the issue's 55 %;
 #: measured at GPT-2 124M's shapes: 50.1 % per layer, 50.0 % for the 2-layer model).
 KEPT_FRACTION = 0.55
