@@ -4,8 +4,11 @@ arrays (the flat buffer's) and the tape keeps in 16 bits what lies on the 16-bit
 bit, since every value lies on the grid and every product and sum is still float32. LayerNorm keeps its input in 16 bits and its rows' statistics in place of
 xhat (row_kernels.py's kept-input kernels). The GPT-2-shape figures are in
 tests/test_gpu_work_counts.py."""
+import json
+
 import numpy
 import pytest
+from fakes.strict_cupy import strict_cupy_env
 
 from npmegatron import autograd as ag
 from npmegatron.autograd import precision, row_kernels
@@ -163,3 +166,12 @@ def test_under_cupy_13_bf16_keeps_float32_arrays_on_the_grid(cp, monkeypatch):
     _, _, kept = train_pass(cp, "fp16", 2, True, monkeypatch)
     assert train_pass.parameter_dtypes == {numpy.dtype(numpy.float16)}
     assert any(dtype == numpy.float16 for _, dtype, _ in kept)
+
+
+def test_at_tp_2_with_sequence_parallelism_and_dropout_the_numbers_are_the_same(mpirun):
+    """The tensor-parallel mappings (all-reduce, all-gather and reduce-scatter of the sequence)
+    between the 16-bit copies and the roundings: still bit for bit the float32 arrays' numbers."""
+    result = mpirun(2, "ranks/sixteen_bit_tensor_parallel.py", env=strict_cupy_env(devices=2), timeout=300)
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["bf16"] == {"bitwise_equal": True, "dtypes": ["bfloat16"], "dtypes_apart": ["float32"]}, report
+    assert report["fp16"] == {"bitwise_equal": True, "dtypes": ["float16"], "dtypes_apart": ["float32"]}, report
