@@ -91,17 +91,21 @@ def kept_16_bit_copy(a, fmt):
     return _remember_copy(a, _precision.to_16_bit(a, fmt), fmt) if copy is None else copy
 
 
+def _buffer(a, fmt):
+    """(_kept_copies' key of C-ordered `a`'s buffer, the array owning it)."""
+    return (a.data.ptr, a.nbytes, fmt), (a if a.base is None else a.base)
+
+
 def _known_copy(a, fmt):
     """The remembered 16-bit copy of C-ordered `a`'s buffer, shaped as a, or None."""
-    owner = a if a.base is None else a.base
-    entry = _kept_copies.get((a.data.ptr, a.nbytes, fmt))
+    key, owner = _buffer(a, fmt)
+    entry = _kept_copies.get(key)
     return entry[1].reshape(a.shape) if entry is not None and entry[0]() is owner else None
 
 
 def _remember_copy(a, copy, fmt):
     """Keep `copy` (a's 16-bit copy) for kept_16_bit_copy while a's buffer lives."""
-    owner = a if a.base is None else a.base
-    key = (a.data.ptr, a.nbytes, fmt)
+    key, owner = _buffer(a, fmt)
 
     def forget(ref, key=key):
         if _kept_copies.get(key, (None,))[0] is ref:

@@ -65,14 +65,13 @@ sixteen_bit_arrays_on_gpu = True
 
 def kept_in_16_bit():
     """The 16-bit format saved arrays on the grid are kept in on a GPU now, or None."""
-    if _active is None or not sixteen_bit_arrays_on_gpu:
-        return None
-    return _active if _active == "fp16" or _cupy_has_bfloat16(sys.modules.get("cupy")) else None
+    return _active if holds_16_bit_arrays(sys.modules.get("cupy"), _active) else None
 
 
 def holds_16_bit_arrays(xp, fmt):
-    """Whether array module `xp` holds --fp16/--bf16 values in 16-bit arrays (a GPU's parameters and
-    kept activations), rather than in float32 arrays on the grid (the CPU)."""
+    """Whether array module `xp` (None: CuPy not loaded) holds --fp16/--bf16 values in 16-bit
+    arrays (a GPU's parameters and kept activations), rather than in float32 arrays on the grid
+    (the CPU)."""
     return (fmt is not None and xp is not numpy and sixteen_bit_arrays_on_gpu
             and (fmt == "fp16" or _cupy_has_bfloat16(xp)))
 
@@ -132,8 +131,7 @@ def to_float32(x):
 def bf16_top_bits_(xp, bits, out):
     """out (uint16) = float32 `bits` rounded to bfloat16 (nearest even, NaN kept), as
     bf16_round_bits_ rounds: on the grid the top 16 bits as they are."""
-    number = xp.less_equal(xp.bitwise_and(bits, 0x7FFFFFFF), 0x7F800000)
-    xp.right_shift(bits + (xp.bitwise_and(xp.right_shift(bits, 16), 1) + 0x7FFF) * number, 16, out=out)
+    xp.right_shift(bits + _nearest_even_increment(xp, bits)[0], 16, out=out)
 
 
 @fused
@@ -149,7 +147,7 @@ COMPILED_ROUND_SIZE = 1 << 14
 def round_(x, fmt):
     """x rounded to fmt's grid, in place where x is writable (a rounded copy otherwise); arrays
     that are not floating point are returned as they are."""
-    if fmt is None or not hasattr(x, "dtype") or x.dtype.kind != "f" or x.dtype == sixteen_bit_dtype(fmt):
+    if fmt is None or not hasattr(x, "dtype") or x.dtype.kind != "f" or format_of(x.dtype) == fmt:
         return x
     xp = get_array_module(x)
     if isinstance(x, numpy.generic) or not getattr(getattr(x, "flags", None), "writeable", True):
@@ -204,9 +202,7 @@ def fp16_round_copy_(xp, x, copy):
 @fused
 def bf16_round_bits_copy_(xp, bits, copy):
     """bf16_round_bits_, the bfloat16 bits (the rounded top 16) also written to `copy` (uint16)."""
-    number = xp.less_equal(xp.bitwise_and(bits, 0x7FFFFFFF), 0x7F800000)
-    xp.add(bits, (xp.bitwise_and(xp.right_shift(bits, 16), 1) + 0x7FFF) * number, out=bits)
-    xp.subtract(bits, xp.bitwise_and(bits, 0xFFFF) * number, out=bits)
+    _round_bits_in_place(xp, bits)
     xp.right_shift(bits, 16, out=copy)
 
 
@@ -219,11 +215,21 @@ def fp16_round_(xp, x):
 
 @fused
 def bf16_round_bits_(xp, bits):
-    """float32 bits rounded in place to bfloat16's grid: _round_bf16_'s nearest-even on the top
-    16 bits, NaN kept, in one kernel. Every constant fits in 31 bits, so it is a weak scalar of
-    the uint32 array on both paths."""
+    """float32 bits rounded in place to bfloat16's grid, in one kernel."""
+    _round_bits_in_place(xp, bits)
+
+
+def _nearest_even_increment(xp, bits):
+    """(what float32 `bits` gain before their low 16 bits are dropped, whether they are a number):
+    _round_bf16_'s nearest-even on the top 16 bits, NaN kept. Every constant fits in 31 bits, so
+    it is a weak scalar of the uint32 array on both paths. Called inside the chains below."""
     number = xp.less_equal(xp.bitwise_and(bits, 0x7FFFFFFF), 0x7F800000)
-    xp.add(bits, (xp.bitwise_and(xp.right_shift(bits, 16), 1) + 0x7FFF) * number, out=bits)
+    return (xp.bitwise_and(xp.right_shift(bits, 16), 1) + 0x7FFF) * number, number
+
+
+def _round_bits_in_place(xp, bits):
+    increment, number = _nearest_even_increment(xp, bits)
+    xp.add(bits, increment, out=bits)
     xp.subtract(bits, xp.bitwise_and(bits, 0xFFFF) * number, out=bits)
 
 

@@ -232,17 +232,12 @@ def layer_norm_forward(x, weight, bias, eps, keep=None):
     return out, kept, stats
 
 
-def kept_format(kept):
-    """The 16-bit format of a kept input (layer_norm_forward's keep), or None for a kept xhat."""
-    return precision.format_of(kept.dtype)
-
-
 def layer_norm_backward(g, weight, kept, stats, pending=None):
     """The input's gradient (plus `pending`, when given, added in the same kernel): one launch."""
     xp = get_array_module(g)
     rows, cols = g.shape
     gx = xp.empty_like(g)
-    _backward_kernel(rows, cols, (g.dtype, kept_format(kept), precision.format_of(weight.dtype)), _contiguous(g),
+    _backward_kernel(rows, cols, (g.dtype, precision.format_of(kept.dtype), precision.format_of(weight.dtype)), _contiguous(g),
                      _contiguous(weight), kept, stats,
                      g if pending is None else _contiguous(pending), gx, numpy.int32(cols),
                      numpy.int32(pending is not None))
@@ -256,7 +251,7 @@ def layer_norm_column_sums(g, kept, stats, gw=None, gb=None):
     rows, cols = g.shape
     outs = [(xp.empty(cols, g.dtype), False) if d is None else d for d in (gw, gb)]
     (w, add_w), (b, add_b) = outs
-    _columns_kernel.launch((g.dtype, kept_format(kept), None), (-(-cols // 32),), (32, 32),
+    _columns_kernel.launch((g.dtype, precision.format_of(kept.dtype), None), (-(-cols // 32),), (32, 32),
                            (_contiguous(g), kept, stats, _contiguous(w), _contiguous(b), numpy.int32(rows),
                             numpy.int32(cols), numpy.int32(add_w), numpy.int32(add_b)))
     return w, b

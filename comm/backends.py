@@ -10,11 +10,6 @@ import os
 
 import numpy
 
-try:
-    import ml_dtypes        # bfloat16 (the gpu extra)
-except ImportError:
-    ml_dtypes = None
-
 from npmegatron.autograd.backend import get_array_module, to_numpy
 
 from . import shared_memory
@@ -159,8 +154,6 @@ class NCCLBackend:
         self.types = {numpy.dtype(k): v for k, v in (
             ("float16", nccl.NCCL_FLOAT16), ("float32", nccl.NCCL_FLOAT32),
             ("float64", nccl.NCCL_FLOAT64), ("int32", nccl.NCCL_INT32), ("int64", nccl.NCCL_INT64))}
-        if ml_dtypes is not None and hasattr(nccl, "NCCL_BFLOAT16"):     # NCCL 2.10 and later
-            self.types[numpy.dtype(ml_dtypes.bfloat16)] = nccl.NCCL_BFLOAT16
         self.ops = {"sum": nccl.NCCL_SUM, "max": nccl.NCCL_MAX, "min": nccl.NCCL_MIN}
 
     def _comm(self, group):

@@ -167,7 +167,7 @@ class LayerNorm(Function):
             sums = layer_norm_column_sums(g2, xhat)
             gw, gb = sums.real, sums.imag       # strided views: the leaves' gradients copy them
         elif need_w or need_b:
-            if ctx.path == "rows" and row_kernels.kept_format(xhat):
+            if ctx.path == "rows" and precision.format_of(xhat.dtype):      # the kept input
                 xhat = row_kernels.xhat_from_input(xhat, statistic, g2.dtype)
             gw, gb = ((g2 * xhat).sum(axis=0), None) if need_w else (None, bias_grad(g2))
         if need_x and ctx.path == "rows":
