@@ -30,7 +30,7 @@ from npmegatron.run import assemble  # noqa: E402
 from npmegatron.training.step import clip_after_step, setup_objects_frozen, train_step  # noqa: E402
 
 STRICT = cupy._strict
-ATTENTION_CORE = ("CausalAttention.", "PackedCausalAttention.")
+ATTENTION_CORE = ("CausalAttention.", "PackedCausalAttention.", "FusedCausalAttention.")
 STEPS = 3
 
 

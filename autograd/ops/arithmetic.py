@@ -196,14 +196,17 @@ class Linear(Function):
         # parameters are rounded Function outputs; each Linear output has one consumer, whose
         # node rounds the gradient it returns), so cuBLAS may run 16-bit tensor cores exactly.
         ctx.grid = precision.active()
-        if w.dtype == x.dtype:
+        fmt = precision.format_of(w.dtype)
+        if fmt is None and precision.format_of(x.dtype):
+            x = precision.to_float32(x)     # a 16-bit activation (fused attention's) into float32 weights
+        if fmt is None:
             ctx.save_for_backward(x, w)
             ctx.on_grid(0)      # x: kept in 16 bits on a GPU (w is the parameter, kept anyway)
             out = gemm.matmul(x, w, grid=ctx.grid)
         else:
-            # a GPU's 16-bit weights (--fp16/--bf16): x in 16 bits too, the copy backward keeps,
-            # and products summed in float32
-            x = kept_16_bit_copy(x, precision.format_of(w.dtype))
+            # a GPU's 16-bit weights (--fp16/--bf16): x in 16 bits too (a 16-bit activation as it
+            # is, else the copy its rounding made), the copy backward keeps; products summed in float32
+            x = x if precision.format_of(x.dtype) == fmt else kept_16_bit_copy(x, fmt)
             ctx.save_for_backward(x, w)
             out = gemm.matmul(x, w, out=_float32(x, x.shape[:-1] + w.shape[-1:]))
         if b is not None:
@@ -215,13 +218,15 @@ class Linear(Function):
         return (Linear.input_grad(ctx, g),) + Linear.parameter_grads(ctx, g)
 
     # backward in two halves, so tensor parallelism can all-reduce the first during the second
+    # The output's gradient g is float32, or 16-bit where the consumer computed it in 16 bits
+    # (fused attention's, for the QKV projection): then the GEMMs take it as it is.
     @staticmethod
     def input_grad(ctx, g):
         _, w = ctx.saved
         if not ctx.needs_input_grad[0]:
             return None
-        if w.dtype == g.dtype:
-            return gemm.matmul(g, w.T, grid=ctx.grid)
+        if precision.format_of(w.dtype) is None:
+            return gemm.matmul(Linear._wide(g), w.T, grid=ctx.grid)
         g16 = Linear._sixteen_bit_grad(ctx, g, w)
         return gemm.matmul(g16, w.T, out=_float32(g, g.shape[:-1] + w.shape[:1]))
 
@@ -230,21 +235,48 @@ class Linear(Function):
         ctx.mark_fresh(1, 2)            # a GEMM's and a reduction's results (engine.py)
         x, w = ctx.saved
         need = ctx.needs_input_grad
-        gw = None
-        if need[1] and x.dtype == g.dtype:
-            gw = _weight_grad(x, g, ctx.grid, ctx.destination(1))
+        gw, gb = None, None
+        if need[1] and precision.format_of(w.dtype) is None:
+            gw = _weight_grad(x, Linear._wide(g), ctx.grid, ctx.destination(1))
         elif need[1]:
             into = ctx.destination(1) or (_float32(g, w.shape), False)
             gw = _weight_grad(x, Linear._sixteen_bit_grad(ctx, g, w), None, into)
-        gb = bias_grad_to(g, ctx.destination(2)) if len(need) > 2 and need[2] else None
+        if len(need) > 2 and need[2] and precision.format_of(g.dtype):
+            gb = _sixteen_bit_bias_grad(g, ctx.destination(2))
+        elif len(need) > 2 and need[2]:
+            gb = bias_grad_to(g, ctx.destination(2))
         return gw, gb
 
     @staticmethod
     def _sixteen_bit_grad(ctx, g, w):
         """The output's gradient in w's 16-bit format (on its grid: one cast for both GEMMs)."""
+        if precision.format_of(g.dtype):
+            return g
         if getattr(ctx, "grad_16_bit", None) is None:
             ctx.grad_16_bit = precision.to_16_bit(g, precision.format_of(w.dtype))
         return ctx.grad_16_bit
+
+    @staticmethod
+    def _wide(g):
+        """A 16-bit gradient as float32, for a Linear whose weights are not 16-bit (a test's)."""
+        return precision.to_float32(g) if precision.format_of(g.dtype) else g
+
+
+#: (array module, device, rows, dtype) -> a row of ones: the left operand of a 16-bit bias gradient's GEMM.
+_ones = {}
+
+
+def _sixteen_bit_bias_grad(g, destination=None):
+    """The bias gradient of a 16-bit g (its rows summed), as one GEMM of a ones row with g, summed
+    in float32 into `destination` (Context.destination) or a new float32 array: cuBLAS sums 16-bit
+    operands in float32, where an array reduction would be the array library's own 16-bit rule."""
+    xp, rows = get_array_module(g), gemm.rows(g)
+    key = (id(xp), -1 if xp is numpy else xp.cuda.Device().id, rows.shape[0], g.dtype.str)
+    if key not in _ones:
+        _ones[key] = xp.ones((1, rows.shape[0]), g.dtype)
+    out, accumulate = destination or (_float32(g, rows.shape[1:]), False)
+    gemm.matmul(_ones[key], rows, out=out.reshape(1, -1), accumulate=accumulate)
+    return out
 
 
 def _float32(like, shape):

@@ -12,8 +12,10 @@ from ..errors import InputError
 from ..function import Function
 from ..fusion import fused
 from ..gemm import matmul
+from ..tensor import Tensor
 from ..threads import cpu_threads
 from .dropouts import keep_mask
+from .fused_attention import FusedCausalAttention, attention_path
 from .nn import _causal_bias, exp_shifted_, softmax_backward
 
 #: Query rows per block, measured forward + backward in float32 on 2 CPU cores (b=8, heads=8,
@@ -327,7 +329,9 @@ def causal_attention(q, k, v, scale, dropout_p, dropout_site, training=True, blo
 
 def causal_attention_packed(qkv, scale, dropout_p, dropout_site, training=True, block_size=None):
     """causal_attention of the q, k, v packed as a QKV projection lays them out, (b, t, heads, 3,
-    d), with one gradient of that shape (no split and concatenation). Returns (b, heads, t, d)."""
+    d), with one gradient of that shape (no split and concatenation). Returns (b, heads, t, d).
+    On a GPU, cuDNN's fused flash attention where fused_attention.attention_path chooses it (no
+    block size given): a 16-bit output under --fp16/--bf16, which the projection multiplies."""
     if qkv.ndim != 5 or qkv.shape[3] != 3:
         raise InputError(f"packed attention needs qkv of shape (b, t, heads, 3, d), got {tuple(qkv.shape)}")
     if not 0.0 <= dropout_p < 1.0:
@@ -335,5 +339,8 @@ def causal_attention_packed(qkv, scale, dropout_p, dropout_site, training=True, 
     if block_size is not None and block_size < 1:
         raise InputError(f"attention block size {block_size} must be a positive number of query rows")
     p = dropout_p if training else 0.0
+    xp = get_array_module(qkv.data if isinstance(qkv, Tensor) else qkv)
+    if block_size is None and attention_path(xp, p, qkv.shape[4])[0] == "fused":
+        return FusedCausalAttention.apply(qkv, scale=scale)
     return PackedCausalAttention.apply(qkv, scale=scale, p=p, generator=dropout_site if p > 0 else None,
                                        block_size=block_size)

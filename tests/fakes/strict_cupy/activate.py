@@ -1,5 +1,7 @@
 """Putting the strict CuPy stand-in in front of any installed CuPy.
 
+The folder also holds `cudnn`, a stand-in for nvidia-cudnn-frontend's graph API (cudnn/__init__.py).
+
 In-process:
 
     from fakes.strict_cupy import strict_cupy
@@ -13,7 +15,7 @@ import importlib
 import os
 import sys
 
-_PACKAGES = ("cupy", "cupyx")
+_PACKAGES = ("cupy", "cupyx", "cudnn")
 
 
 def strict_cupy_path():
