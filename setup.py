@@ -43,8 +43,11 @@ setup(
         # cupy-cuda13x for CUDA 13. CuPy pinned to the versions whose NCCL API comm uses (13: the
         # unique id is a tuple, 14: bytes; comm passes it through unchanged); libnccl itself does
         # not come with CuPy's wheel, and without it cupy.cuda.nccl imports but is unavailable.
-        # ml_dtypes: bfloat16 arrays in CuPy 14 (--bf16 keeps float32 arrays under CuPy 13)
-        "gpu": ["cupy-cuda12x>=13,<15", "nvidia-nccl-cu12", "ml_dtypes>=0.3"],
+        # ml_dtypes: bfloat16 arrays in CuPy 14 (--bf16 keeps float32 arrays under CuPy 13).
+        # nvidia-cudnn-frontend: cuDNN's flash attention (1.13: `generate_stats`), with cuDNN itself
+        # for CUDA 12; without them attention runs the blockwise path (fused_attention.py)
+        "gpu": ["cupy-cuda12x>=13,<15", "nvidia-nccl-cu12", "ml_dtypes>=0.3",
+                "nvidia-cudnn-frontend>=1.13", "nvidia-cudnn-cu12>=9.5"],
     },
     entry_points={"console_scripts": ["npmegatron=npmegatron.cli:main"]},
     # the machine profiles of `npmegatron plan --profile NAME`, shipped in the wheel

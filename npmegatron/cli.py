@@ -8,7 +8,7 @@ import click
 
 from .autograd import InputError
 from .cli_support import Group, config_options, relaunch_under_mpiexec, user_errors
-from .config import TRAIN_MODEL_DEFAULTS, GPTConfig, ParallelConfig, TrainConfig
+from .config import MODEL_PRESETS, TRAIN_MODEL_DEFAULTS, GPTConfig, ParallelConfig, TrainConfig
 
 POSITIVE = click.IntRange(min=1)
 BENCH_MODEL_FIELDS = {"num_layers", "hidden_size", "num_attention_heads", "vocab_size", "dtype", "device",
@@ -145,9 +145,16 @@ def bench_model_config(options):
 @click.option("--threads", type=POSITIVE, default=None, help="BLAS threads (default: the BLAS library's own).")
 @click.option("--profile", is_flag=True, help="Also print seconds per step by kind of op, the optimizer "
               "and the autograd's own overhead.")
+@click.option("--model", "preset", type=click.Choice(sorted(MODEL_PRESETS)), default=None,
+              help="A model's shape (layers, hidden size, heads, sequence, vocabulary: GPT-2 124M or 350M) "
+              "in place of those five flags.")
+@click.option("--torch/--no-torch", "with_torch", default=True, show_default=True,
+              help="With --device gpu, also time the same model in PyTorch (eager with SDPA and fused AdamW, "
+              "and torch.compile) on the same GPU, where torch is installed.")
 @user_errors
-def bench_step_command(**options):
-    """Time forward + backward + AdamW step against the matmul FLOP/s at the model's GEMM shapes."""
+def bench_step_command(preset, with_torch, **options):
+    """Time forward + backward + AdamW step against the matmul FLOP/s at the model's GEMM shapes,
+    with tokens/s, model-FLOP utilisation against the GPU's peak and peak memory."""
     from . import comm
     if comm.launch_size() > 1:
         # Every rank would time its own copy and print its own table. Rank 0 alone says so, without
@@ -157,10 +164,17 @@ def bench_step_command(**options):
         raise click.ClickException(f"bench step times one process, but mpirun started "
                                    f"{comm.launch_size()} ranks; run it without mpirun")
     from .bench.step import bench_step, format_table
+    if preset:
+        given = [name for name in MODEL_PRESETS[preset]
+                 if click.get_current_context().get_parameter_source(name).name == "COMMANDLINE"]
+        if given:
+            raise InputError(f"--model {preset} sets {', '.join('--' + n.replace('_', '-') for n in given)}; "
+                             "give either the preset or those flags")
+        options.update(MODEL_PRESETS[preset])
     cfg = bench_model_config(options)
     click.echo(format_table(bench_step(cfg, options["micro_batch_size"], options["seq_length"],
                                        options["warmup"], options["iters"], options["threads"],
-                                       options["profile"])))
+                                       options["profile"], with_torch)))
 
 
 @bench.command("comm")

@@ -161,6 +161,14 @@ class ParallelConfig:
 
 # The training run's model defaults where they differ from GPTConfig's: no dropout for the small
 # main-job model, and a position table as long as the sequence.
+#: `bench step --model` presets: GPT-2 small and medium as nanoGPT and Megatron-LM train them (the
+#: vocabulary padded to 50,304, a multiple of 128).
+MODEL_PRESETS = {
+    "gpt2-124m": {"num_layers": 12, "hidden_size": 768, "num_attention_heads": 12, "seq_length": 1024,
+                  "vocab_size": 50304},
+    "gpt2-350m": {"num_layers": 24, "hidden_size": 1024, "num_attention_heads": 16, "seq_length": 1024,
+                  "vocab_size": 50304},
+}
 TRAIN_MODEL_DEFAULTS = {"hidden_dropout": 0.0, "attention_dropout": 0.0, "max_position_embeddings": None}
 
 

@@ -98,14 +98,13 @@ def test_on_the_16_bit_grid_16_bit_operands_give_the_rounded_reference(cp, monke
 
 def test_the_path_chosen_and_why(cp, monkeypatch):
     path = fused_attention.attention_path
-    assert path(numpy, 0.0, 64)[0] == "blockwise"
-    assert path(cp, 0.0, 64) == ("blockwise", path(cp, 0.0, 64)[1]) and "16-bit" in path(cp, 0.0, 64)[1]
-    with precision.storage("bf16"):
-        assert path(cp, 0.0, 64) == ("fused", "cuDNN flash attention")
-        assert path(cp, 0.1, 64)[0] == "blockwise" and "dropout" in path(cp, 0.1, 64)[1]
-        assert path(cp, 0.0, 60)[0] == "blockwise" and path(cp, 0.0, 256)[0] == "blockwise"
-        monkeypatch.setitem(fused_attention._libraries, id(cp), None)
-        assert "not installed" in path(cp, 0.0, 64)[1]
+    assert path(numpy, 0.0, 64, None)[0] == "blockwise"
+    assert path(cp, 0.0, 64, None)[0] == "blockwise" and "16-bit" in path(cp, 0.0, 64, None)[1]
+    assert path(cp, 0.0, 64, "bf16") == ("fused", "cuDNN flash attention")
+    assert path(cp, 0.1, 64, "bf16")[0] == "blockwise" and "dropout" in path(cp, 0.1, 64, "bf16")[1]
+    assert path(cp, 0.0, 60, "fp16")[0] == "blockwise" and path(cp, 0.0, 256, "fp16")[0] == "blockwise"
+    monkeypatch.setitem(fused_attention._libraries, id(cp), None)
+    assert "not installed" in path(cp, 0.0, 64, "bf16")[1]
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp16"])

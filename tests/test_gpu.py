@@ -103,6 +103,17 @@ def test_training_path_fp16_and_bf16(mpirun, tmp_path, ranks, tp, pp):
 
 
 @pytest.mark.slow
+def test_training_path_bf16_with_fused_attention(mpirun, tmp_path):
+    """--bf16 at TP 2 with sequence parallelism and attention dropout 0, where attention is
+    cuDNN's fused flash attention (the library's stand-in under the strict CuPy stand-in): its
+    16-bit output into the projection, its 16-bit gradient into the QKV projection; the NumPy
+    (blockwise) run's figures and a bitwise resume."""
+    record = train_on_gpu(mpirun, tmp_path, 2, 2, 1, dtype="float32", rtol=1e-3, bf16=True, loss_scale=512.0,
+                          attention_dropout=0.0)
+    assert record["attention"] == "fused" or not STRICT, record
+
+
+@pytest.mark.slow
 def test_training_path_bf16_with_the_distributed_optimizer(mpirun, tmp_path):
     """--bf16 at DP 2 with ZeRO-1: each rank updates its float32 masters and the 16-bit parameter
     buffers are all-gathered in bfloat16 (NCCL_BFLOAT16); the NumPy run's figures and a bitwise

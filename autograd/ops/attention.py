@@ -6,6 +6,7 @@ FlashAttention's recomputation (Dao et al., 2022), without its online softmax: a
 queries sees all the keys it may attend to at once, so its softmax is exact in one pass. It
 replaces Megatron's FusedScaleMaskSoftmax + attention dropout + the two batched GEMMs.
 """
+from .. import precision
 from ..backend import get_array_module
 from ..cpu_blocks import each_share, share_ranges
 from ..errors import InputError
@@ -340,7 +341,7 @@ def causal_attention_packed(qkv, scale, dropout_p, dropout_site, training=True, 
         raise InputError(f"attention block size {block_size} must be a positive number of query rows")
     p = dropout_p if training else 0.0
     xp = get_array_module(qkv.data if isinstance(qkv, Tensor) else qkv)
-    if block_size is None and attention_path(xp, p, qkv.shape[4])[0] == "fused":
+    if block_size is None and attention_path(xp, p, qkv.shape[4], precision.kept_in_16_bit())[0] == "fused":
         return FusedCausalAttention.apply(qkv, scale=scale)
     return PackedCausalAttention.apply(qkv, scale=scale, p=p, generator=dropout_site if p > 0 else None,
                                        block_size=block_size)

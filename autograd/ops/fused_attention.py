@@ -47,22 +47,22 @@ def library(xp):
     return _libraries[key]
 
 
-def attention_path(xp, dropout_p, head_dim, queries=None, keys=None):
-    """("fused", why) or ("blockwise", why): which causal attention runs for these arrays."""
+def attention_path(xp, dropout_p, head_dim, sixteen_bit):
+    """("fused", why) or ("blockwise", why): which causal attention runs on array module xp for
+    this dropout and head dimension, `sixteen_bit` being the format of the 16-bit arrays a GPU
+    holds (precision.kept_in_16_bit()), or None."""
     if FUSED_ATTENTION == "never" or xp is numpy:
         return "blockwise", "the CPU's path" if xp is numpy else "fused attention turned off"
     if library(xp) is None:
-        return "blockwise", "nvidia-cudnn-frontend is not installed (pip install -e \".[gpu]\")"
+        return "blockwise", "nvidia-cudnn-frontend and cuDNN are not installed or do not load (the gpu extra has them)"
     if FUSED_ATTENTION == "always":
         return "fused", "cuDNN flash attention"
     if dropout_p > 0:
         return "blockwise", "attention dropout > 0 (the fused path has no stateless masks)"
-    if precision.kept_in_16_bit() is None:
+    if sixteen_bit is None:
         return "blockwise", "cuDNN's flash attention is 16-bit only: run with --bf16 or --fp16 (CuPy >= 14 for bf16)"
     if head_dim % 8 or head_dim > MAX_HEAD_DIM:
         return "blockwise", f"head dimension {head_dim} is not a multiple of 8 up to {MAX_HEAD_DIM}"
-    if queries is not None and queries != keys:
-        return "blockwise", "queries are not all the keys (a KV cache)"
     return "fused", "cuDNN flash attention"
 
 

@@ -1,19 +1,24 @@
 """`npmegatron bench step`: time forward + backward + an optimizer step, and in the same run the
 machine's matmul FLOP/s at the model's own GEMM shapes, so the ratio holds on a noisy machine."""
 import contextlib
+import importlib.util
 import json
+import resource
 import statistics
 import time
 
 import numpy
 
+from ..autograd import precision
 from ..autograd.backend import array_module_for
+from ..autograd.ops.fused_attention import attention_path
 from ..autograd.profile import op_profile
 from ..autograd.threads import set_cpu_threads
 from ..config import TrainConfig
 from ..model import GPTConfig, model_flops
 from ..run import assemble
 from ..training.step import setup_objects_frozen, train_step
+from .peaks import peak_flops, precision_of
 
 
 def _synchronize(xp):
@@ -111,15 +116,54 @@ def _timed_steps(run, batch, warmup, iters, profile, ceiling):
     return times, rounds, optimizer_s, table
 
 
-def bench_step(cfg: GPTConfig, batch, seq, warmup=2, iters=5, threads=None, profile=False):
+def bench_step(cfg: GPTConfig, batch, seq, warmup=2, iters=5, threads=None, profile=False, torch=True):
     """threads: BLAS threads for this run (threadpoolctl; default: the library's own), which are
     also the CPU engine's (autograd/threads.py); profile: also report seconds per step by kind
-    of op, the optimizer, and the autograd's own overhead (the step minus both)."""
+    of op, the optimizer, and the autograd's own overhead (the step minus both); torch: on a GPU,
+    also time the same model in PyTorch (eager and torch.compile) when torch imports."""
     previous = set_cpu_threads(threads)
     try:
-        return _bench_step(cfg, batch, seq, warmup, iters, threads, profile)
+        result = _bench_step(cfg, batch, seq, warmup, iters, threads, profile)
     finally:
         set_cpu_threads(previous)
+    if torch and cfg.device == "gpu" and importlib.util.find_spec("torch") is not None:
+        result["torch"] = torch_peers(cfg, batch, seq, warmup, iters, result)
+    return result
+
+
+def torch_peers(cfg, batch, seq, warmup, iters, ours):
+    """The same model's step in PyTorch eager and torch.compile on the same GPU (torch_peer.py),
+    with our step time divided by theirs."""
+    from . import torch_peer         # torch is optional: imported only where it is installed
+    array_module_for(cfg.device).get_default_memory_pool().free_all_blocks()
+    precision = {"fp64": "fp32"}.get(precision_of(cfg), precision_of(cfg))
+    peers = {}
+    for name, compiled in (("eager", False), ("compile", True)):
+        try:
+            peer = torch_peer.torch_step(cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, seq, batch,
+                                         cfg.vocab_size, "cuda", precision, compiled, None, warmup, iters)
+        except Exception as error:  # torch.compile needs a compiler toolchain some machines lack
+            peers[name] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
+            continue
+        peer["ours_over_theirs"] = ours["step_s"] / peer["step_s"]
+        peers[name] = peer
+    return peers
+
+
+def device_name(xp):
+    """The GPU's name as CUDA gives it, or "cpu"."""
+    if xp is numpy:
+        return "cpu"
+    name = xp.cuda.runtime.getDeviceProperties(xp.cuda.Device().id)["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def peak_bytes(xp):
+    """Peak memory of this process's arrays: on a GPU the bytes CuPy's memory pool holds (it keeps
+    what was freed, so after a run that is its peak); on the CPU the resident set's peak."""
+    if xp is numpy:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return xp.get_default_memory_pool().total_bytes()
 
 
 def _bench_step(cfg, batch, seq, warmup, iters, threads, profile):
@@ -136,6 +180,8 @@ def _bench_step(cfg, batch, seq, warmup, iters, threads, profile):
                                                              warmup, iters, profile, ceiling)
     step_s = statistics.median(times)
     flops = model_flops(cfg, model.num_parameters(), batch, seq)
+    name, precision = device_name(xp), precision_of(cfg)
+    peak = peak_flops(name, precision) if xp is not numpy else None
     # Each step against the GEMMs timed right after it: (flops / step) / (GEMM flops / round).
     ratios = [flops / step / (ceiling.flops / gemm_s) for step, gemm_s in zip(times, rounds)]
     result = {
@@ -147,6 +193,9 @@ def _bench_step(cfg, batch, seq, warmup, iters, threads, profile):
         "model_flops_per_step": flops, "model_flops_per_s": flops / step_s,
         "gemm_flops_per_s": ceiling.flops / statistics.median(rounds), "ratio": statistics.median(ratios),
         "steps_s": times, "gemm_rounds_s": rounds, "ratios": ratios,
+        "device_name": name, "precision": precision, "tokens_per_s": batch * seq / step_s,
+        "peak_flops_per_s": peak, "mfu": None if peak is None else flops / step_s / peak,
+        "peak_bytes": peak_bytes(xp), "attention": _attention(cfg, xp),
     }
     if profile:
         kinds = {kind: seconds / iters for kind, seconds in op_kinds(table).items()}
@@ -156,13 +205,32 @@ def _bench_step(cfg, batch, seq, warmup, iters, threads, profile):
     return result
 
 
+def _attention(cfg, xp):
+    """Which causal attention the steps ran, as the training header says it."""
+    sixteen_bit = cfg.storage_format if precision.holds_16_bit_arrays(xp, cfg.storage_format) else None
+    return "{} ({})".format(*attention_path(xp, cfg.attention_dropout, cfg.head_dim, sixteen_bit))
+
+
 def format_table(result):
-    rows = [("parameters", f"{result['parameters']:,}"),
+    peak = result.get("peak_flops_per_s")
+    rows = [("device, precision", f"{result['device_name']}, {result['precision']}"),
+            ("attention", result["attention"]),
+            ("parameters", f"{result['parameters']:,}"),
             ("step time (median)", f"{result['step_s'] * 1e3:.1f} ms"),
+            ("tokens/s", f"{result['tokens_per_s']:,.0f}"),
             ("model FLOPs per step", f"{result['model_flops_per_step'] / 1e9:.2f} GFLOP"),
             ("model FLOP/s", f"{result['model_flops_per_s'] / 1e9:.2f} GFLOP/s"),
             ("GEMM FLOP/s at the model's shapes", f"{result['gemm_flops_per_s'] / 1e9:.2f} GFLOP/s"),
-            ("ratio (median of each step's to the GEMMs timed after it)", f"{result['ratio'] * 100:.1f} %")]
+            ("ratio (median of each step's to the GEMMs timed after it)", f"{result['ratio'] * 100:.1f} %"),
+            ("model-FLOP utilisation (of the device's peak)",
+             "the ratio above: a CPU's peak is its GEMM ceiling" if result["device_name"] == "cpu" else
+             "no peak listed for this device (bench/peaks.py)" if peak is None else
+             f"{result['mfu'] * 100:.1f} % of {peak / 1e12:g} TFLOP/s"),
+            ("peak memory", f"{result['peak_bytes'] / 2 ** 20:,.0f} MiB")]
+    for name, peer in (result.get("torch") or {}).items():
+        rows.append((f"PyTorch {name} (same GPU)", peer["error"] if "error" in peer else
+                     f"{peer['step_s'] * 1e3:.1f} ms, {peer['tokens_per_s']:,.0f} tokens/s, peak "
+                     f"{peer['peak_bytes'] / 2 ** 20:,.0f} MiB; ours / theirs {peer['ours_over_theirs']:.2f}"))
     for kind, seconds in (result.get("profile_s") or {}).items():
         rows.append((f"  {kind} (per step)", f"{seconds * 1e3:.1f} ms"))
     width = max(len(k) for k, _ in rows)

@@ -8,7 +8,8 @@ import time
 import numpy
 from tqdm import tqdm
 
-from ..autograd import InputError
+from ..autograd import InputError, precision
+from ..autograd.ops.fused_attention import attention_path
 from ..model import model_flops
 from ..perf.memory import ParallelShape, chunk_activation_bytes
 
@@ -108,11 +109,19 @@ def memory_note(trainer):
                  + (f", 1/{shard}: distributed)" if shard > 1 else ")"))
     implied = ""
     if stored != w:
-        held = ("activations kept as 16-bit arrays, weights as float32 arrays" if cfg.device == "gpu"
+        held = ("the weights forward reads and the activations kept are 16-bit arrays" if cfg.device == "gpu"
                 else "float32 arrays here")
         implied = f" ({cfg.storage_format} as stored by a 16-bit backend; {held})"
     return (f"memory: {stored} B weight + {w} B gradient + {optimizer} per parameter; "
             f"{per_layer / 2 ** 20:.2f} MiB of activations kept per layer and micro-batch{implied}")
+
+
+def attention_note(trainer):
+    """Which causal attention a GPU run's training steps use, and why (fused_attention.py)."""
+    cfg, xp = trainer.cfg, trainer.model.xp
+    sixteen_bit = cfg.storage_format if precision.holds_16_bit_arrays(xp, cfg.storage_format) else None
+    path, why = attention_path(xp, cfg.attention_dropout, cfg.head_dim, sixteen_bit)
+    return f"\nattention: {path} ({why})" if cfg.device == "gpu" else ""
 
 
 def header(trainer):
@@ -123,7 +132,7 @@ def header(trainer):
             f"{' sequence-parallel' if cfg.sequence_parallel else ''}{pipeline}{recompute_note(cfg)}; global batch "
             f"{plan.global_batch} = {trainer.config.micro_batch_size} x {plan.micro_batches} accumulation x "
             f"{grid.dp_size} DP; data {data.description}: {len(data.train):,} training / "
-            f"{len(data.valid):,} validation tokens\n{memory_note(trainer)}")
+            f"{len(data.valid):,} validation tokens\n{memory_note(trainer)}{attention_note(trainer)}")
 
 
 def open_log(path, append):

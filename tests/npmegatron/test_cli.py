@@ -63,6 +63,24 @@ def test_bench_step_reports_a_ratio_to_the_measured_gemm_ceiling():
                                               for step, gemm_s in zip(steps, rounds)])
     assert record["ratio"] == pytest.approx(statistics.median(record["ratios"]))
     assert "GEMM FLOP/s at the model's shapes" in result.stdout
+    assert record["tokens_per_s"] == pytest.approx(2 * 16 / record["step_s"])
+    assert record["peak_bytes"] > 0 and record["device_name"] == "cpu" and record["precision"] == "fp32"
+    assert record["attention"].startswith("blockwise")
+
+
+def test_bench_step_model_presets_and_the_peak_table():
+    from npmegatron.bench.peaks import peak_flops
+    from npmegatron.config import MODEL_PRESETS
+    assert MODEL_PRESETS["gpt2-124m"] == {"num_layers": 12, "hidden_size": 768, "num_attention_heads": 12,
+                                          "seq_length": 1024, "vocab_size": 50304}
+    assert peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989.5e12
+    assert peak_flops("NVIDIA H100 PCIe", "bf16") == 756e12
+    assert peak_flops("NVIDIA H200", "tf32") == 494.5e12 and peak_flops("Tesla V100-SXM2-16GB", "bf16") is None
+    assert peak_flops("a GPU nobody listed", "fp32") is None
+    result = run(CLI + ["bench", "step", "--model", "gpt2-124m", "--num-layers", "2"])
+    lines = [l for l in result.stderr.splitlines() if l.strip()]
+    assert result.returncode != 0 and len(lines) == 1, result.stderr
+    assert "--model gpt2-124m sets --num-layers; give either the preset or those flags" in lines[0]
 
 
 def test_preprocess_train_on_it_then_generate(tmp_path):

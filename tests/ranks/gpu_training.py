@@ -17,18 +17,18 @@ import numpy as np
 
 from npmegatron import comm
 from npmegatron.autograd.backend import to_numpy
+from npmegatron.autograd.ops import fused_attention
 from npmegatron.training import TrainConfig, Trainer
 
 LR = 1e-3
 
 
 def config(device, tp, pp, **extra):
-    extra = {"dtype": "float64", **extra}
+    extra = {"dtype": "float64", "attention_dropout": 0.1, **extra}
     return TrainConfig.from_flat(
         device=device, num_layers=4, hidden_size=32, num_attention_heads=4,
         seq_length=16, micro_batch_size=2, global_batch_size=8, tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp, sequence_parallel=tp > 1, hidden_dropout=0.1,
-        attention_dropout=0.1, train_iters=4, lr=LR, lr_warmup_iters=1, log_interval=100,
+        pipeline_model_parallel_size=pp, sequence_parallel=tp > 1, hidden_dropout=0.1, train_iters=4, lr=LR, lr_warmup_iters=1, log_interval=100,
         eval_interval=100, eval_iters=1, sample_tokens=8, ddp_bucket_size=2000, **extra)
 
 
@@ -104,8 +104,10 @@ def main():
     expected = "nccl" if one_gpu_per_rank(local_bus_ids()) else "mpi"
     assert backend_for(gpu.params[0].data).name == expected, (expected, local_bus_ids())
     fused = sorted(cupy._fusion.kernel_names) if strict_counters() else None
+    attention = "fused" if fused_attention._graphs else "blockwise"     # cuDNN graphs were built
     if world.rank == 0:
-        print(json.dumps({"syncs_per_step": syncs, "losses": losses, "sample": text[0], "fused": fused}))
+        print(json.dumps({"syncs_per_step": syncs, "losses": losses, "sample": text[0], "fused": fused,
+                          "attention": attention}))
 
 
 if __name__ == "__main__":

@@ -54,6 +54,12 @@ def setDevice(index):
     _strict.set_current_device(check_device(int(index)))
 
 
+def getDeviceProperties(index):
+    """The properties bench step reads: the name (bytes, as CUDA gives it) and the memory."""
+    check_device(int(index))
+    return {"name": b"strict CuPy stand-in", "totalGlobalMem": memGetInfo()[1]}
+
+
 def memGetInfo():
     getDeviceCount()
     total = int(os.environ.get("STRICT_CUPY_DEVICE_BYTES", str(80 << 30)))
