@@ -8,7 +8,9 @@ and transposes, the copies CuPy makes inside calls, host synchronisations and de
 
 Per layer is the difference between a model of two layers and one of one layer, so it holds
 for any depth; each count is of the third step (the first two allocate what later steps reuse).
-No GPU is used: the stand-in computes with NumPy and records what CuPy would launch.
+No GPU is used: the stand-in computes with NumPy and records what CuPy would launch; its cudnn
+stand-in stands for nvidia-cudnn-frontend, so attention is cuDNN's fused attention wherever a GPU
+with the gpu extra would run it (--blockwise-attention counts the blockwise path there instead).
 """
 import argparse
 import collections
@@ -25,6 +27,7 @@ import cupy  # noqa: E402
 import numpy  # noqa: E402
 
 from npmegatron.autograd.memory import saved_bytes_by_function  # noqa: E402
+from npmegatron.autograd.ops import fused_attention  # noqa: E402
 from npmegatron.config import GPTConfig, TrainConfig  # noqa: E402
 from npmegatron.run import assemble  # noqa: E402
 from npmegatron.training.step import clip_after_step, setup_objects_frozen, train_step  # noqa: E402
@@ -177,10 +180,14 @@ def main(argv=None):
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     for flag in ("--tf32", "--fp16", "--bf16"):
         parser.add_argument(flag, action="store_true")
+    parser.add_argument("--blockwise-attention", action="store_true", help="count the blockwise attention "
+                        "where cuDNN's fused attention would run (the cudnn stand-in is on the path)")
     parser.add_argument("--json", metavar="FILE", help="also write the counts as JSON")
     parser.add_argument("--check-depth", action="store_true", help="also count a 3-layer model: its third "
                         "layer must add the launches of the second")
     args = parser.parse_args(argv)
+    if args.blockwise_attention:
+        fused_attention.FUSED_ATTENTION = "never"
     cfg = GPTConfig(num_layers=1, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
                     vocab_size=args.vocab_size, max_position_embeddings=args.seq_length, dtype=args.dtype,
                     hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
