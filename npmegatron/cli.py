@@ -151,8 +151,10 @@ def bench_model_config(options):
 @click.option("--torch/--no-torch", "with_torch", default=True, show_default=True,
               help="With --device gpu, also time the same model in PyTorch (eager with SDPA and fused AdamW, "
               "and torch.compile) on the same GPU, where torch is installed.")
+@click.option("--cuda-graph", is_flag=True, help="With --device gpu, capture the step in a CUDA graph after "
+              "the warm-up steps and time its replays (as train --cuda-graph).")
 @user_errors
-def bench_step_command(preset, with_torch, **options):
+def bench_step_command(preset, with_torch, cuda_graph, **options):
     """Time forward + backward + AdamW step against the matmul FLOP/s at the model's GEMM shapes,
     with tokens/s, model-FLOP utilisation against the GPU's peak and peak memory."""
     from . import comm
@@ -174,7 +176,7 @@ def bench_step_command(preset, with_torch, **options):
     cfg = bench_model_config(options)
     click.echo(format_table(bench_step(cfg, options["micro_batch_size"], options["seq_length"],
                                        options["warmup"], options["iters"], options["threads"],
-                                       options["profile"], with_torch)))
+                                       options["profile"], with_torch, cuda_graph)))
 
 
 @bench.command("comm")

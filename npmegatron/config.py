@@ -218,6 +218,10 @@ class TrainConfig:
     min_loss_scale: float = option(1.0, "Dynamic loss scaling never goes below this.", minimum=0)
     loss_scale_window: int = option(1000, "Steps without overflow before the scale doubles.", minimum=1)
     hysteresis: int = option(2, "Overflowing steps before the scale halves.", minimum=1)
+    cuda_graph: bool = option(False, "Capture the whole training step (forward, backward, gradient "
+                                     "reduction, clipping, optimizer) in a CUDA graph after warm-up and "
+                                     "replay it: one launch a step from the host (GPU).")
+    cuda_graph_warmup_steps: int = option(3, "Eager steps before the capture (--cuda-graph).", minimum=1)
 
     @classmethod
     def from_flat(cls, **options):
@@ -249,6 +253,7 @@ class TrainConfig:
             raise InputError("--use-checkpoint-args reads the model's arguments from the checkpoint "
                              "--load names, but no --load was given; add --load DIR")
         self._check_split()
+        self._check_cuda_graph()
         log_folder = os.path.dirname(os.path.abspath(self.log_file or "."))
         if self.log_file and (not os.path.isdir(log_folder) or os.path.isdir(self.log_file)):
             raise InputError(f"--log-file {self.log_file}: the folder {log_folder} must exist and "
@@ -261,6 +266,31 @@ class TrainConfig:
         if self.data_path is None:
             raise InputError(f"--split {self.split} divides --data-path datasets, but the run uses the "
                              "embedded corpus; pass --data-path or drop --split")
+
+    def _check_cuda_graph(self):
+        """--cuda-graph replays one captured step: refused, in one sentence, where a step is not the
+        same device work every time or needs the host in its middle."""
+        if not self.cuda_graph:
+            return
+        model, parallel = self.model, self.parallel
+        refusals = [
+            (model.device != "gpu", f"it captures GPU work, but the device is {model.device}; add --device gpu"),
+            (parallel.pipeline_model_parallel_size > 1,
+             "pipeline parallelism's schedule waits on messages between stages; use --pp 1"),
+            (parallel.tensor_model_parallel_size > 1,
+             "this version captures one rank's step (no collectives inside the graph); use --tp 1 and one rank"),
+            (parallel.variable_seq_lengths, "--variable-seq-lengths exchanges shapes on the host; drop it"),
+            (parallel.use_distributed_optimizer,
+             "the distributed optimizer gathers over data-parallel ranks, which this version does not capture; drop it"),
+            (model.fp16 or self.loss_scale is not None,
+             "loss scaling skips an overflowing step, which the host decides after the graph has run; "
+             "use --bf16 without --loss-scale"),
+            (model.hidden_dropout > 0 or model.attention_dropout > 0,
+             "its dropout masks are keyed by the iteration on the host; use --hidden-dropout 0 --attention-dropout 0"),
+        ]
+        why = next((reason for refused, reason in refusals if refused), None)
+        if why:
+            raise InputError(f"--cuda-graph cannot be used here: {why}")
 
     def _check_loss_scale(self):
         given = [name for name in LOSS_SCALE_FIELDS if getattr(self, name) != field_default(TrainConfig, name)]

@@ -4,8 +4,8 @@
 #   scripts/bench_gpu.sh [OUT_DIR]          (default: bench_gpu_out/)
 #
 # 1. the GPU test files; 2. `npmegatron bench step --device gpu` at float32, --tf32, --fp16 and
-# --bf16 on GPT-2 124M, each with PyTorch eager and torch.compile on the same GPU where torch is
-# installed; 3. one multi-rank training run (2 ranks, TP 2, --bf16); 4. OUT_DIR/table.md with the
+# --bf16 on GPT-2 124M (and --bf16 --cuda-graph), each with PyTorch eager and torch.compile on the
+# same GPU where torch is installed; 3. one multi-rank training run (2 ranks, TP 2, --bf16); 4. OUT_DIR/table.md with the
 # date, commit, device, driver and CuPy version, also printed. Each step's output is kept in OUT_DIR.
 #
 # Environment (the slow test runs this on the strict CuPy stand-in with a small model):
@@ -27,8 +27,8 @@ if [ "$tests" != "none" ]; then
     # shellcheck disable=SC2086
     python -m pytest -q -p no:cacheprovider $tests 2>&1 | tee "$out/tests.txt"
 fi
-for precision in fp32 tf32 fp16 bf16; do
-    case "$precision" in fp32) flag="" ;; *) flag="--$precision" ;; esac
+for precision in fp32 tf32 fp16 bf16 bf16-graph; do
+    case "$precision" in fp32) flag="" ;; bf16-graph) flag="--bf16 --cuda-graph" ;; *) flag="--$precision" ;; esac
     echo "== bench step --device gpu $flag $model"
     # shellcheck disable=SC2086
     npmegatron bench step --device gpu $flag $model $iters | tee "$out/step_$precision.txt"

@@ -1,6 +1,6 @@
 """One Markdown table of a scripts/bench_gpu.sh run: `python scripts/bench_gpu_table.py OUT_DIR`.
 
-Reads the JSON line each `bench step` printed (OUT_DIR/step_<precision>.txt), the last interval
+Reads the JSON line each `bench step` printed (OUT_DIR/step_<precision>.txt; bf16-graph: --bf16 --cuda-graph), the last interval
 line of the multi-rank run (train_tp2.txt) and the tests' summary (tests.txt), and prints the table
 with the date, commit, device, driver and CuPy version it was measured with."""
 import datetime
@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
+PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "bf16-graph")
 
 
 def last_json(path):

@@ -28,8 +28,9 @@ def test_bench_gpu_script_runs_end_to_end_on_the_stand_in(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     table = (tmp_path / "table.md").read_text()
     rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| precision")]
-    assert [r.split(" | ")[0] for r in rows] == ["| fp32", "| tf32", "| fp16", "| bf16"], table
+    assert [r.split(" | ")[0] for r in rows] == ["| fp32", "| tf32", "| fp16", "| bf16", "| bf16-graph"], table
     attention = {r.split(" | ")[0][2:]: r.split(" | ")[6] for r in rows}
-    assert attention == {"fp32": "blockwise", "tf32": "blockwise", "fp16": "fused", "bf16": "fused"}, table
+    assert attention == {"fp32": "blockwise", "tf32": "blockwise", "fp16": "fused", "bf16": "fused",
+                         "bf16-graph": "fused"}, table
     assert "strict CuPy stand-in" in table and "2 ranks, TP 2, --bf16: iter     4/4" in table, table
     assert "passed" in table.split("GPU tests:")[1].splitlines()[0], table

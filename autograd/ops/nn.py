@@ -3,6 +3,8 @@
 Fused means one Function with a hand-written backward, as Megatron's fused kernels
 (FusedScaleMaskSoftmax, fused LayerNorm), instead of a chain of primitives each saving arrays.
 """
+import contextlib
+
 import numpy
 
 from .. import precision, row_kernels
@@ -198,6 +200,23 @@ def _pending_rows(ctx, g, shape):
     return pending.reshape(shape)
 
 
+#: Whether device id arrays were checked on the host before their upload (ids_checked_on_host).
+_device_ids_checked = False
+
+
+@contextlib.contextmanager
+def ids_checked_on_host():
+    """Inside this block check_ids takes device arrays as checked: their caller checked the host
+    arrays they were uploaded from (--cuda-graph's static inputs, where the check would be a host
+    synchronisation inside a captured step)."""
+    global _device_ids_checked
+    previous, _device_ids_checked = _device_ids_checked, True
+    try:
+        yield
+    finally:
+        _device_ids_checked = previous
+
+
 def check_ids(ids, size, what, fix, ignore_index=None):
     """Integer ids within [0, size) (ignore_index excepted), or one InputError sentence.
 
@@ -206,7 +225,7 @@ def check_ids(ids, size, what, fix, ignore_index=None):
     (whose output size would need another)."""
     if ids.dtype.kind not in "iu":
         raise InputError(f"{what} must be integers, got dtype {ids.dtype}; convert with .astype(int)")
-    if ids.size == 0:
+    if ids.size == 0 or (_device_ids_checked and get_array_module(ids) is not numpy):
         return
     xp = get_array_module(ids)
     if ignore_index is not None:

@@ -10,13 +10,14 @@ import time
 import numpy
 
 from ..autograd import precision
-from ..autograd.backend import array_module_for
+from ..autograd.backend import array_module_for, to_numpy
 from ..autograd.ops.fused_attention import attention_path
 from ..autograd.profile import op_profile
 from ..autograd.threads import set_cpu_threads
 from ..config import TrainConfig
 from ..model import GPTConfig, model_flops
 from ..run import assemble
+from ..training.cuda_graph import GraphedStep
 from ..training.step import setup_objects_frozen, train_step
 from .peaks import peak_flops, precision_of
 
@@ -91,39 +92,52 @@ def op_kinds(table):
     return seconds
 
 
-def _timed_steps(run, batch, warmup, iters, profile, ceiling):
+def _timed_steps(run, batch, warmup, iters, profile, ceiling, graphed=None):
     """(step seconds, GEMM round seconds, optimizer seconds, op table) of the timed steps, a
-    round of the ceiling's GEMMs timed right after each."""
+    round of the ceiling's GEMMs timed right after each. With `graphed` (--cuda-graph) each step
+    is its run(): the batch copied in, the scalars written, the graph launched, the loss read;
+    the capture is one more untimed step."""
     xp = run.model.xp
     times, rounds, optimizer_s, table = [], [], 0.0, {}
+    warmup += graphed is not None
     for i in range(warmup + iters):
         timed = i >= warmup
         _synchronize(xp)
         start = time.perf_counter()
-        with op_profile() if profile and timed else contextlib.nullcontext() as ops:
-            train_step(run.model, run.exchange, [batch], run.buckets, run.schedule)
-        before_update = time.perf_counter()
-        run.optimizer.step()
+        if graphed is not None:
+            graphed.run([tuple(map(to_numpy, batch))], LR)
+            before_update = time.perf_counter()
+        else:
+            with op_profile() if profile and timed else contextlib.nullcontext() as ops:
+                train_step(run.model, run.exchange, [batch], run.buckets, run.schedule)
+            before_update = time.perf_counter()
+            run.optimizer.step()
         _synchronize(xp)
         if timed:
             times.append(time.perf_counter() - start)
             optimizer_s += time.perf_counter() - before_update
             rounds.append(ceiling.round())
-            for name, entry in (ops or {}).items():
+            for name, entry in ((ops or {}) if graphed is None else {}).items():
                 total = table.setdefault(name, [0.0, 0.0, 0])
                 for k in range(3):
                     total[k] += entry[k]
     return times, rounds, optimizer_s, table
 
 
-def bench_step(cfg: GPTConfig, batch, seq, warmup=2, iters=5, threads=None, profile=False, torch=True):
+#: bench step's learning rate (a constant: the step's cost does not depend on it)
+LR = 1e-4
+
+
+def bench_step(cfg: GPTConfig, batch, seq, warmup=2, iters=5, threads=None, profile=False, torch=True,
+               cuda_graph=False):
     """threads: BLAS threads for this run (threadpoolctl; default: the library's own), which are
     also the CPU engine's (autograd/threads.py); profile: also report seconds per step by kind
     of op, the optimizer, and the autograd's own overhead (the step minus both); torch: on a GPU,
-    also time the same model in PyTorch (eager and torch.compile) when torch imports."""
+    also time the same model in PyTorch (eager and torch.compile) when torch imports; cuda_graph:
+    the step captured in a CUDA graph and replayed (training/cuda_graph.py)."""
     previous = set_cpu_threads(threads)
     try:
-        result = _bench_step(cfg, batch, seq, warmup, iters, threads, profile)
+        result = _bench_step(cfg, batch, seq, warmup, iters, threads, profile, cuda_graph)
     finally:
         set_cpu_threads(previous)
     if torch and cfg.device == "gpu" and importlib.util.find_spec("torch") is not None:
@@ -166,18 +180,21 @@ def peak_bytes(xp):
     return xp.get_default_memory_pool().total_bytes()
 
 
-def _bench_step(cfg, batch, seq, warmup, iters, threads, profile):
+def _bench_step(cfg, batch, seq, warmup, iters, threads, profile, cuda_graph):
     from threadpoolctl import threadpool_limits
     with threadpool_limits(limits=threads) if threads else contextlib.nullcontext():
         # One process, one micro-batch: the Trainer's step on the serial layout.
-        run = assemble(TrainConfig(model=cfg, seq_length=seq, micro_batch_size=batch, lr=1e-4, min_lr=0.0),
-                       world_size=1)
+        config = TrainConfig(model=cfg, seq_length=seq, micro_batch_size=batch, lr=LR, min_lr=0.0,
+                             cuda_graph=cuda_graph, cuda_graph_warmup_steps=max(1, warmup))
+        run = assemble(config, world_size=1)
         model, xp = run.model, run.model.xp
         ids = numpy.random.default_rng(cfg.seed).integers(0, cfg.vocab_size, (batch, seq + 1))
+        graphed = GraphedStep(run, config) if cuda_graph else None
         ceiling = GemmCeiling(cfg, batch, seq)
         with setup_objects_frozen():
             times, rounds, optimizer_s, table = _timed_steps(run, (xp.asarray(ids[:, :-1]), xp.asarray(ids[:, 1:])),
-                                                             warmup, iters, profile, ceiling)
+                                                             warmup, iters, profile and not cuda_graph, ceiling,
+                                                             graphed)
     step_s = statistics.median(times)
     flops = model_flops(cfg, model.num_parameters(), batch, seq)
     name, precision = device_name(xp), precision_of(cfg)
@@ -195,7 +212,7 @@ def _bench_step(cfg, batch, seq, warmup, iters, threads, profile):
         "steps_s": times, "gemm_rounds_s": rounds, "ratios": ratios,
         "device_name": name, "precision": precision, "tokens_per_s": batch * seq / step_s,
         "peak_flops_per_s": peak, "mfu": None if peak is None else flops / step_s / peak,
-        "peak_bytes": peak_bytes(xp), "attention": _attention(cfg, xp),
+        "peak_bytes": peak_bytes(xp), "attention": _attention(cfg, xp), "cuda_graph": cuda_graph,
     }
     if profile:
         kinds = {kind: seconds / iters for kind, seconds in op_kinds(table).items()}
@@ -213,7 +230,8 @@ def _attention(cfg, xp):
 
 def format_table(result):
     peak = result.get("peak_flops_per_s")
-    rows = [("device, precision", f"{result['device_name']}, {result['precision']}"),
+    rows = [("device, precision", f"{result['device_name']}, {result['precision']}"
+                                  + (", CUDA graph (one launch a step)" if result.get("cuda_graph") else "")),
             ("attention", result["attention"]),
             ("parameters", f"{result['parameters']:,}"),
             ("step time (median)", f"{result['step_s'] * 1e3:.1f} ms"),

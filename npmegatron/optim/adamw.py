@@ -158,7 +158,28 @@ class AdamW:
     def step(self, lr=None):
         lr = self._advance(lr)
         grad_scale, self.grad_scale = self.grad_scale, 1.0
-        scalars = (grad_scale,) + self._scalars(lr)
+        self._apply((grad_scale,) + self._scalars(lr))
+
+    # --cuda-graph: a captured step's update reads its scalars from device memory, which the host
+    # writes before each replay (load_step), and its gradient factor from a device array
+    def load_step(self, lr):
+        """Count a step and write its update's scalars (learning rate, bias corrections, decay) into
+        the device array a captured update reads: one upload, before the graph runs. As float32,
+        the precision the update's arithmetic takes them in (weak scalars), so the numbers are
+        step()'s."""
+        values = numpy.asarray(self._scalars(self._advance(lr)), numpy.float32)
+        if getattr(self, "_device_scalars", None) is None:
+            self._device_scalars = self.layout.xp.zeros(values.size, numpy.float32)
+        self._device_scalars.set(values)
+
+    def step_on_device(self, grad_scale):
+        """step() with load_step's scalars and `grad_scale` (a 0-d float32 device array, see
+        gradient_factor_on_device) read from device memory: nothing of the host's in its launches."""
+        scalars = self._device_scalars
+        self._apply((grad_scale,) + tuple(scalars[i] for i in range(scalars.size)))
+
+    def _apply(self, scalars):
+        """Update every parameter with adamw_update_'s scalars."""
         layout = self.layout
         if layout.grad is None:         # parameters and gradients apart: one update each
             for p in self.params:
@@ -288,6 +309,18 @@ def gradient_factor(norm, max_norm, loss_scale=1.0):
     if max_norm and norm > max_norm:
         factor *= max_norm / (norm + 1e-6)
     return None if factor == 1.0 else factor
+
+
+@fused
+def gradient_factor_on_device(xp, norm_squared, inverse_scale, loss_scale, max_norm):
+    """gradient_factor with clip_gradients' rule for a norm that is not finite (factor 1), on the
+    device, from the squared norm (float64): --cuda-graph's step never shows the host its norm
+    before the update. The same double operations in gradient_factor's order, then float32, the
+    precision the update takes its factor in: the same number as the host's. max_norm: inf for
+    no clipping; inverse_scale: 1 / loss_scale, computed on the host."""
+    norm = xp.sqrt(norm_squared) / loss_scale
+    factor = xp.where(norm > max_norm, inverse_scale * (max_norm / (norm + 1e-6)), inverse_scale)
+    return xp.where(xp.isfinite(norm), factor, 1.0).astype(xp.float32)
 
 
 def clip_gradients(params, norm, max_norm, loss_scale=1.0, optimizer=None):

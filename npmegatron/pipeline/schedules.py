@@ -13,6 +13,7 @@ the current compute (overlap), except when the next action's data comes from the
 current action sends to: then send and receive go as one exchange (ring exchange).
 """
 import contextlib
+import weakref
 
 import numpy
 
@@ -66,6 +67,20 @@ class MemoryProbe:
         tape = sum(saved_bytes_by_function(live).values())
         held = sum(t.data.nbytes for t in live) + sum(t.data.nbytes for t in inputs.values() if t is not None)
         self.peak = max(self.peak, tape + held)
+
+
+#: model -> {(value, dtype): the backward's seed on its device}: the same few every step, so a
+#: step uploads none (a step captured in a CUDA graph may upload nothing)
+_loss_seeds = weakref.WeakKeyDictionary()
+
+
+def loss_seed(model, value, dtype):
+    """The gradient backward starts the loss with: loss scale / micro-batches, on the model's device."""
+    seeds = _loss_seeds.setdefault(model, {})
+    key = (float(value), str(dtype))
+    if key not in seeds:
+        seeds[key] = model.xp.asarray(value, dtype=dtype)
+    return seeds[key]
 
 
 class ScheduleRun:
@@ -205,7 +220,7 @@ class ScheduleRun:
         result = self.outputs.pop((chunk, micro_batch))
         if spec.post_process:
             if self.loss_seed is None:
-                self.loss_seed = self.model.xp.asarray(self.loss_scale / len(self.batches), dtype=result.dtype)
+                self.loss_seed = loss_seed(self.model, self.loss_scale / len(self.batches), result.dtype)
             with self.timers(BACKWARD_COMPUTE, exclude_comm=True):
                 ag.backward(result, self.loss_seed)
         else:

@@ -28,12 +28,14 @@ from ..perf.fit import refuse_unless_fits, run_shape
 from ..pipeline import run_schedule
 from ..run import assemble
 from ..timers import NO_TIMERS, OPTIMIZER
+from .cuda_graph import GraphedStep
 from .log import TrainingLog
 from .step import clip_after_step, schedule_options, setup_objects_frozen, sum_losses, train_step
 
 
 class TrainingDiverged(InputError):
-    """The loss or gradient norm stopped being finite; nothing of that step was applied or saved."""
+    """The loss or gradient norm stopped being finite; nothing of that step was saved (nor applied,
+    but under --cuda-graph, whose graph applies its update)."""
 
 
 class Trainer:
@@ -64,6 +66,7 @@ class Trainer:
                                           resuming=resumes_in_place(config.load, config.save))
         comm.set_resume_hint(self.resume_hint())
         comm.set_checkpoint_folder(config.save)
+        self.graphed = GraphedStep(self, config) if config.cuda_graph else None     # --cuda-graph (cuda_graph.py)
 
     def _resume(self):
         manifest = checkpoint.load(self.config.load, self.model, self.optimizer, self.grid, self.plan.layout)
@@ -113,6 +116,8 @@ class Trainer:
         config = self.config
         lr = learning_rate(self.iteration - self.skipped, config.lr, config.min_lr, config.lr_warmup_iters,
                            config.train_iters, config.lr_decay_style)
+        if self.graphed is not None:
+            return self._graphed_step(lr)
         loss, norm = self.train_step()
         overflow = self.loss_scale is not None and not math.isfinite(norm)
         if self.loss_scale is not None:
@@ -125,6 +130,17 @@ class Trainer:
                     raise self.diverged(what, value)
             with self.timers(OPTIMIZER):
                 self.optimizer.step(lr)
+        self.iteration += 1
+        return loss, norm, lr
+
+    def _graphed_step(self, lr):
+        """step() under --cuda-graph: the update is part of the graph, so a loss or norm that is not
+        finite stops the run after it (a graph cannot skip an update the host has not seen yet)."""
+        total, norm = self.graphed.run(self.micro_batches(self.sampler, self.iteration), lr)
+        loss = total / (self.plan.micro_batches * self.grid.dp_size)
+        for what, value in (("loss", loss), ("gradient norm", norm)):
+            if not math.isfinite(value):
+                raise self.diverged(what, value)
         self.iteration += 1
         return loss, norm, lr
 
@@ -164,9 +180,10 @@ class Trainer:
     def diverged(self, what, value):
         kept = (f"the last checkpoint (iteration {self.last_saved} in {self.config.save or self.config.load}) "
                 "is untouched" if self.last_saved is not None else "no checkpoint was written")
+        stopped = ("training stopped (the CUDA graph had applied the step)" if self.graphed is not None
+                   else "training stopped before applying it")
         return TrainingDiverged(f"the {what} became {value} at iteration {self.iteration + 1}, so "
-                                f"training stopped before applying it; {kept}; lower --lr or raise "
-                                "--lr-warmup-iters")
+                                f"{stopped}; {kept}; lower --lr or raise --lr-warmup-iters")
 
     def fit(self, echo=print, exit_signal=None):
         """Train to --train-iters (or --exit-interval, or a noted exit signal): log, evaluate,

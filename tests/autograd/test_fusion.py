@@ -128,7 +128,7 @@ UFUNCS = {"add": (np.add, 2), "subtract": (np.subtract, 2), "multiply": (np.mult
           "log": (np.log, 1), "tanh": (np.tanh, 1), "sqrt": (np.sqrt, 1), "abs": (np.abs, 1),
           "maximum": (np.maximum, 2), "minimum": (np.minimum, 2), "where": (_where, 3),
           "bitwise_xor": (np.bitwise_xor, 2), "bitwise_and": (np.bitwise_and, 2), "right_shift": (np.right_shift, 2),
-          "left_shift": (np.left_shift, 2)}
+          "left_shift": (np.left_shift, 2), "isfinite": (np.isfinite, 1)}
 
 
 def _binary(name, reflected=False, inplace=False):
@@ -161,6 +161,7 @@ def strict_cupy():
     for name, (function, nin) in UFUNCS.items():
         setattr(cupy, name, strict_ufunc(function, nin))
     cupy.sum = _sum
+    cupy.float32 = np.float32
     cupy.traces = []
 
     def fuse(kernel_name=None):
@@ -283,6 +284,7 @@ def _cases(dtype=np.float64):
     columns = np.arange(SHAPE[-1])[None, :]
     bits = np.concatenate([x.astype(np.float32).reshape(-1).view(np.uint32), np.array(
         [0x7F800001, 0xFFFFFFFF, 0x7F800000, 0x7F7FFFFF, 0x3F808000, 0x3F818000, 0x80000000], np.uint32)])
+    norms_squared = np.array([4.0, 0.25, np.inf, np.nan], dtype)    # clipped, kept, not finite twice
     return {
         "fp16_round_": ((x * 1e3,), lambda: {0: (x * 1e3).astype(np.float16).astype(dtype)}),
         "bf16_round_bits_": ((bits.copy(),), lambda: {0: precision._round_bf16_(np, bits.copy().view(np.float32))
@@ -335,6 +337,10 @@ def _cases(dtype=np.float64):
         "dropout_": ((x.copy(), keep, 1 / 0.7), lambda: {0: np.where(keep, x / 0.7, 0)}),
         "dropout_softmax_backward_": ((g.copy(), y, keep, dot, 1 / 0.7, 0.5),
                                       lambda: {0: 0.5 * y * (np.where(keep, g / 0.7, 0) - dot)}),
+        "gradient_factor_on_device": ((norms_squared, 1.0, 1.0, 1.0),
+                                      lambda: np.array([optimizer.gradient_factor(math.sqrt(s), 1.0) or 1.0
+                                                        if np.isfinite(s) else 1.0 for s in norms_squared],
+                                                       np.float32)),
         "adamw_update_": ((p.copy(), g / 0.5, m.copy(), v.copy(), decayed, 0.5, 1 - lr * wd, b1, 1 - b1, b2, 1 - b2,
                            1 / math.sqrt(bias2), eps, lr / bias1),
                           lambda: {0: p_new, 2: m_new, 3: v_new}),

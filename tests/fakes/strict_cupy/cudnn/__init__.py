@@ -247,6 +247,7 @@ class pygraph:
         # backward accumulates dQ in float32 and keeps a row sum of dO * O per query
         return 0 if self.node[0] == "forward" else b * h * s_q * (d + 1) * 4
 
+    @_strict.device_work
     def execute(self, variant_pack, workspace, handle=None, **unsupported):
         if len(self.done) < len(_STEPS) or unsupported:
             raise RuntimeError("execute() before build_plans(), or with arguments the stand-in does not take")

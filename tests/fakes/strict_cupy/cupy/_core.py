@@ -47,7 +47,7 @@ class Buffer:
         self.start, self.nbytes, self.device = start, nbytes, device
         self.root = weakref.ref(root, lambda ref: _forget(start, nbytes, ref))
         self.owner = weakref.ref(owner)
-        _strict.allocated(nbytes)
+        _strict.allocated(nbytes, root)
 
 
 #: start address -> Buffer. Entries disappear when their NumPy root is freed.
@@ -286,6 +286,7 @@ view_records = {}
 
 def _binary(ufunc, reflected=False, inplace=False):
     """An arithmetic dunder through NumPy's ufunc, with CuPy's operand rules."""
+    @_strict.device_work
     def op(self, other):
         if isinstance(other, (numpy.ndarray, list, tuple)):
             refuse_host(other, "operand")
@@ -321,6 +322,7 @@ def _compare(ufunc, none_value):
 
 
 def _unary(ufunc):
+    @_strict.device_work
     def op(self):
         check_device(self)
         _strict.launch("elementwise", ufunc.__name__)
@@ -469,11 +471,13 @@ class ndarray:
     def __copy__(self):
         return self.copy()
 
+    @_strict.device_work
     def __deepcopy__(self, memo):
         _strict.launch("copy", "copy")
         return wrap(numpy.array(self._a), device=self._device)
 
     # -- indexing --
+    @_strict.device_work
     def __getitem__(self, key):
         check_device(self)
         k = index(key)
@@ -481,6 +485,7 @@ class ndarray:
             _strict.launch("elementwise", "take")
         return wrap_result(self._a[k])
 
+    @_strict.device_work
     def __setitem__(self, key, value):
         check_device(self)
         if isinstance(value, numpy.ndarray) and value.ndim == 0:
@@ -531,11 +536,13 @@ class ndarray:
         return (self // other, self % other)
 
     # -- methods with CuPy-specific rules --
+    @_strict.device_work
     def copy(self, order="C"):
         """To the current device, from any device (CuPy copies across devices)."""
         _strict.launch("copy", "copy")
         return wrap(numpy.array(self._a, order=order))
 
+    @_strict.device_work
     def astype(self, dtype, order="K", casting=None, subok=None, copy=True):
         check_device(self)
         if not copy and numpy.dtype(dtype) == self.dtype:
@@ -547,6 +554,7 @@ class ndarray:
         check_device(self)
         return wrap(self._a.view() if dtype is None else self._a.view(dtype))
 
+    @_strict.device_work
     def fill(self, value):
         check_device(self)
         if type(value) is ndarray:
@@ -563,6 +571,7 @@ class ndarray:
         _strict.launch("elementwise", "fill")
         self._a.fill(value)
 
+    @_strict.device_work
     def reshape(self, *shape, order="C"):
         check_device(self)
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
@@ -630,6 +639,7 @@ class ndarray:
         scatter(numpy.minimum, self, slices, value)
 
 
+@_strict.device_work
 def call(fn, args, kwargs, *more_arrays, allow_host=False, launches=True):
     """Run a NumPy callable on unwrapped arguments and wrap its result; `out=` writes into the
     given cupy array's buffer and returns that very array. One kernel launch is recorded when
@@ -689,6 +699,7 @@ for _name in ("transpose", "swapaxes", "flatten", "ravel", "squeeze", "take", "a
     setattr(ndarray, _name, _method(_name))
 
 
+@_strict.device_work
 def scatter(ufunc, a, slices, value):
     """cupyx.scatter_add and friends: `ufunc.at`, so repeated indices all count."""
     check_device(a)

@@ -43,6 +43,7 @@ def _only_device_arrays(obj):
     return False
 
 
+@_strict.device_work
 def _to_device(obj, dtype, copy, order, ndmin=0):
     if isinstance(obj, _fusion.Proxy):
         raise TypeError("cupy.asarray/array of a value inside cupy.fuse")
@@ -110,6 +111,7 @@ class ufunc:
     def __repr__(self):
         return f"<ufunc '{self.name}'>"
 
+    @_strict.device_work
     def __call__(self, *args, **kwargs):
         if _fusion.fusing() or _has_proxy(args, kwargs):
             return _fusion.call_ufunc(self._np, self.name, args, kwargs)
@@ -154,6 +156,7 @@ class ufunc:
     def outer(self, a, b, **kwargs):
         return self._method("outer", a, b, **kwargs)
 
+    @_strict.device_work
     def at(self, a, indices, b=None):
         """In place; repeated indices all count (numpy.ufunc.at)."""
         if type(a) is not ndarray:

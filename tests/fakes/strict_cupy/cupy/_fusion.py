@@ -361,6 +361,7 @@ class Fusion:
     def __repr__(self):
         return f"<Fusion '{self.name}'>"
 
+    @_strict.device_work
     def __call__(self, *args):
         _strict.log_event("fuse.call", name=self.name)
         if fusing() or not any(isinstance(a, ndarray) for a in args):

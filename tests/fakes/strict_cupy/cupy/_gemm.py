@@ -84,6 +84,7 @@ def _result(a, b, dtype, out):
     return out
 
 
+@_strict.device_work
 def dot(a, b, out=None):
     """cupy.dot (and matmul of at most 2-D operands) on `_routines_linalg.dot`."""
     _operands(a, b)
@@ -120,6 +121,7 @@ def dot(a, b, out=None):
     return _result(a, b, dtype, out)
 
 
+@_strict.device_work
 def matmul(a, b, out=None):
     """cupy.matmul and `@`."""
     _operands(a, b)

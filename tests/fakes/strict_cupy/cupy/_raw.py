@@ -32,6 +32,7 @@ class RawKernel:
         self.code, self.name = code, name
         self.twin = getattr(importlib.import_module(found.group(1)), found.group(2))
 
+    @_strict.device_work
     def __call__(self, grid, block, args, *, shared_mem=0, stream=None, enable_cooperative_groups=False):
         for what, dims in (("grid", grid), ("block", block)):
             if not isinstance(dims, tuple) or not 1 <= len(dims) <= 3 or \

@@ -34,9 +34,13 @@ The work the device would be asked to do (``launches()``, ``memory()``):
 """
 import collections
 import contextlib
+import ctypes
+import functools
 import os
 import sys
 import threading
+
+import numpy
 
 #: The folder holding the stand-in's `cupy` and `cupyx` packages: frames under it are "inside".
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,6 +83,9 @@ def note(kind, reason):
     record = Record(kind, reason, caller(2))
     _counts[kind] += 1
     _records.append(record)
+    if _capture is not None:
+        raise StreamCaptureError(f"host {kind} ({reason}) at {record.where} while stream {_capture.stream:#x} "
+                                 "is capturing: CUDA refuses it (cudaErrorStreamCaptureUnsupported)")
     if _forbidden[kind]:
         raise HostSyncError(f"host {kind} ({reason}) at {record.where}, inside "
                             f"cupy._strict.forbid({kind!r})")
@@ -138,9 +145,20 @@ def expect(**exact):
 # --- kernel launches and allocations -------------------------------------------------------
 
 def launch(kind, name, **fields):
-    """Record one kernel launch (or cuBLAS / NCCL call, or host-to-device copy)."""
+    """Record one kernel launch (or cuBLAS / NCCL call, or host-to-device copy); while a stream is
+    capturing, into its graph (it must be the current stream); while a graph replays, nothing."""
+    if getattr(_local, "replaying", False):
+        return
     where = caller(2)
-    _launches.append(Launch(kind, name, where, operation(sys._getframe(1)) or where.rsplit(" in ", 1)[-1], fields))
+    record = Launch(kind, name, where, operation(sys._getframe(1)) or where.rsplit(" in ", 1)[-1], fields)
+    if _capture is not None:
+        current = _capture.current_stream()
+        if current != _capture.stream:
+            raise StreamCaptureError(f"{kind} {name} at {where} runs on stream {current:#x} while stream "
+                                     f"{_capture.stream:#x} captures: it would run outside the graph")
+        _capture.launches.append(record)
+        return
+    _launches.append(record)
 
 
 def operation(frame):
@@ -158,7 +176,13 @@ def launches(kind=None):
     return [r for r in _launches if kind is None or r.kind == kind]
 
 
-def allocated(nbytes):
+def allocated(nbytes, root=None):
+    if _capture is not None and _allocator["stream_ordered"]:
+        _capture.keep.append(root)      # memory allocated in a capture belongs to the graph
+    elif _capture is not None:
+        raise StreamCaptureError(f"an allocation of {nbytes} bytes while a stream captures, from a memory pool "
+                                 "that is not stream-ordered (cudaMalloc is not capturable): use "
+                                 "cupy.cuda.set_allocator(cupy.cuda.MemoryAsyncPool().malloc)")
     _memory["allocations"] += 1
     _memory["allocated_bytes"] += nbytes
     _memory["live_bytes"] += nbytes
@@ -220,3 +244,102 @@ def set_current_device(index):
 def thread_state():
     """Per-thread mutable state (current streams, device/stream stacks, NCCL group depth)."""
     return _local
+
+
+# --- CUDA graphs: capture and replay (cupy.cuda.Stream.begin_capture / end_capture) ---------
+
+class StreamCaptureError(RuntimeError):
+    """What CUDA refuses while a stream captures: a host synchronisation, upload or read, an
+    allocation outside a stream-ordered pool, or work on another stream."""
+
+
+#: whether allocations come from a stream-ordered pool (cupy.cuda.set_allocator(MemoryAsyncPool))
+_allocator = {"stream_ordered": False}
+_capture = None
+
+
+class Capture:
+    """A capture in progress: the device work each call did (to run again at replay) and the
+    launches it made. Device memory is as it was before the capture once it ends (nothing ran)."""
+
+    def __init__(self, stream, current_stream):
+        self.stream, self.current_stream = stream, current_stream
+        self.work, self.launches, self.keep = [], [], []
+        self.snapshot = _snapshot()
+
+
+def begin_capture(stream, current_stream):
+    global _capture
+    if _capture is not None:
+        raise StreamCaptureError("a stream is capturing already")
+    _capture = Capture(stream, current_stream)
+
+
+def end_capture():
+    """The captured (work, launches, allocations kept alive); device memory as before the capture,
+    the allocations made during it unset (0xA5 bytes), as a graph that has not run yet leaves them."""
+    global _capture
+    capture, _capture = _capture, None
+    for start, (root, saved) in capture.snapshot.items():
+        if root() is not None:
+            _bytes_at(start, saved.size)[...] = saved
+    for start, entry in _live_buffers().items():
+        if start not in capture.snapshot:
+            _bytes_at(start, entry.nbytes)[...] = 0xA5
+    return capture.work, capture.launches, capture.keep
+
+
+def capturing():
+    return _capture is not None
+
+
+def replay(work):
+    """Run a graph's captured work again: each call with the arguments it had (scalars as they were,
+    arrays as they hold now), its results written into the arrays it returned at capture."""
+    _launches.append(Launch("graph", "cudaGraphLaunch", caller(2), "graph.launch", {"calls": len(work)}))
+    _local.replaying = True
+    try:
+        for fn, args, kwargs, result in work:
+            _into(result, fn(*args, **kwargs))
+    finally:
+        _local.replaying = False
+
+
+def _into(old, new):
+    if isinstance(old, (tuple, list)) and isinstance(new, (tuple, list)):
+        for o, n in zip(old, new):
+            _into(o, n)
+    elif old is not new and hasattr(old, "_a") and hasattr(new, "_a"):
+        old._a[...] = new._a
+
+
+def device_work(fn):
+    """Mark a stand-in entry point that does device work: while a stream captures, the outermost
+    such call that launched something is kept, to run again when the graph replays."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if _capture is None or getattr(_local, "in_work", False):
+            return fn(*args, **kwargs)
+        before = len(_capture.launches)
+        _local.in_work = True
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            _local.in_work = False
+        if len(_capture.launches) > before:
+            _capture.work.append((fn, args, kwargs, result))
+        return result
+    return call
+
+
+def _live_buffers():
+    from . import _core
+    return {start: entry for start, entry in _core.buffers.items() if entry.root() is not None}
+
+
+def _bytes_at(start, nbytes):
+    return numpy.frombuffer((ctypes.c_ubyte * nbytes).from_address(start), numpy.uint8)
+
+
+def _snapshot():
+    return {start: (entry.root, _bytes_at(start, entry.nbytes).copy()) for start, entry in _live_buffers().items()}

@@ -106,6 +106,14 @@ def _matrix(ptr, dtype, rows, cols, ld, stride, batch, what):
 
 def _gemm(routine, transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B, Btype, ldb, strideB,
           beta, C, Ctype, ldc, strideC, batch, compute):
+    # alpha and beta are read now, from host memory, as cuBLAS reads them (a graph keeps the values)
+    _gemm_on(routine, transa, transb, m, n, k, _scalar(alpha, compute), A, Atype, lda, strideA, B, Btype, ldb,
+             strideB, _scalar(beta, compute), C, Ctype, ldc, strideC, batch, compute)
+
+
+@_strict.device_work
+def _gemm_on(routine, transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B, Btype, ldb, strideB,
+             beta, C, Ctype, ldc, strideC, batch, compute):
     dtypes = [_dtype(Atype), _dtype(Btype), _dtype(Ctype)]
     _check_compute(compute, dtypes)
     if min(m, n, k, batch) < 0 or transa not in (0, 1) or transb not in (0, 1):
@@ -120,10 +128,9 @@ def _gemm(routine, transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B, Bt
     work = numpy.float64 if dtypes[2].name == "float64" else numpy.float32
     op_a = a.astype(work).swapaxes(1, 2) if transa else a.astype(work)
     op_b = b.astype(work).swapaxes(1, 2) if transb else b.astype(work)
-    value = _scalar(alpha, compute) * numpy.matmul(op_a, op_b)
-    scale = _scalar(beta, compute)
-    if scale:
-        value += scale * c.astype(work)
+    value = alpha * numpy.matmul(op_a, op_b)
+    if beta:
+        value += beta * c.astype(work)
     c[...] = value.astype(dtypes[2])
 
 

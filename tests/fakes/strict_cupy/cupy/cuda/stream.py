@@ -106,6 +106,23 @@ class Stream:
         _strict.note("sync", "stream.synchronize")
         finish(list(pending.get(self.ptr, ())))
 
+    def begin_capture(self, mode=None):
+        """Capture the work launched on this stream (it must be current while it runs) into a
+        graph instead of running it (cupy._strict: what capture refuses, how replay works)."""
+        if self.ptr in (0, 2):
+            raise RuntimeError("the null stream and the per-thread stream cannot capture")
+        _strict.log_event("stream.begin_capture", stream=self.ptr)
+        _strict.begin_capture(self.ptr, lambda: get_current_stream().ptr)
+
+    def end_capture(self):
+        from .graph import Graph
+        work, launches, memory = _strict.end_capture()
+        _strict.log_event("stream.end_capture", stream=self.ptr, launches=len(launches))
+        return Graph(work, launches, memory, self)
+
+    def is_capturing(self):
+        return _strict.capturing()
+
     def record(self, event=None):
         if event is None:
             event = Event()
