@@ -285,8 +285,6 @@ class TrainConfig:
             (model.fp16 or self.loss_scale is not None,
              "loss scaling skips an overflowing step, which the host decides after the graph has run; "
              "use --bf16 without --loss-scale"),
-            (model.hidden_dropout > 0 or model.attention_dropout > 0,
-             "its dropout masks are keyed by the iteration on the host; use --hidden-dropout 0 --attention-dropout 0"),
         ]
         why = next((reason for refused, reason in refusals if refused), None)
         if why:

@@ -105,7 +105,7 @@ def _timed_steps(run, batch, warmup, iters, profile, ceiling, graphed=None):
         _synchronize(xp)
         start = time.perf_counter()
         if graphed is not None:
-            graphed.run([tuple(map(to_numpy, batch))], LR)
+            graphed.run([tuple(map(to_numpy, batch))], LR, i)
             before_update = time.perf_counter()
         else:
             with op_profile() if profile and timed else contextlib.nullcontext() as ops:

@@ -39,7 +39,8 @@ def mix64(z, xp):
 
 
 def mix64_int(z):
-    """mix64 on one Python integer (keys are made on the host, never on the device)."""
+    """mix64 on one Python integer (keys are made on the host; under --cuda-graph, where the
+    iteration is on the device, by device_draw_key)."""
     z = ((z ^ (z >> 30)) * _MIX_1) & _MASK
     z = ((z ^ (z >> 27)) * _MIX_2) & _MASK
     return z ^ (z >> 31)
@@ -64,7 +65,7 @@ def uniform(key, shape, dtype, xp, block=None, lead=None):
         return _fill_compiled(key, numpy.empty((starts.size, width), dtype), starts, mantissa, out_shape)
     bits = xp.asarray(starts)[:, None] + xp.arange(width, dtype=xp.uint64)[None, :]
     bits *= xp.uint64(_GOLDEN)
-    bits += xp.uint64(key)
+    bits += xp.uint64(key) if isinstance(key, int) else key
     mix64(bits, xp)
     bits >>= xp.uint64(64 - mantissa)
     numbers = bits.astype(dtype).reshape(out_shape)
@@ -90,7 +91,7 @@ def keep_mask(key, shape, dtype, p, xp, block=None, lead=None, device_rows=None)
         # number >= p  <=>  top bits >= ceil(p * 2**mantissa): the numbers are those integers
         # times 2**-mantissa exactly, and p as the numbers' dtype times a power of 2 is exact
         threshold = max(0, math.ceil(float(dtype.type(p)) * 2.0 ** mantissa))
-        keep = hashed_keep(rows, columns, numpy.uint64(key), *_HASH_CONSTANTS,
+        keep = hashed_keep(rows, columns, numpy.uint64(key) if isinstance(key, int) else key, *_HASH_CONSTANTS,
                            numpy.uint64(64 - mantissa), numpy.uint64(threshold))
         return keep.reshape(out_shape)
     return uniform(key, shape, dtype, xp, block, lead) >= p
@@ -114,6 +115,31 @@ def hashed_keep(xp, row_starts, columns, key, golden, mix_1, mix_2, shift_1, shi
         z *= multiplier
     xp.bitwise_xor(z, xp.right_shift(z, shift_3), out=z)
     return xp.right_shift(z, drop_bits) >= threshold
+
+
+@fused
+def device_draw_key(xp, iteration, key, golden, mix_1, mix_2, shift_1, shift_2, shift_3, micro_batch_word,
+                    site_word):
+    """draw_key(key, iteration, micro_batch, site) with the iteration read from device memory (a
+    0-d uint64 array: --cuda-graph replays a step whose iteration only the device knows), the
+    micro-batch's and the site's words, (n + 1) * golden, computed on the host. Integer arithmetic
+    wraps as on the host, so the key is draw_key's bit for bit."""
+    z = iteration + 1
+    z *= golden
+    z += key
+    for word in (micro_batch_word, site_word, None):
+        for shift, multiplier in ((shift_1, mix_1), (shift_2, mix_2)):
+            xp.bitwise_xor(z, xp.right_shift(z, shift), out=z)
+            z *= multiplier
+        xp.bitwise_xor(z, xp.right_shift(z, shift_3), out=z)
+        if word is not None:
+            z += word
+    return z
+
+
+def _word(n):
+    """(n + 1) * golden as draw_key adds it, a uint64 kernel argument."""
+    return numpy.uint64(((n + 1) * _GOLDEN) & _MASK)
 
 
 #: device row starts and column indices kept per (shape, block, lead): blockwise attention's
@@ -205,8 +231,12 @@ class DropoutSite:
         backward (blockwise attention) holds it, so its masks stay the forward's even if the
         tracker has moved on."""
         t = self.tracker
-        return FrozenDraw(draw_key(t.keys[self.stream], t.iteration, t.micro_batch, self.site), t.xp,
-                          t.device_rows)
+        if t.device_iteration is not None:      # --cuda-graph: the iteration is on the device
+            key = device_draw_key(t.device_iteration, numpy.uint64(t.keys[self.stream]), *_HASH_CONSTANTS,
+                                  _word(t.micro_batch), _word(self.site))
+        else:
+            key = draw_key(t.keys[self.stream], t.iteration, t.micro_batch, self.site)
+        return FrozenDraw(key, t.xp, t.device_rows)
 
 
 class FrozenDraw:
@@ -230,8 +260,22 @@ class RNGTracker:
     def __init__(self, seed, tp_rank, xp):
         self.xp, self.iteration, self.micro_batch = xp, 0, 0
         self.device_rows = {}           # keep_mask's device row starts and columns, by draw shape
+        self.device_iteration = None    # the iteration in device memory (iteration_on_device)
         mp_seed = seed + MODEL_PARALLEL_SEED_OFFSET + tp_rank
         self.keys = {DEFAULT: draw_key(0, seed), MODEL_PARALLEL: draw_key(0, mp_seed)}
+
+    def iteration_on_device(self):
+        """Key the draws by a copy of the iteration in device memory from now on (--cuda-graph: a
+        captured step reads it there, so its replays draw each iteration's masks); set_iteration
+        writes it."""
+        if self.device_iteration is None:
+            self.device_iteration = self.xp.zeros((), numpy.uint64)
+
+    def set_iteration(self, iteration):
+        """The iteration draws are keyed by, also written to device memory where it is kept there."""
+        self.iteration = iteration
+        if self.device_iteration is not None:
+            self.device_iteration.set(numpy.asarray(iteration, numpy.uint64))
 
     def site(self, stream, site):
         return DropoutSite(self, stream, site)

@@ -7,10 +7,11 @@ A graph replays the same kernels with the same arguments on the same memory, so 
 launches may depend on the host: the batch is copied into the graph's own input arrays, the
 optimizer's scalars (learning rate, bias corrections) into a device array it reads (AdamW.load_step),
 the clipping factor is computed on the device from the squared norm, allocations inside the step
-come from the stream-ordered pool (cupy.cuda.MemoryAsyncPool: a capture may allocate), and token ids
-are checked on the host before their upload. Per step the host then copies the batch, writes the
-scalars, launches the graph and reads the loss and the norm together (the step's one
-synchronisation). What a graph cannot hold is refused by TrainConfig (config.py)."""
+come from the stream-ordered pool (cupy.cuda.MemoryAsyncPool: a capture may allocate), dropout's
+keys are made on the device from the iteration written there (random.device_draw_key), and token
+ids are checked on the host before their upload. Per step the host then copies the batch, writes
+the scalars and the iteration, launches the graph and reads the loss and the norm together (the
+step's one synchronisation). What a graph cannot hold is refused by TrainConfig (config.py)."""
 import math
 
 import numpy
@@ -35,17 +36,20 @@ class GraphedStep:
         xp = run.model.xp
         xp.cuda.set_allocator(xp.cuda.MemoryAsyncPool().malloc)
         self.parts, self.config, self.xp = run, config, xp
+        run.model.rng.iteration_on_device()             # dropout's masks keyed by the iteration there
         self.stream = xp.cuda.Stream(non_blocking=True)
         self.inputs = None                              # [(ids, targets)] on the device: the graph's inputs
         self.result = xp.zeros(2, numpy.float64)        # (summed loss, squared gradient norm): its output
         self.graph, self.steps = None, 0
 
-    def run(self, batches, lr, loss_scale=1.0):
-        """(summed loss, gradient norm) of one step on `batches` (host arrays), the update applied at
-        learning rate lr. The first steps run eagerly; the one after them is captured, then run."""
+    def run(self, batches, lr, iteration, loss_scale=1.0):
+        """(summed loss, gradient norm) of step `iteration` on `batches` (host arrays), the update
+        applied at learning rate lr. The first steps run eagerly; the one after them is captured,
+        then run."""
         with self.stream:
             self._load(batches)
             self.parts.optimizer.load_step(lr)
+            self.parts.model.rng.set_iteration(iteration)
             if self.graph is None and self.steps >= self.config.cuda_graph_warmup_steps:
                 self.graph = self._capture(loss_scale)
             if self.graph is not None:

@@ -136,7 +136,7 @@ class Trainer:
     def _graphed_step(self, lr):
         """step() under --cuda-graph: the update is part of the graph, so a loss or norm that is not
         finite stops the run after it (a graph cannot skip an update the host has not seen yet)."""
-        total, norm = self.graphed.run(self.micro_batches(self.sampler, self.iteration), lr)
+        total, norm = self.graphed.run(self.micro_batches(self.sampler, self.iteration), lr, self.iteration)
         loss = total / (self.plan.micro_batches * self.grid.dp_size)
         for what, value in (("loss", loss), ("gradient norm", norm)):
             if not math.isfinite(value):

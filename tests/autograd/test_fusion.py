@@ -334,6 +334,10 @@ def _cases(dtype=np.float64):
                          np.uint64(0xFEDCBA9876543210), *dropout_random._HASH_CONSTANTS, np.uint64(64 - 53),
                          np.uint64(math.ceil(0.3 * 2.0 ** 53))),
                         lambda: dropout_random.uniform(0xFEDCBA9876543210, (6, 5), np.float64, np) >= 0.3),
+        "device_draw_key": ((np.array([0, 7, 2 ** 40], np.uint64), np.uint64(0xFEDCBA9876543210),
+                             *dropout_random._HASH_CONSTANTS, dropout_random._word(3), dropout_random._word(5)),
+                            lambda: np.array([dropout_random.draw_key(0xFEDCBA9876543210, i, 3, 5)
+                                              for i in (0, 7, 2 ** 40)], np.uint64)),
         "dropout_": ((x.copy(), keep, 1 / 0.7), lambda: {0: np.where(keep, x / 0.7, 0)}),
         "dropout_softmax_backward_": ((g.copy(), y, keep, dot, 1 / 0.7, 0.5),
                                       lambda: {0: 0.5 * y * (np.where(keep, g / 0.7, 0) - dot)}),
