@@ -180,7 +180,11 @@ class NCCLBackend:
         return stream
 
     def clock(self):
-        """An EventClock: the time of a call on its stream (the host only enqueues it)."""
+        """An EventClock: the time of a call on its stream (the host only enqueues it). None while
+        the compute stream captures a CUDA graph: an event recorded in a capture marks an order,
+        not a time, and cannot be queried then; the host's clock times the enqueueing instead."""
+        if self.cuda.get_current_stream().is_capturing():
+            return None
         return EventClock(self.cuda)
 
     def _begin(self, group, clock=None):

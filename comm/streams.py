@@ -12,8 +12,9 @@ class StreamRequest:
 
     def test(self):
         """True once the transfer finished (a query, not a wait): a send's buffer can then be
-        freed (pipeline sends)."""
-        if not self.event.done:
+        freed (pipeline sends). False, without asking, while the compute stream captures a CUDA
+        graph: an event recorded in a capture cannot be queried."""
+        if self.cuda.get_current_stream().is_capturing() or not self.event.done:
             return False
         self.keep = None
         return True

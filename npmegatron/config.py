@@ -277,11 +277,7 @@ class TrainConfig:
             (model.device != "gpu", f"it captures GPU work, but the device is {model.device}; add --device gpu"),
             (parallel.pipeline_model_parallel_size > 1,
              "pipeline parallelism's schedule waits on messages between stages; use --pp 1"),
-            (parallel.tensor_model_parallel_size > 1,
-             "this version captures one rank's step (no collectives inside the graph); use --tp 1 and one rank"),
             (parallel.variable_seq_lengths, "--variable-seq-lengths exchanges shapes on the host; drop it"),
-            (parallel.use_distributed_optimizer,
-             "the distributed optimizer gathers over data-parallel ranks, which this version does not capture; drop it"),
             (model.fp16 or self.loss_scale is not None,
              "loss scaling skips an overflowing step, which the host decides after the graph has run; "
              "use --bf16 without --loss-scale"),

@@ -5,9 +5,11 @@ again with the scalars they had and the arrays as they hold now: a replayed step
 eager step, and from the host's view a step is one graph launch (and the uploads of its batch and
 scalars), with one synchronisation."""
 import collections
+import json
 
 import numpy
 import pytest
+from fakes.strict_cupy import strict_cupy_env
 
 from npmegatron.autograd import InputError
 from npmegatron.training import TrainConfig
@@ -80,6 +82,15 @@ def test_capture_refuses_what_cuda_refuses(cp):
             x + 1                                            # on the null stream while `stream` captures
         with stream:
             stream.end_capture()
+        # a stream forked from the capture must be joined back before it ends
+        other = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            stream.begin_capture()
+            other.wait_event(stream.record())
+        with other:
+            x * 3
+        with pytest.raises(cp._strict.StreamCaptureError, match="Unjoined"):
+            stream.end_capture()
         # captured work runs only when launched, on the arrays' values then
         with stream:
             stream.begin_capture()
@@ -95,13 +106,33 @@ def test_capture_refuses_what_cuda_refuses(cp):
         cp.cuda.set_allocator(None)
 
 
+@pytest.mark.parametrize("options", [
+    {"tensor_model_parallel_size": 2, "sequence_parallel": True, "hidden_dropout": 0.1, "attention_dropout": 0.1},
+    pytest.param({}, marks=pytest.mark.slow),
+    pytest.param({"use_distributed_optimizer": True, "bf16": True}, marks=pytest.mark.slow),
+], ids=["tp2-sp-dropout", "dp2", "dp2-distributed-optimizer-bf16"])
+def test_collectives_are_captured_across_ranks(mpirun, options):
+    """Two ranks, a GPU each, so NCCL: tensor parallelism's all-reduces and reduce-scatters, the
+    data-parallel buckets' all-reduces on their own stream (forked from the capturing stream and
+    joined back) and the distributed optimizer's gathers replay with the graph, bitwise the eager
+    steps (tests/ranks/cuda_graph_training.py)."""
+    result = mpirun(2, "ranks/cuda_graph_training.py", args=[json.dumps(options)], timeout=300,
+                    env=strict_cupy_env(devices=2))
+    record = json.loads(result.stdout.strip().splitlines()[-1])
+    assert record["replayed_launches"] == [{"graph": 1}] * 4, record
+
+
+def test_ranks_sharing_a_gpu_are_refused(mpirun):
+    result = mpirun(2, "ranks/cuda_graph_training.py", args=[json.dumps({"expect_refusal": True})], timeout=300,
+                    env=strict_cupy_env(devices=1))
+    assert "give each rank a GPU of its own" in json.loads(result.stdout.strip().splitlines()[-1])["refused"]
+
+
 @pytest.mark.parametrize("options, why", [
     ({"device": "cpu"}, "the device is cpu"),
     ({"fp16": True, "loss_scale": 128.0}, "loss scaling"),
     ({"bf16": True, "loss_scale": 128.0}, "loss scaling"),
     ({"pipeline_model_parallel_size": 2}, "use --pp 1"),
-    ({"tensor_model_parallel_size": 2}, "one rank's step"),
-    ({"use_distributed_optimizer": True}, "distributed optimizer"),
 ])
 def test_what_a_graph_cannot_hold_is_refused_in_one_sentence(options, why):
     with pytest.raises(InputError, match=f"--cuda-graph cannot be used here: .*{why}"):

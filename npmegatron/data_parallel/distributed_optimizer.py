@@ -106,6 +106,10 @@ class DistributedAdamW(AdamW):
         super().step(lr)
         self.buckets.gather_parameters()
 
+    def step_on_device(self, grad_scale):
+        super().step_on_device(grad_scale)
+        self.buckets.gather_parameters()
+
     def norm_groups(self, grid):
         """This rank's blocks: the rest of each bucket is on the other DP ranks."""
         return [grid.dp_group, grid.mp_group]

@@ -17,6 +17,7 @@ import math
 import numpy
 
 from ..autograd import InputError
+from ..comm.backends import backend_for
 from ..autograd.backend import to_numpy
 from ..autograd.ops.nn import check_ids, ids_checked_on_host
 from ..optim.adamw import gradient_factor_on_device
@@ -30,10 +31,10 @@ class GraphedStep:
 
     def __init__(self, run, config):
         """run: what run.assemble built (a Trainer has the same attributes); config: its TrainConfig."""
-        if run.grid.world_size > 1:
-            raise InputError(f"--cuda-graph captures one rank's step, but this run has {run.grid.world_size} "
-                             "ranks; run it on one rank")
         xp = run.model.xp
+        if run.grid.world_size > 1 and backend_for(xp.zeros(1)).name != "nccl":
+            raise InputError("--cuda-graph captures collectives through NCCL, but these ranks share GPUs, so "
+                             "theirs go through MPI in host memory; give each rank a GPU of its own")
         xp.cuda.set_allocator(xp.cuda.MemoryAsyncPool().malloc)
         self.parts, self.config, self.xp = run, config, xp
         run.model.rng.iteration_on_device()             # dropout's masks keyed by the iteration there
@@ -64,9 +65,13 @@ class GraphedStep:
         self.stream.begin_capture()
         try:
             self._body(loss_scale)
-        finally:
-            graph = self.stream.end_capture()
-        return graph
+        except BaseException:
+            try:
+                self.stream.end_capture()   # leave capture mode; the body's error is the one to report
+            except Exception:
+                pass
+            raise
+        return self.stream.end_capture()
 
     def _load(self, batches):
         """Check the batch on the host and copy it into the graph's input arrays."""

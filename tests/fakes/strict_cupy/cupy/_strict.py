@@ -152,11 +152,14 @@ def launch(kind, name, **fields):
     where = caller(2)
     record = Launch(kind, name, where, operation(sys._getframe(1)) or where.rsplit(" in ", 1)[-1], fields)
     if _capture is not None:
-        current = _capture.current_stream()
-        if current != _capture.stream:
-            raise StreamCaptureError(f"{kind} {name} at {where} runs on stream {current:#x} while stream "
-                                     f"{_capture.stream:#x} captures: it would run outside the graph")
+        stream = fields["stream"] if fields.get("stream") is not None else _capture.current_stream()
+        if stream not in _capture.members:
+            raise StreamCaptureError(f"{kind} {name} at {where} runs on stream {stream:#x} while stream "
+                                     f"{_capture.stream:#x} captures, and that stream has not joined the "
+                                     "capture (by waiting on an event recorded in it): it would run outside "
+                                     "the graph")
         _capture.launches.append(record)
+        _capture.last_work[stream] = len(_capture.launches)
         return
     _launches.append(record)
 
@@ -265,7 +268,24 @@ class Capture:
     def __init__(self, stream, current_stream):
         self.stream, self.current_stream = stream, current_stream
         self.work, self.launches, self.keep = [], [], []
+        self.members = {stream}     # the capturing stream and those that joined it (fork)
+        self.last_work = {}         # stream -> launches captured when its last work was
+        self.joined = {}            # stream -> launches captured when the capturing stream last
+                                    # waited on an event recorded on it (join)
         self.snapshot = _snapshot()
+
+    def waited(self, stream, event_stream, recorded_at):
+        """`stream` waited on an event recorded on `event_stream` when `recorded_at` launches were
+        captured (None: before the capture): a fork brings `stream` into the capture, a wait of
+        the capturing stream joins `event_stream` back."""
+        if recorded_at is None or event_stream not in self.members:
+            return
+        self.members.add(stream)
+        if stream == self.stream:
+            self.joined[event_stream] = max(self.joined.get(event_stream, 0), recorded_at)
+
+    def unjoined(self):
+        return [s for s in self.members - {self.stream} if self.last_work.get(s, 0) > self.joined.get(s, 0)]
 
 
 def begin_capture(stream, current_stream):
@@ -280,6 +300,13 @@ def end_capture():
     the allocations made during it unset (0xA5 bytes), as a graph that has not run yet leaves them."""
     global _capture
     capture, _capture = _capture, None
+    unjoined = capture.unjoined()
+    if unjoined:
+        last = [capture.launches[capture.last_work[s] - 1] for s in unjoined]
+        raise StreamCaptureError(f"streams {[hex(s) for s in unjoined]} did work in the capture that the "
+                                 f"capturing stream {capture.stream:#x} never waited for, the last of it "
+                                 f"{[f'{r.kind} {r.name} at {r.where}' for r in last]} "
+                                 "(cudaErrorStreamCaptureUnjoined)")
     for start, (root, saved) in capture.snapshot.items():
         if root() is not None:
             _bytes_at(start, saved.size)[...] = saved
@@ -291,6 +318,16 @@ def end_capture():
 
 def capturing():
     return _capture is not None
+
+
+def capture_position():
+    """How many launches the capture in progress holds, or None: what an event recorded now marks."""
+    return None if _capture is None else len(_capture.launches)
+
+
+def stream_waited(stream, event_stream, recorded_at):
+    if _capture is not None:
+        _capture.waited(stream, event_stream, recorded_at)
 
 
 def replay(work):

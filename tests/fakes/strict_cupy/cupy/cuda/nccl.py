@@ -325,6 +325,9 @@ class NcclCommunicator:
         (`buf`: the buffer a send/recv moves, which the group posts itself)."""
         self._check_alive()
         queue = _group_queue()
+        if _strict.capturing() and (queue is not None or name in ("send", "recv")):
+            raise _strict.StreamCaptureError(f"nccl {name} {'inside a group call ' if queue is not None else ''}while "
+                                             "a stream captures: the stand-in captures collectives only")
         _strict.log_event(f"nccl.{name}", comm=self._label, rank=self._rank,
                           grouped=queue is not None, **fields)
         _strict.launch("nccl", name, stream=fields.get("stream"))
@@ -337,6 +340,7 @@ class NcclCommunicator:
             run()
 
     # -- collectives --
+    @_strict.device_work
     def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):
         dt = _datatype(datatype)
         send = self._buffer(sendbuf, count, dt, "sendbuf")
@@ -347,6 +351,7 @@ class NcclCommunicator:
                      count=count, dtype=_name(dt), op=how, stream=self._stream(stream),
                      sendbuf=send.ptr, recvbuf=recv.ptr)
 
+    @_strict.device_work
     def reduceScatter(self, sendbuf, recvbuf, recvcount, datatype, op, stream):
         dt = _datatype(datatype)
         send = self._buffer(sendbuf, _integer(recvcount, "recvcount") * self._size, dt, "sendbuf")
@@ -357,6 +362,7 @@ class NcclCommunicator:
                      count=recvcount, dtype=_name(dt), op=how, stream=self._stream(stream),
                      sendbuf=send.ptr, recvbuf=recv.ptr)
 
+    @_strict.device_work
     def allGather(self, sendbuf, recvbuf, count, datatype, stream):
         dt = _datatype(datatype)
         send = self._buffer(sendbuf, count, dt, "sendbuf")
@@ -366,6 +372,7 @@ class NcclCommunicator:
                      count=count, dtype=_name(dt), stream=self._stream(stream),
                      sendbuf=send.ptr, recvbuf=recv.ptr)
 
+    @_strict.device_work
     def bcast(self, buff, count, datatype, root, stream):
         dt = _datatype(datatype)
         buf = self._buffer(buff, count, dt, "buff")
@@ -373,6 +380,7 @@ class NcclCommunicator:
         self._submit("bcast", lambda: self._bcast(buf, root), count=count, dtype=_name(dt),
                      root=root, stream=self._stream(stream), buff=buf.ptr)
 
+    @_strict.device_work
     def broadcast(self, sendbuff, recvbuff, count, datatype, root, stream):
         dt = _datatype(datatype)
         root = self._peer(root, "root")
@@ -386,6 +394,7 @@ class NcclCommunicator:
         self._submit("broadcast", run, count=count, dtype=_name(dt), root=root,
                      stream=self._stream(stream), recvbuff=recv.ptr)
 
+    @_strict.device_work
     def reduce(self, sendbuf, recvbuf, count, datatype, op, root, stream):
         dt = _datatype(datatype)
         root = self._peer(root, "root")

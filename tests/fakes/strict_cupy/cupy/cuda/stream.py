@@ -134,6 +134,7 @@ class Stream:
             raise TypeError(f"wait_event needs a cupy.cuda.Event, got {type(event).__name__}")
         _strict.log_event("stream.wait_event", stream=self.ptr, event=event.ptr,
                           recorded_on=event.recorded_on)
+        _strict.stream_waited(self.ptr, event.recorded_on, event.recorded_in_capture)
         finish(event.after)     # array ops run now, so what they wait for must be done now
 
 
@@ -152,11 +153,13 @@ class Event:
         self.ptr = next(_next_ptr)
         self.block, self.disable_timing = bool(block), bool(disable_timing)
         self.recorded_on = None
+        self.recorded_in_capture = None
         self.after = []         # the transfers started on its stream before it was recorded
         _strict.log_event("event.create", event=self.ptr, disable_timing=self.disable_timing)
 
     def _recorded(self, stream):
         self.recorded_on = stream.ptr
+        self.recorded_in_capture = _strict.capture_position()     # None outside a capture
         self.after = list(pending.get(stream.ptr, ()))
         _strict.log_event("event.record", event=self.ptr, stream=stream.ptr)
 
