@@ -59,7 +59,8 @@ class ParallelAttention(Module):
         qkv = qkv.reshape(b, t, heads, 3, d)
         # Blockwise: the (t, t) probabilities are never kept. The dropout position is frozen
         # now, because backward draws the masks again.
-        scale, p, site = 1.0 / math.sqrt(d), self.cfg.attention_dropout, self.probs_dropout.frozen()
+        scale, p = 1.0 / math.sqrt(d), self.cfg.attention_dropout
+        site = self.probs_dropout.frozen() if self.training and p > 0 else None
         if cache is None:          # training: q, k, v stay packed, and so does their gradient
             y = ag.causal_attention_packed(qkv, scale, p, site, self.training)
         else:                      # generation: attend to every earlier position, computed once

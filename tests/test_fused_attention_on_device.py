@@ -179,3 +179,21 @@ def test_the_stand_in_refuses_steps_out_of_order_a_missing_operand_a_short_buffe
         graph.execute({**pack, o: out[:, :1].data.ptr + out.nbytes // 2 + 8}, 0, handle=handle)
     graph.execute(pack, 0, handle=handle)
     numpy.testing.assert_allclose(cp.asnumpy(out), 1.0)
+
+
+def test_a_layout_cudnn_does_not_support_falls_back_to_the_blockwise_path(cp, monkeypatch):
+    """cuDNN's support check refusing the backward graph (no engine for it on this GPU) is found
+    before anything runs, in forward, and that layout then takes the blockwise path."""
+    import cudnn
+
+    def refuse_backward(graph):
+        if graph.node[0] == "backward":
+            raise cudnn.cudnnGraphNotSupportedError("no engine for this backward")
+    monkeypatch.setattr(cudnn.pygraph, "check_support", refuse_backward)
+    monkeypatch.setattr(fused_attention, "unsupported", set())
+    qkv, g = inputs()
+    out, grad, _ = attention(cp, "always", qkv, g, monkeypatch)
+    reference, reference_grad, _ = attention(cp, "never", qkv, g, monkeypatch)
+    assert out.grad_fn.name == "PackedCausalAttention" and len(fused_attention.unsupported) == 1
+    numpy.testing.assert_array_equal(cp.asnumpy(out.data), cp.asnumpy(reference.data))
+    numpy.testing.assert_array_equal(cp.asnumpy(grad), cp.asnumpy(reference_grad))

@@ -16,6 +16,7 @@ from ..gemm import matmul
 from ..tensor import Tensor
 from ..threads import cpu_threads
 from .dropouts import keep_mask
+from . import fused_attention
 from .fused_attention import FusedCausalAttention, attention_path
 from .nn import _causal_bias, exp_shifted_, softmax_backward
 
@@ -341,7 +342,11 @@ def causal_attention_packed(qkv, scale, dropout_p, dropout_site, training=True, 
         raise InputError(f"attention block size {block_size} must be a positive number of query rows")
     p = dropout_p if training else 0.0
     xp = get_array_module(qkv.data if isinstance(qkv, Tensor) else qkv)
-    if block_size is None and attention_path(xp, p, qkv.shape[4], precision.kept_in_16_bit())[0] == "fused":
-        return FusedCausalAttention.apply(qkv, scale=scale)
+    if (block_size is None and attention_path(xp, p, qkv.shape[4], precision.kept_in_16_bit())[0] == "fused"
+            and (qkv.shape, qkv.dtype.name) not in fused_attention.unsupported):
+        try:
+            return FusedCausalAttention.apply(qkv, scale=scale)
+        except fused_attention.Unsupported:
+            pass                # cuDNN has no engine for this layout here: the blockwise path
     return PackedCausalAttention.apply(qkv, scale=scale, p=p, generator=dropout_site if p > 0 else None,
                                        block_size=block_size)

@@ -55,10 +55,12 @@ def attention_path(xp, dropout_p, head_dim, sixteen_bit):
         return "blockwise", "the CPU's path" if xp is numpy else "fused attention turned off"
     if library(xp) is None:
         return "blockwise", "nvidia-cudnn-frontend and cuDNN are not installed or do not load (the gpu extra has them)"
-    if FUSED_ATTENTION == "always":
-        return "fused", "cuDNN flash attention"
     if dropout_p > 0:
         return "blockwise", "attention dropout > 0 (the fused path has no stateless masks)"
+    if FUSED_ATTENTION == "always":
+        return "fused", "cuDNN flash attention"
+    if int(xp.cuda.Device().compute_capability) < 80:
+        return "blockwise", "cuDNN's flash attention needs compute capability 8.0 (Ampere) or later"
     if sixteen_bit is None:
         return "blockwise", "cuDNN's flash attention is 16-bit only: run with --bf16 or --fp16 (CuPy >= 14 for bf16)"
     if head_dim % 8 or head_dim > MAX_HEAD_DIM:
@@ -115,16 +117,34 @@ def _build(cudnn, xp, backward, operands, scale):
     return graph, tuple(inputs) + tuple(outputs), graph.get_workspace_size()
 
 
+class Unsupported(RuntimeError):
+    """cuDNN has no engine for this attention (its support check said so): the blockwise path runs."""
+
+
+#: (qkv shape, dtype) whose graphs cuDNN does not support: the blockwise path runs for them.
+unsupported = set()
+
+
+def _graph(backward, operands, scale):
+    """The built graph (and its tensors, workspace bytes) for operands laid out as these arrays."""
+    xp = get_array_module(operands[0])
+    key = (backward, float(scale), xp.cuda.Device().id, id(xp),
+           tuple((a.shape, a.strides, a.dtype.name) for a in operands))
+    if key not in _graphs:
+        cudnn = library(xp)
+        try:
+            _graphs[key] = _build(cudnn, xp, backward, operands, scale)
+        except cudnn.cudnnGraphNotSupportedError as error:
+            raise Unsupported(str(error)) from None
+    return _graphs[key]
+
+
 def run_graph(backward, operands, scale):
     """Build (once per layout) and execute the forward or backward graph on these operands: the
     inputs, then the arrays cuDNN writes, on the current stream; one kernel launch."""
     xp = get_array_module(operands[0])
     cudnn = library(xp)
-    key = (backward, float(scale), xp.cuda.Device().id, id(xp),
-           tuple((a.shape, a.strides, a.dtype.name) for a in operands))
-    if key not in _graphs:
-        _graphs[key] = _build(cudnn, xp, backward, operands, scale)
-    graph, tensors, workspace_bytes = _graphs[key]
+    graph, tensors, workspace_bytes = _graph(backward, operands, scale)
     workspace = xp.empty(max(workspace_bytes, 1), xp.uint8)
     handle = _handle(cudnn, xp)
     cudnn.set_stream(handle=handle, stream=xp.cuda.get_current_stream().ptr)
@@ -154,7 +174,14 @@ class FusedCausalAttention(Function):
         b, t, h, _, d = operands.shape
         out = xp.empty((b, t, h, d), operands.dtype)
         stats = xp.empty((b, h, t, 1), _stats_dtype(operands.dtype))
-        run_graph(False, _split(operands) + (out.transpose(0, 2, 1, 3), stats), scale)
+        try:
+            # backward's graph too, before anything runs: its output gradient is laid out as the
+            # output, its gradients as the operands (a layout cuDNN refuses falls back whole)
+            _graph(True, _split(operands) + (out.transpose(0, 2, 1, 3),) * 2 + (stats,) + _split(operands), scale)
+            run_graph(False, _split(operands) + (out.transpose(0, 2, 1, 3), stats), scale)
+        except Unsupported:
+            unsupported.add((qkv.shape, qkv.dtype.name))
+            raise
         ctx.scale = scale
         ctx.save_for_backward(operands, out, stats)
         return out.transpose(0, 2, 1, 3)

@@ -172,12 +172,13 @@ def device_name(xp):
     return name.decode() if isinstance(name, bytes) else str(name)
 
 
-def peak_bytes(xp):
+def peak_bytes(xp, graphed=None):
     """Peak memory of this process's arrays: on a GPU the bytes CuPy's memory pool holds (it keeps
-    what was freed, so after a run that is its peak); on the CPU the resident set's peak."""
+    what was freed, so after a run that is its peak), and under --cuda-graph the stream-ordered
+    pool's too; on the CPU the resident set's peak."""
     if xp is numpy:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return xp.get_default_memory_pool().total_bytes()
+    return xp.get_default_memory_pool().total_bytes() + (0 if graphed is None else graphed.pool.total_bytes())
 
 
 def _bench_step(cfg, batch, seq, warmup, iters, threads, profile, cuda_graph):
@@ -212,7 +213,7 @@ def _bench_step(cfg, batch, seq, warmup, iters, threads, profile, cuda_graph):
         "steps_s": times, "gemm_rounds_s": rounds, "ratios": ratios,
         "device_name": name, "precision": precision, "tokens_per_s": batch * seq / step_s,
         "peak_flops_per_s": peak, "mfu": None if peak is None else flops / step_s / peak,
-        "peak_bytes": peak_bytes(xp), "attention": _attention(cfg, xp), "cuda_graph": cuda_graph,
+        "peak_bytes": peak_bytes(xp, graphed), "attention": _attention(cfg, xp), "cuda_graph": cuda_graph,
     }
     if profile:
         kinds = {kind: seconds / iters for kind, seconds in op_kinds(table).items()}

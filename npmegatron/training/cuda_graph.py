@@ -12,6 +12,7 @@ keys are made on the device from the iteration written there (random.device_draw
 ids are checked on the host before their upload. Per step the host then copies the batch, writes
 the scalars and the iteration, launches the graph and reads the loss and the norm together (the
 step's one synchronisation). What a graph cannot hold is refused by TrainConfig (config.py)."""
+import gc
 import math
 
 import numpy
@@ -35,7 +36,8 @@ class GraphedStep:
         if run.grid.world_size > 1 and backend_for(xp.zeros(1)).name != "nccl":
             raise InputError("--cuda-graph captures collectives through NCCL, but these ranks share GPUs, so "
                              "theirs go through MPI in host memory; give each rank a GPU of its own")
-        xp.cuda.set_allocator(xp.cuda.MemoryAsyncPool().malloc)
+        self.pool = xp.cuda.MemoryAsyncPool()
+        xp.cuda.set_allocator(self.pool.malloc)
         self.parts, self.config, self.xp = run, config, xp
         run.model.rng.iteration_on_device()             # dropout's masks keyed by the iteration there
         self.stream = xp.cuda.Stream(non_blocking=True)
@@ -48,6 +50,9 @@ class GraphedStep:
         applied at learning rate lr. The first steps run eagerly; the one after them is captured,
         then run."""
         with self.stream:
+            # the step runs after what the default stream was given (initialisation, a loaded
+            # checkpoint, an evaluation): the graph's stream does not wait for it by itself
+            self.stream.wait_event(self.xp.cuda.Stream.null.record())
             self._load(batches)
             self.parts.optimizer.load_step(lr)
             self.parts.model.rng.set_iteration(iteration)
@@ -62,6 +67,10 @@ class GraphedStep:
         return loss_total, math.sqrt(norm_squared) / loss_scale
 
     def _capture(self, loss_scale):
+        # a collection inside the capture would free earlier steps' garbage there, which CUDA
+        # refuses for memory allocated outside the capture
+        gc.collect()
+        gc.disable()
         self.stream.begin_capture()
         try:
             self._body(loss_scale)
@@ -71,6 +80,8 @@ class GraphedStep:
             except Exception:
                 pass
             raise
+        finally:
+            gc.enable()
         return self.stream.end_capture()
 
     def _load(self, batches):

@@ -254,7 +254,8 @@ class pygraph:
         handle = handle or self.handle
         if not isinstance(handle, Handle) or handle.device != _strict.current_device():
             raise RuntimeError("execute needs the cudnn.Handle of the current device")
-        if handle.stream != cupy.cuda.get_current_stream().ptr:
+        # (a replay runs where the graph was captured, whatever the handle was set to since)
+        if not _strict.replaying() and handle.stream != cupy.cuda.get_current_stream().ptr:
             raise RuntimeError(f"the handle's stream ({handle.stream:#x}) is not the current stream "
                                f"({cupy.cuda.get_current_stream().ptr:#x}): call cudnn.set_stream first")
         kind, inputs, outputs, scale, causal = self.node

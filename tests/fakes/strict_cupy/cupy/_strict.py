@@ -320,6 +320,10 @@ def capturing():
     return _capture is not None
 
 
+def replaying():
+    return getattr(_local, "replaying", False)
+
+
 def capture_position():
     """How many launches the capture in progress holds, or None: what an event recorded now marks."""
     return None if _capture is None else len(_capture.launches)
