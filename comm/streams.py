@@ -14,7 +14,7 @@ class StreamRequest:
         """True once the transfer finished (a query, not a wait): a send's buffer can then be
         freed (pipeline sends). False, without asking, while the compute stream captures a CUDA
         graph: an event recorded in a capture cannot be queried."""
-        if self.cuda.get_current_stream().is_capturing() or not self.event.done:
+        if (self.cuda is not None and self.cuda.get_current_stream().is_capturing()) or not self.event.done:
             return False
         self.keep = None
         return True

@@ -106,10 +106,10 @@ def test_capture_refuses_what_cuda_refuses(cp):
         cp.cuda.set_allocator(None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", [
     {"tensor_model_parallel_size": 2, "sequence_parallel": True, "hidden_dropout": 0.1, "attention_dropout": 0.1},
-    pytest.param({}, marks=pytest.mark.slow),
-    pytest.param({"use_distributed_optimizer": True, "bf16": True}, marks=pytest.mark.slow),
+    {}, {"use_distributed_optimizer": True, "bf16": True},
 ], ids=["tp2-sp-dropout", "dp2", "dp2-distributed-optimizer-bf16"])
 def test_collectives_are_captured_across_ranks(mpirun, options):
     """Two ranks, a GPU each, so NCCL: tensor parallelism's all-reduces and reduce-scatters, the
@@ -122,6 +122,7 @@ def test_collectives_are_captured_across_ranks(mpirun, options):
     assert record["replayed_launches"] == [{"graph": 1}] * 4, record
 
 
+@pytest.mark.slow
 def test_ranks_sharing_a_gpu_are_refused(mpirun):
     result = mpirun(2, "ranks/cuda_graph_training.py", args=[json.dumps({"expect_refusal": True})], timeout=300,
                     env=strict_cupy_env(devices=1))

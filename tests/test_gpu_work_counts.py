@@ -217,7 +217,8 @@ def test_fused_attention_is_at_most_three_launches_per_layer():
         assert core["by_kind"].get("cudnn") == 2 and not core["gemms"], (flag, core)
 
 
-@pytest.mark.parametrize("flags", [("--blockwise-attention",), ()], ids=["blockwise", "fused"])
+@pytest.mark.parametrize("flags", [pytest.param(("--blockwise-attention",), marks=pytest.mark.slow), ()],
+                         ids=["blockwise", "fused"])
 def test_under_16_bit_storage_the_linears_run_16_bit_tensor_cores(flags):
     """--bf16 / --fp16: every Linear's GEMM (the layers' 2-D products and the output layer) takes
     16-bit operands (the 16-bit weights and the 16-bit copy of its input or output gradient; the
