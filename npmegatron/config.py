@@ -48,11 +48,13 @@ class GPTConfig:
     vocab_size: int = option(256, "Vocabulary size.", minimum=1)
     max_position_embeddings: int = option(256, "Length of the learned position table (train: default "
                                                "--seq-length).", minimum=1)
-    ffn_hidden_size: Optional[int] = None  # None: 4 * hidden_size, as GPT-2
+    ffn_hidden_size: Optional[int] = option(None, "The MLP's inner size (default: 4 x --hidden-size, as GPT-2).",
+                                            minimum=1)
     hidden_dropout: float = option(0.1, "Dropout on embeddings and residual branches.")
     attention_dropout: float = option(0.1, "Dropout on attention probabilities.")
     layernorm_epsilon: float = 1e-5
-    init_method_std: float = 0.02          # paper §4.2
+    init_method_std: float = option(0.02, "Standard deviation of the weights' normal initialisation "
+                                          "(paper §4.2; output layers' divided by sqrt(2 x layers)).", minimum=0)
     gelu: str = "tanh"                     # GPT-2's approximation; 'none' for exact erf
     sequence_parallel: bool = option(False, "LayerNorm and dropout on sequence shards.")
     recompute_granularity: Optional[str] = option(
@@ -188,7 +190,20 @@ class TrainConfig:
     lr: float = option(2e-3, "Peak learning rate.")
     min_lr: float = option(1e-4, "Final learning rate.", minimum=0)
     lr_warmup_iters: int = option(100, "Linear warmup steps.", minimum=0)
-    lr_decay_style: str = option("cosine", "Decay after warmup.", choices=("cosine", "linear", "constant"))
+    lr_warmup_fraction: Optional[float] = option(None, "Warmup as a fraction of --lr-decay-iters, in place of "
+                                                       "--lr-warmup-iters.", minimum=0)
+    lr_decay_iters: Optional[int] = option(None, "Steps over which the learning rate decays to --min-lr "
+                                                 "(default: --train-iters).", minimum=1)
+    lr_decay_style: str = option("cosine", "Decay after warmup; WSD: warmup, stable, then decay over "
+                                           "--lr-wsd-decay-iters.",
+                                 choices=("cosine", "linear", "constant", "inverse-square-root", "WSD"))
+    lr_wsd_decay_iters: Optional[int] = option(None, "WSD: the decaying steps at the end of --lr-decay-iters.",
+                                               minimum=1)
+    lr_wsd_decay_style: str = option("linear", "WSD: the shape of its decay.",
+                                     choices=("linear", "cosine", "exponential", "minus_sqrt"))
+    adam_beta1: float = option(0.9, "AdamW's first-moment decay.", minimum=0)
+    adam_beta2: float = option(0.999, "AdamW's second-moment decay.", minimum=0)
+    adam_eps: float = option(1e-8, "AdamW's epsilon.", minimum=0)
     weight_decay: float = option(0.01, "AdamW decay (not on biases and LayerNorm).", minimum=0)
     clip_grad: float = option(1.0, "Global gradient-norm clip (0: off).", minimum=0)
     log_interval: int = option(50, "Steps per log line.", minimum=1)
@@ -204,11 +219,22 @@ class TrainConfig:
     save: Optional[str] = option(None, "Checkpoint folder to write (locked while the run lasts).")
     overwrite: bool = option(False, "Replace another run's checkpoints in --save (by default that is refused).")
     exit_signal_handler: bool = option(False, "On SIGTERM, finish the iteration, save (with --save) and exit 0.")
-    load: Optional[str] = option(None, "Checkpoint folder to resume from (saved at any layout: it is resharded).")
+    load: Optional[str] = option(None, "Checkpoint folder to resume from (saved at any layout: it is resharded); "
+                                       "a folder with no checkpoint yet starts the run from scratch.")
     use_checkpoint_args: bool = option(False, "Take the model's shape (layers, sizes, heads, positions, "
                                               "--seq-length) from the --load checkpoint.")
+    no_load_optim: bool = option(False, "With --load: the weights and the iteration, but fresh AdamW moments "
+                                        "(and loss scale).")
+    no_load_rng: bool = option(False, "With --load: do not restore the dropout position (masks are keyed by "
+                                      "--seed and the iteration, so it is set again each step).")
+    finetune: bool = option(False, "With --load: start from the checkpoint's weights only, at iteration 0, "
+                                   "with a fresh optimizer and data position (fine-tuning, continued "
+                                   "pre-training).")
     save_interval: Optional[int] = option(None, "Steps between checkpoints (default: at the end).",
                                           minimum=1)
+    exit_duration_in_mins: Optional[float] = option(None, "Save (with --save) and stop after the iteration "
+                                                          "that ends past this many minutes of training "
+                                                          "(a scheduler's time limit).", minimum=0)
     exit_interval: Optional[int] = option(None, "Save (with --save) and stop when the iteration is a "
                                                 "multiple of this.", minimum=1)
     sample_tokens: int = option(200, "Tokens to generate at the end (0: none).", minimum=0)
@@ -253,6 +279,7 @@ class TrainConfig:
             raise InputError("--use-checkpoint-args reads the model's arguments from the checkpoint "
                              "--load names, but no --load was given; add --load DIR")
         self._check_split()
+        self._check_schedule()
         self._check_cuda_graph()
         log_folder = os.path.dirname(os.path.abspath(self.log_file or "."))
         if self.log_file and (not os.path.isdir(log_folder) or os.path.isdir(self.log_file)):
@@ -266,6 +293,36 @@ class TrainConfig:
         if self.data_path is None:
             raise InputError(f"--split {self.split} divides --data-path datasets, but the run uses the "
                              "embedded corpus; pass --data-path or drop --split")
+
+    def _check_schedule(self):
+        """The learning-rate schedule's flags, which only make sense together."""
+        if self.lr_warmup_fraction is not None and self.lr_warmup_iters != field_default(TrainConfig, "lr_warmup_iters"):
+            raise InputError("--lr-warmup-fraction and --lr-warmup-iters both set the warmup; give one of them")
+        if self.lr_warmup_fraction is not None and self.lr_warmup_fraction > 1:
+            raise InputError(f"--lr-warmup-fraction is {self.lr_warmup_fraction}; it is a fraction of "
+                             "--lr-decay-iters, between 0 and 1")
+        if (self.lr_decay_style == "WSD") != (self.lr_wsd_decay_iters is not None):
+            raise InputError("--lr-decay-style WSD needs --lr-wsd-decay-iters (its decaying steps), and "
+                             "--lr-wsd-decay-iters needs --lr-decay-style WSD; give both or neither")
+        if self.lr_wsd_decay_iters is not None and self.lr_wsd_decay_iters > self.decay_iters:
+            raise InputError(f"--lr-wsd-decay-iters {self.lr_wsd_decay_iters} is longer than the decay "
+                             f"({self.decay_iters} steps); shorten it")
+        if (self.finetune or self.no_load_optim or self.no_load_rng) and not self.load:
+            flag = "--finetune" if self.finetune else "--no-load-optim" if self.no_load_optim else "--no-load-rng"
+            raise InputError(f"{flag} says what to take from the checkpoint --load names, but no --load was "
+                             "given; add --load DIR")
+
+    @property
+    def decay_iters(self):
+        """The steps the learning rate decays over: --lr-decay-iters, else --train-iters."""
+        return self.lr_decay_iters or self.train_iters
+
+    @property
+    def warmup_iters(self):
+        """--lr-warmup-iters, or --lr-warmup-fraction of the decay's steps (Megatron's rule)."""
+        if self.lr_warmup_fraction is not None:
+            return int(self.lr_warmup_fraction * self.decay_iters)
+        return self.lr_warmup_iters
 
     def _check_cuda_graph(self):
         """--cuda-graph replays one captured step: refused, in one sentence, where a step is not the

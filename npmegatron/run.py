@@ -63,12 +63,14 @@ def build_model(cfg, grid, layout=None):
 def build_optimizer(model, params, grid, config):
     """(gradient buckets, optimizer): AdamW over DP all-reduced buckets, or with
     --use-distributed-optimizer each DP rank's share of AdamW over reduce-scattered buckets."""
-    bucket_size, lr, decay = config.parallel.ddp_bucket_size, config.lr, config.weight_decay
+    bucket_size = config.parallel.ddp_bucket_size
     storage = config.model.storage_format     # --fp16/--bf16: float32 master weights
+    settings = {"lr": config.lr, "betas": (config.adam_beta1, config.adam_beta2), "eps": config.adam_eps,
+                "weight_decay": config.weight_decay, "storage": storage}
     if not config.parallel.use_distributed_optimizer:
         buckets = GradientBuckets(params, grid.dp_group, bucket_size, storage=storage)
-        return buckets, AdamW(params, lr=lr, weight_decay=decay, storage=storage, layout=buckets.layout)
+        return buckets, AdamW(params, layout=buckets.layout, **settings)
     tied = getattr(model, "tied", None)
     buckets = ShardedGradientBuckets(params, grid.dp_group, bucket_size, alone=[tied.weight] if tied else [],
                                      storage=storage)
-    return buckets, DistributedAdamW(buckets, lr=lr, weight_decay=decay, storage=storage)
+    return buckets, DistributedAdamW(buckets, **settings)

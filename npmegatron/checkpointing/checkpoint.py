@@ -190,6 +190,16 @@ def _agree_or_clean(error, partial, world):
         raise
 
 
+def holds_checkpoint(root):
+    """Whether folder `root` holds anything of a checkpoint: a `latest` pointer, a manifest or an
+    iteration folder. An empty or missing folder does not (a first run's --load: start from scratch);
+    a damaged checkpoint does, so that loading it says what is wrong."""
+    if not os.path.isdir(root):
+        return False
+    return (os.path.exists(os.path.join(root, "latest")) or os.path.exists(os.path.join(root, "manifest.json"))
+            or any(ITERATION_FOLDER.fullmatch(name.removesuffix(".old")) for name in os.listdir(root)))
+
+
 def find(root):
     """The folder of the checkpoint `root` names: root/latest's target, or root itself."""
     if not os.path.isdir(root):
@@ -287,10 +297,12 @@ def same_layout(manifest, grid, pipeline_layout):
             and (pipeline_layout is None or saved_layout is None or saved_layout == pipeline_layout))
 
 
-def load(root, model, optimizer, grid, pipeline_layout=None):
-    """Collective: restore parameters, AdamW state (unless optimizer is None) and the dropout
-    position from a checkpoint saved at any layout; returns the manifest. Rank 0 checks every
-    shard's size and checksum; each rank then reads only the pieces of the shards it needs."""
+def load(root, model, optimizer, grid, pipeline_layout=None, optimizer_state=True, rng=True):
+    """Collective: restore parameters, AdamW state (unless optimizer is None, or optimizer_state
+    is False: then the optimizer takes the weights alone, its moments fresh) and the dropout
+    position (unless rng is False) from a checkpoint saved at any layout; returns the manifest.
+    Rank 0 checks every shard's size and checksum; each rank then reads only the pieces of the
+    shards it needs."""
     world = grid.world
     folder = manifest = tensors = error = None
     try:
@@ -304,7 +316,8 @@ def load(root, model, optimizer, grid, pipeline_layout=None):
     try:
         saved = reshard.saved_places(manifest, model, grid, same_layout(manifest, grid, pipeline_layout))
         manifests.check_places_fit(saved, model, manifest, os.path.join(folder, "manifest.json"))
-        tensors = reshard.read_parameters(folder, saved, model, ("model",) + (MOMENTS if optimizer else ()))
+        tensors = reshard.read_parameters(folder, saved, model,
+                                          ("model",) + (MOMENTS if optimizer and optimizer_state else ()))
     except InputError as e:
         error = str(e)
     raise_if_any(error, world)
@@ -313,10 +326,12 @@ def load(root, model, optimizer, grid, pipeline_layout=None):
         param.data[...] = param.xp.asarray(tensors[f"model.{name}"])
         if optimizer is None:     # else the optimizer keeps these as float32 masters, then rounds
             precision.round_(param.data, model.cfg.storage_format)
-    if optimizer is not None:     # the weights at full precision: the masters under --fp16/--bf16
-        optimizer.load_state_dict({"hyperparameters": manifest["optimizer"],
-                                   "weights": [tensors[f"model.{name}"] for name in names],
+    weights = [tensors[f"model.{name}"] for name in names]
+    if optimizer is not None and optimizer_state:   # the weights at full precision: the masters under --fp16/--bf16
+        optimizer.load_state_dict({"hyperparameters": manifest["optimizer"], "weights": weights,
                                    **{kind: [tensors[f"{kind}.{name}"] for name in names] for kind in MOMENTS}})
-    # The dropout generator is a position (iteration, micro-batch), the same on every rank.
-    model.rng.set_states(manifest["ranks"][0]["rng"])
+    elif optimizer is not None:
+        optimizer.load_weights(weights)
+    if rng:     # the dropout generator is a position (iteration, micro-batch), the same on every rank
+        model.rng.set_states(manifest["ranks"][0]["rng"])
     return manifest

@@ -136,6 +136,13 @@ class AdamW:
         if self.master is not None:
             self._masters_from_loaded_weights(state.get("weights"))
 
+    def load_weights(self, weights):
+        """Take loaded weights (full precision, one array a parameter, already in the parameters)
+        without the rest of a checkpoint's optimizer state: under --fp16/--bf16 they become the
+        masters and the parameters their rounding; the moments and the step count stay fresh."""
+        if self.master is not None:
+            self._masters_from_loaded_weights(weights)
+
     def _masters_from_loaded_weights(self, weights=None):
         """The loaded weights (or, without them, the parameters, holding them at full precision)
         become the master weights, and the parameters their 16-bit rounding. A GPU's 16-bit
@@ -245,16 +252,37 @@ def publish_rounded(param, master, storage):
     precision.round_(param, storage)
 
 
-def learning_rate(step, lr, min_lr, warmup_iters, decay_iters, style="cosine"):
-    """Linear warmup to lr, then decay to min_lr by decay_iters ('cosine', 'linear', 'constant')."""
+def learning_rate(step, lr, min_lr, warmup_iters, decay_iters, style="cosine", wsd_decay_iters=None,
+                  wsd_style="linear"):
+    """Linear warmup to lr, then decay to min_lr by decay_iters, as Megatron's
+    OptimizerParamScheduler: 'cosine', 'linear', 'constant', 'inverse-square-root' (lr x
+    sqrt(warmup / step), not below min_lr), or 'WSD' (warmup, stable at lr, then the last
+    wsd_decay_iters steps before decay_iters decay in `wsd_style`: 'linear', 'cosine',
+    'exponential' or 'minus_sqrt'). After decay_iters: min_lr (constant: lr)."""
     if warmup_iters and step < warmup_iters:
         return lr * (step + 1) / warmup_iters
-    if style == "constant" or decay_iters <= warmup_iters:
+    if style == "constant":
         return lr
+    if style == "inverse-square-root":
+        return max(min_lr, lr * math.sqrt(max(warmup_iters, 1)) / math.sqrt(max(step, 1)))
+    if decay_iters <= warmup_iters:
+        return lr
+    if style == "WSD":
+        start = decay_iters - wsd_decay_iters
+        progress = min(1.0, max(0, step - start) / wsd_decay_iters)
+        coefficient = {"linear": 1.0 - progress, "cosine": 0.5 * (1 + math.cos(math.pi * progress)),
+                       "exponential": 2.0 * 0.5 ** progress - 1.0, "minus_sqrt": 1.0 - math.sqrt(progress)}[wsd_style]
+        return min_lr + coefficient * (lr - min_lr)
     progress = min(1.0, (step - warmup_iters) / (decay_iters - warmup_iters))
     if style == "linear":
         return lr - (lr - min_lr) * progress
     return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def scheduled_learning_rate(config, step):
+    """The learning rate of applied optimizer step `step` (from 0) under a TrainConfig's schedule."""
+    return learning_rate(step, config.lr, config.min_lr, config.warmup_iters, config.decay_iters,
+                         config.lr_decay_style, config.lr_wsd_decay_iters, config.lr_wsd_decay_style)
 
 
 def grad_norm_squared(params, group=None, skip=()):

@@ -26,11 +26,16 @@ class TrainingLog:
                         leave=False, disable=not (echo and sys.stderr.isatty()))
         self.window, self.window_start = [], time.perf_counter()
         self.say(header(trainer))
-        if config.load:
+        if trainer.starts_fresh:
+            self.say(f"--load {config.load} holds no checkpoint yet: training starts from scratch (run again "
+                     "with the same --load to resume)")
+        elif config.load and config.finetune:
+            self.say(f"started from the weights of {config.load} (--finetune: fresh optimizer, iteration 0)")
+        elif config.load:
             self.say(f"resumed from {config.load} at iteration {trainer.iteration}")
-        if config.train_iters < config.lr_warmup_iters:
-            self.say(f"warning: --train-iters {config.train_iters} is less than --lr-warmup-iters "
-                     f"{config.lr_warmup_iters}, so the whole run is warm-up and never reaches --lr {config.lr}")
+        if config.train_iters <= config.warmup_iters:
+            self.say(f"warning: --train-iters {config.train_iters} is not more than the {config.warmup_iters} "
+                     f"warm-up steps, so the whole run is warm-up and never trains at --lr {config.lr}")
 
     def say(self, text):
         if self.echo:

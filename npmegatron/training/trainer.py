@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import time
 import uuid
 
 import numpy
@@ -22,7 +23,7 @@ from ..checkpointing.save_folder import SaveFolder
 from ..config import TrainConfig
 from ..data import TrainingData
 from ..generation import generate
-from ..optim.adamw import learning_rate
+from ..optim.adamw import scheduled_learning_rate
 from ..optim.loss_scale import build_loss_scale
 from ..perf.fit import refuse_unless_fits, run_shape
 from ..pipeline import run_schedule
@@ -42,7 +43,13 @@ class Trainer:
     """One training run on this rank: built from a TrainConfig, run by fit()."""
 
     def __init__(self, config: TrainConfig, timers=NO_TIMERS):
-        if config.use_checkpoint_args:
+        # --load of a folder with no checkpoint yet: this is the first run of a job that resumes
+        # from the same folder when requeued (Megatron's behaviour); fit() says so
+        self.starts_fresh = bool(config.load) and not checkpoint.holds_checkpoint(config.load)
+        if self.starts_fresh and config.finetune:
+            raise InputError(f"--finetune starts from the weights in --load {config.load}, but it holds no "
+                             "checkpoint; pass the folder of the checkpoint to fine-tune")
+        if config.use_checkpoint_args and not self.starts_fresh:
             config = config.with_checkpoint_args(checkpoint.read_manifest(config.load)[1])
         self.config, self.timers = config, timers     # timers.py: off unless a Timers is passed
         self.data = TrainingData(config.data_path, config.split)
@@ -58,7 +65,7 @@ class Trainer:
         self.loss_scale = build_loss_scale(config)  # --fp16 (loss_scale.py), else None
         self.iteration, self.last_saved, self.last_saved_in, self.skipped = 0, None, None, 0
         self.run_id = uuid.uuid4().hex      # rank 0's is the one recorded; a resumed run keeps its own
-        if config.load:
+        if config.load and not self.starts_fresh:
             self._resume()
         self.save_folder = None
         if config.save:
@@ -69,12 +76,17 @@ class Trainer:
         self.graphed = GraphedStep(self, config) if config.cuda_graph else None     # --cuda-graph (cuda_graph.py)
 
     def _resume(self):
-        manifest = checkpoint.load(self.config.load, self.model, self.optimizer, self.grid, self.plan.layout)
+        config = self.config
+        manifest = checkpoint.load(config.load, self.model, self.optimizer, self.grid, self.plan.layout,
+                                   optimizer_state=not (config.no_load_optim or config.finetune),
+                                   rng=not (config.no_load_rng or config.finetune))
+        if config.finetune:         # the weights only: iteration 0, the data from its start, a new run
+            return
         self.iteration = self.last_saved = manifest["iteration"]
         self.last_saved_in = self.config.load
         self.run_id = manifest.get("run_id", self.run_id)
         self.skipped = manifest.get("skipped_iterations", 0)
-        if self.loss_scale is not None and manifest.get("loss_scale"):
+        if self.loss_scale is not None and manifest.get("loss_scale") and not config.no_load_optim:
             self.loss_scale.load_state_dict(manifest["loss_scale"])
         saved_batch = manifest.get("data", {}).get("global_batch_size")
         if saved_batch is not None and saved_batch != self.plan.global_batch:   # None: converted weights
@@ -114,8 +126,7 @@ class Trainer:
         skipped and counted (Megatron's rule), otherwise training stops. As in Megatron, the
         learning-rate schedule counts applied steps only."""
         config = self.config
-        lr = learning_rate(self.iteration - self.skipped, config.lr, config.min_lr, config.lr_warmup_iters,
-                           config.train_iters, config.lr_decay_style)
+        lr = scheduled_learning_rate(config, self.iteration - self.skipped)
         if self.graphed is not None:
             return self._graphed_step(lr)
         loss, norm = self.train_step()
@@ -191,6 +202,7 @@ class Trainer:
         rank); only rank 0 prints."""
         config, losses = self.config, []
         log = TrainingLog(self, echo if self.grid.rank == 0 else None)
+        self.started = time.monotonic()         # --exit-duration-in-mins counts from here
         try:
             with setup_objects_frozen():
                 self._iterate(losses, log, exit_signal)
@@ -222,20 +234,33 @@ class Trainer:
         return {"loss_scale": self.loss_scale.scale, "skipped_iterations": self.skipped}
 
     def _save_or_stop(self, log, exit_signal):
-        """Save when due; True when the run stops here (--exit-interval, or an exit signal)."""
+        """Save when due; True when the run stops here (--exit-interval, --exit-duration-in-mins, or
+        an exit signal)."""
         config, done = self.config, self.iteration
         stop = bool(config.exit_interval) and done % config.exit_interval == 0
+        late = config.exit_duration_in_mins is not None and self._past_duration()
         signalled = exit_signal is not None and exit_signal.received(self.grid.world)
-        if config.save and (done == config.train_iters or stop or signalled or
+        if config.save and (done == config.train_iters or stop or late or signalled or
                             (config.save_interval and done % config.save_interval == 0)):
             self.save()
         if stop:
             log.say(f"exiting at iteration {done} (--exit-interval {config.exit_interval})")
+        elif late:
+            saved = f"saved in {config.save}" if config.save else "nothing saved (no --save)"
+            log.say(f"exiting at iteration {done}: {config.exit_duration_in_mins:g} minutes of training are "
+                    f"over (--exit-duration-in-mins); {saved}")
+            return True
         elif signalled:
             saved = (f"checkpoint saved in {os.path.join(config.save, f'iter_{done:07d}')}"
                      if config.save else "nothing saved (no --save)")
             log.say(f"{exit_signal.name} received: stopped after iteration {done}; {saved}")
         return stop or signalled
+
+    def _past_duration(self):
+        """Collective: whether any rank has trained longer than --exit-duration-in-mins, so that
+        every rank stops after the same iteration."""
+        over = time.monotonic() - self.started > 60.0 * self.config.exit_duration_in_mins
+        return bool(to_numpy(comm.all_reduce(numpy.array([int(over)]), self.grid.world, "max"))[0])
 
     def sample(self):
         """Text generated from the first 32 validation tokens (over the pipeline stages when PP > 1)."""

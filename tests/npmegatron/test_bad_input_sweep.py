@@ -79,7 +79,8 @@ CASES = [
      "--split '0,50,50' leaves nothing to train on", 1),
     ("preprocess-jsonl-deeply-nested", 0, PREPROCESS + ["{d}/deep.jsonl", "--output", "{d}/out"],
      "{d}/deep.jsonl line 1 is not JSON (", 1),
-    ("train-load-missing", 0, TRAIN + ["--load", "{d}/nothing"], "--load {d}/nothing: no such checkpoint folder", 1),
+    ("train-finetune-missing", 0, TRAIN + ["--load", "{d}/nothing", "--finetune"],
+     "--finetune starts from the weights in --load {d}/nothing, but it holds no checkpoint", 1),
     ("train-load-corrupt", 0, TRAIN + ["--load", "{d}/corrupt"], "mp_rank_00_000.safetensors fails its SHA-256 check", 1),
     ("train-load-latest-outside", 0, TRAIN + ["--load", "{d}/outside"],
      "{d}/outside/latest names '../ck/iter_0000002', not a checkpoint of this folder", 1),
@@ -253,5 +254,5 @@ def test_a_run_all_in_warm_up_is_accepted_with_one_warning(d):
     result = run(2, TRAIN + ["--tp", "2", "--lr-warmup-iters", "5"])
     output = (result.stdout + result.stderr).decode()
     assert result.returncode == 0, output
-    assert output.count("warning: --train-iters 2 is less than --lr-warmup-iters 5, so the whole run is "
-                        "warm-up and never reaches --lr 0.002") == 1, output
+    assert output.count("warning: --train-iters 2 is not more than the 5 warm-up steps, so the whole run is "
+                        "warm-up and never trains at --lr 0.002") == 1, output

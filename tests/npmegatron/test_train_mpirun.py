@@ -72,7 +72,8 @@ def saved(tmp_path_factory):
     (["--data-path", "{d}/missing"], "--data-path {d}/missing: {d}/missing.bin and {d}/missing.json not found"),
     (["--data-path", "{d}/empty"], "--data-path {d}/empty: {d}/empty.bin is empty"),
     (["--global-batch-size", "6"], "--global-batch-size 6 is not divisible by micro-batch x DP = 4 x 1 = 4"),
-    (["--load", "{d}/nothing"], "--load {d}/nothing: no such checkpoint folder"),
+    (["--load", "{d}/nothing", "--finetune"], "--finetune starts from the weights in --load {d}/nothing, but it "
+                                              "holds no checkpoint"),
     (["--load", "{d}/corrupt"], "checkpoint shard {d}/corrupt/iter_0000002/mp_rank_01_000.safetensors "
                                 "fails its SHA-256 check"),
     (["--load", "{d}/ck", "--hidden-size", "64"], "holds a model with --hidden-size 32, but this run "
