@@ -34,6 +34,7 @@ setup(
         "safetensors>=0.4",     # checkpoints (never pickle)
         "matplotlib>=3.5",      # bench scaling's plots (Agg backend)
         "numba>=0.59",          # the dropout hash on the CPU: 24x NumPy's uint64 passes (measured)
+        "pyyaml>=6.0",          # --config files in YAML (TOML and JSON need nothing)
     ],
     extras_require={
         "mpi": ["mpich"],               # MPI itself from PyPI; leave out on clusters with a system MPI

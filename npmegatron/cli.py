@@ -7,7 +7,8 @@ import sys
 import click
 
 from .autograd import InputError
-from .cli_support import Group, config_options, relaunch_under_mpiexec, user_errors
+from . import config_file
+from .cli_support import Group, config_options, relaunch_under_mpiexec, user_errors, with_config_file
 from .config import MODEL_PRESETS, TRAIN_MODEL_DEFAULTS, GPTConfig, ParallelConfig, TrainConfig
 
 POSITIVE = click.IntRange(min=1)
@@ -25,12 +26,20 @@ def main():
 @config_options(GPTConfig, skip={"vocab_size"}, defaults=TRAIN_MODEL_DEFAULTS)
 @config_options(ParallelConfig)
 @config_options(TrainConfig)
+@click.option("--config", "config_path", default=None, help="A YAML, TOML or JSON file of these flags, their "
+              "names as keys (sections allowed); flags on the command line override it.")
+@click.option("--print-config", is_flag=True, help="Print the resolved configuration (as --config reads it, "
+              "and as each checkpoint's config.yaml holds it) and exit.")
 @user_errors
-def train(**options):
+def train(config_path, print_config, **options):
     """Train GPT-2 on the embedded corpus (the standard library's .py files, byte-level) or on
     --data-path. Under mpirun -n N: TP x PP ranks per replica, N / (TP x PP) data-parallel replicas."""
+    config = TrainConfig.from_flat(**with_config_file(config_path, options))
+    if print_config:
+        click.echo(config_file.dump(config), nl=False)
+        return
     from .training import train as run_training
-    run_training(TrainConfig.from_flat(**options), echo=click.echo)
+    run_training(config, echo=click.echo)
 
 
 @main.command()

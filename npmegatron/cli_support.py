@@ -10,7 +10,7 @@ from dataclasses import fields
 
 import click
 
-from . import comm
+from . import comm, config_file
 from .autograd import InputError
 from .config import field_default
 from .perf.fit import out_of_memory
@@ -36,6 +36,27 @@ def click_option(spec, default):
     choice = click.Choice(meta["choices"]) if meta["choices"] else kind
     return click.option(flag, *meta["aliases"], spec.name, type=choice, default=default,
                         show_default=shown, help=meta["help"])
+
+
+def with_config_file(path, options):
+    """`options` (a command's, by field name) with a --config file's values (config_file.read) where
+    the flag was not given on the command line, each converted as its flag's value would be."""
+    if path is None:
+        return options
+    ctx = click.get_current_context()
+    params = {p.name: p for p in ctx.command.params}
+    merged = dict(options)
+    for name, value in config_file.read(path).items():
+        if name not in options:
+            raise InputError(f"--config {path}: '{name.replace('_', '-')}' is not a flag of `{ctx.command.name}`; "
+                             f"see `npmegatron {ctx.command.name} --help` for their names")
+        if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
+            continue            # the command line overrides the file
+        try:
+            merged[name] = None if value is None else params[name].type_cast_value(ctx, value)
+        except click.BadParameter as e:
+            raise InputError(f"--config {path}: '{name.replace('_', '-')}' is {value!r}, {e.message}") from None
+    return merged
 
 
 def user_errors(command):

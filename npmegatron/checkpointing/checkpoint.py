@@ -85,7 +85,8 @@ def _state_tensors(model, state):
 
 def save(root, iteration, model, optimizer, grid, extra, files=None):
     """Collective over the world. `extra` (JSON-able) goes into the manifest as is: run id,
-    training arguments, data position, tokenizer. `files` ({name: path}) are copied in beside it.
+    training arguments, data position, tokenizer. `files` ({name: path, or bytes}) are written in
+    beside it.
     On any failure (a full disk among them) the partial folder is removed, `latest` still names
     the previous checkpoint, and every rank raises the same InputError."""
     world = grid.world
@@ -163,8 +164,12 @@ def _os_error(e, root, iteration, needed):
 def _publish(root, partial, final, manifest, files, iteration, needed):
     """Rank 0: the manifest, then the rename into place, then `latest`. None, or one sentence."""
     try:
-        for name, source in files.items():
-            shutil.copyfile(source, os.path.join(partial, name))
+        for name, source in files.items():       # a path to copy, or the bytes themselves
+            if isinstance(source, bytes):
+                with open(os.path.join(partial, name), "wb") as f:
+                    f.write(source)
+            else:
+                shutil.copyfile(source, os.path.join(partial, name))
         _write_synced(os.path.join(partial, "manifest.json"), json.dumps(manifest, indent=1).encode())
         _sync_dir(partial)
         if os.path.exists(final):     # saving the same iteration again: keep the old one until

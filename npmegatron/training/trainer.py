@@ -15,7 +15,7 @@ import uuid
 
 import numpy
 
-from .. import comm
+from .. import comm, config_file
 from ..autograd import InputError
 from ..autograd.backend import to_numpy
 from ..checkpointing import checkpoint
@@ -173,7 +173,9 @@ class Trainer:
                  "skipped_iterations": self.skipped,
                  "loss_scale": self.loss_scale.state_dict() if self.loss_scale else None,
                  "tokenizer": self.data.tokenizer.spec, "args": dataclasses.asdict(config)}
-        files = {"tokenizer.json": self.data.tokenizer_file} if self.data.tokenizer_file else {}
+        files = {"config.yaml": config_file.dump(config).encode()}     # the run as --config reads it
+        if self.data.tokenizer_file:
+            files["tokenizer.json"] = self.data.tokenizer_file
         folder = checkpoint.save(config.save, self.iteration, self.model, self.optimizer, self.grid,
                                  extra, files)
         self.save_folder.saved(folder)
