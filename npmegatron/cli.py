@@ -43,6 +43,26 @@ def train(config_path, print_config, **options):
 
 
 @main.command()
+@config_options(TrainConfig, only={"load", "data_path", "split", "eval_iters", "micro_batch_size",
+                                   "global_batch_size"},
+                defaults={"eval_iters": None, "micro_batch_size": None})
+@config_options(ParallelConfig, only={"tensor_model_parallel_size", "pipeline_model_parallel_size"})
+@config_options(GPTConfig, only={"device"})
+@user_errors
+def evaluate(**options):
+    """A checkpoint's validation and test loss and perplexity, per token and per byte, without
+    training, at any layout (mpirun -n TP x PP x DP). By default on the data, held-out parts and
+    batches of the run that saved it, so the validation loss is the one its last evaluation
+    printed; the test part is --split's third. The last line is the result as JSON."""
+    from . import comm
+    from .training.evaluate import evaluate_checkpoint, evaluation_config, format_scores
+    result = evaluate_checkpoint(evaluation_config(**options))
+    if comm.launch_rank() == 0:
+        click.echo(format_scores(result))
+        click.echo(json.dumps(result))
+
+
+@main.command()
 @click.argument("inputs", nargs=-1)
 @click.option("--input", "input_files", multiple=True, help="Megatron's spelling of INPUTS (repeatable): "
               "a .jsonl file, one JSON object per line, or text files and folders.")

@@ -281,6 +281,7 @@ class TrainingData:
     `split` is Megatron's --split; without it the last documents (about 5 %) are held out."""
 
     def __init__(self, data_path=None, split=None):
+        self.test = None        # --split's third part, when it has one (npmegatron evaluate reads it)
         if data_path is None:
             self.train, self.valid = load_default_corpus()
             self.tokenizer, self.tokenizer_file = ByteTokenizer(), None
@@ -291,13 +292,15 @@ class TrainingData:
         datasets = [open_dataset(prefix) for _, prefix in blend]
         _same_tokenizer(datasets)
         proportions = parse_split(split) if split else None
-        parts = [d.split_documents(proportions)[:2] if proportions else d.split() for d in datasets]
+        parts = [d.split_documents(proportions) if proportions else d.split() + (None,) for d in datasets]
         if len(datasets) == 1:
-            (self.train, self.valid), self.description = parts[0], datasets[0].prefix
+            (self.train, self.valid, self.test), self.description = parts[0], datasets[0].prefix
         else:
             weights, names = [w for w, _ in blend], [d.prefix for d in datasets]
             self.train = Blend([p[0] for p in parts], weights, names)
             self.valid = Blend([p[1] for p in parts], weights, names)
+            if proportions and proportions[2] > 0:
+                self.test = Blend([p[2] for p in parts], weights, names)
             self.description = "blend " + " + ".join(f"{w:.3g} x {n}" for w, n in zip(weights, names))
         if split:
             self.description += f" (--split {split})"
@@ -314,7 +317,13 @@ class TrainingData:
         return self.train
 
     def sampler(self, split, seq_length, seed):
-        """The sampler of split 'train' or 'valid' (validation_or_train): a WindowSampler, or a
-        BlendedSampler for a weighted --data-path."""
+        """The sampler of split 'train', 'valid' (validation_or_train) or 'test' (None without a
+        test part long enough for one window): a WindowSampler, or a BlendedSampler for a weighted
+        --data-path."""
+        if split == "test":
+            test = self.test.windows_of(seq_length) if isinstance(self.test, Blend) else self.test
+            if test is None or (not isinstance(test, Blend) and len(test) <= seq_length):
+                return None
+            return make_sampler(test, seq_length, seed)
         tokens = self.train if split == "train" else self.validation_or_train(seq_length)
         return make_sampler(tokens, seq_length, seed)

@@ -31,6 +31,10 @@ class ByteTokenizer:
     def decode(self, ids):
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
+    def byte_count(self, ids):
+        """How many bytes of text the tokens stand for (a loss per byte divides by it)."""
+        return len(ids)
+
 
 class HFTokenizer:
     """A local Hugging Face tokenizer.json, through the `tokenizers` package (no network)."""
@@ -59,6 +63,10 @@ class HFTokenizer:
 
     def decode(self, ids):
         return self.tokenizer.decode([int(i) for i in ids])
+
+    def byte_count(self, ids):
+        """How many bytes of UTF-8 text the tokens decode to (a loss per byte divides by it)."""
+        return len(self.decode(ids).encode("utf-8"))
 
 
 def tokenizer_from_spec(spec, tokenizer_file=None):

@@ -155,11 +155,13 @@ class Trainer:
         self.iteration += 1
         return loss, norm, lr
 
-    def evaluate(self):
+    def evaluate(self, sampler=None):
+        """The mean loss over --eval-iters global batches of `sampler` (default: validation's)."""
+        sampler = sampler or self.valid_sampler
         self.model.eval()
         total = 0.0
         for k in range(self.config.eval_iters):
-            total += run_schedule(self.model, self.exchange, self.micro_batches(self.valid_sampler, k),
+            total += run_schedule(self.model, self.exchange, self.micro_batches(sampler, k),
                                   self.schedule, forward_only=True, **schedule_options(self.config.parallel))
         self.model.train()
         return self.mean_loss(total, self.config.eval_iters * self.plan.micro_batches)
