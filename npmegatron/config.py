@@ -207,6 +207,15 @@ class TrainConfig:
     weight_decay: float = option(0.01, "AdamW decay (not on biases and LayerNorm).", minimum=0)
     clip_grad: float = option(1.0, "Global gradient-norm clip (0: off).", minimum=0)
     log_interval: int = option(50, "Steps per log line.", minimum=1)
+    timing_log_level: int = option(0, "Timers in each interval's log and record: 0 off (free); 1 the step's "
+                                      "phases (forward, backward, TP/SP communication, data-parallel "
+                                      "communication not hidden, pipeline waits, optimizer), max and min "
+                                      "over ranks.", minimum=0)
+    log_memory: bool = option(False, "Measured peak memory per rank beside the plan's prediction, at the "
+                                     "first interval and whenever it grows.")
+    peak_tflops: Optional[float] = option(None, "The peak per rank that model-FLOP utilisation is taken "
+                                                "against (default: a matrix product measured at start on "
+                                                "the CPU, the card's datasheet figure on a GPU).", minimum=0)
     eval_interval: int = option(250, "Steps between validation losses.", minimum=1)
     eval_iters: int = option(10, "Validation batches.", minimum=1)
     log_file: Optional[str] = option(None, "Write metrics as JSON lines here.")

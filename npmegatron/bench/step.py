@@ -19,7 +19,7 @@ from ..model import GPTConfig, model_flops
 from ..run import assemble
 from ..training.cuda_graph import GraphedStep
 from ..training.step import setup_objects_frozen, train_step
-from .peaks import peak_flops, precision_of
+from ..perf.peaks import device_name, peak_flops, precision_of
 
 
 def _synchronize(xp):
@@ -164,14 +164,6 @@ def torch_peers(cfg, batch, seq, warmup, iters, ours):
     return peers
 
 
-def device_name(xp):
-    """The GPU's name as CUDA gives it, or "cpu"."""
-    if xp is numpy:
-        return "cpu"
-    name = xp.cuda.runtime.getDeviceProperties(xp.cuda.Device().id)["name"]
-    return name.decode() if isinstance(name, bytes) else str(name)
-
-
 def peak_bytes(xp, graphed=None):
     """Peak memory of this process's arrays: on a GPU the bytes CuPy's memory pool holds (it keeps
     what was freed, so after a run that is its peak), and under --cuda-graph the stream-ordered
@@ -243,7 +235,7 @@ def format_table(result):
             ("ratio (median of each step's to the GEMMs timed after it)", f"{result['ratio'] * 100:.1f} %"),
             ("model-FLOP utilisation (of the device's peak)",
              "the ratio above: a CPU's peak is its GEMM ceiling" if result["device_name"] == "cpu" else
-             "no peak listed for this device (bench/peaks.py)" if peak is None else
+             "no peak listed for this device (perf/peaks.py)" if peak is None else
              f"{result['mfu'] * 100:.1f} % of {peak / 1e12:g} TFLOP/s"),
             ("peak memory", f"{result['peak_bytes'] / 2 ** 20:,.0f} MiB")]
     for name, peer in (result.get("torch") or {}).items():

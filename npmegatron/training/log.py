@@ -12,11 +12,12 @@ from ..autograd import InputError, precision
 from ..autograd.ops.fused_attention import attention_path
 from ..model import model_flops
 from ..perf.memory import ParallelShape, chunk_activation_bytes
+from .metrics import format_memory, format_phases, peak_flops_per_rank, phases
 
 
 class TrainingLog:
     def __init__(self, trainer, echo):
-        config, self.echo = trainer.config, echo
+        config, self.echo, self.trainer = trainer.config, echo, trainer
         self.total = config.train_iters
         self.tokens_per_step = trainer.plan.global_batch * config.seq_length
         self.flops_per_step = model_flops(trainer.cfg, trainer.model.num_parameters(),
@@ -25,7 +26,11 @@ class TrainingLog:
         self.bar = tqdm(total=self.total, initial=trainer.iteration, desc="training", unit="it",
                         leave=False, disable=not (echo and sys.stderr.isatty()))
         self.window, self.window_start = [], time.perf_counter()
+        self.world_size = trainer.grid.world_size
+        self.peak, peak_source = peak_flops_per_rank(trainer)
         self.say(header(trainer))
+        if self.peak:
+            self.say(f"model-FLOP utilisation against {self.peak / 1e12:g} TFLOP/s per rank ({peak_source})")
         if trainer.starts_fresh:
             self.say(f"--load {config.load} holds no checkpoint yet: training starts from scratch (run again "
                      "with the same --load to resume)")
@@ -46,17 +51,31 @@ class TrainingLog:
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{loss:.3f}")
 
-    def interval(self, done, lr, grad_norm, val_loss=None, scaling=None):
+    def interval(self, done, lr, grad_norm, val_loss=None, scaling=None, evaluated_s=None):
         """The line (and JSON record) for the iterations since the last one; `scaling`: the loss
-        scale and the steps skipped so far (--fp16)."""
-        elapsed = time.perf_counter() - self.window_start
+        scale and the steps skipped so far (--fp16); `evaluated_s`: seconds its evaluation took."""
+        # the interval's evaluation is not training: its seconds are left out
+        elapsed, steps = time.perf_counter() - self.window_start - (evaluated_s or 0.0), len(self.window)
         record = {"iteration": done, "loss": float(numpy.mean(self.window)), "lr": lr, "grad_norm": grad_norm,
-                  "tokens_per_s": len(self.window) * self.tokens_per_step / elapsed,
-                  "tflops": len(self.window) * self.flops_per_step / elapsed / 1e12}
+                  "tokens_per_s": steps * self.tokens_per_step / elapsed,
+                  "tflops": steps * self.flops_per_step / elapsed / 1e12}
+        record["tflops_per_rank"] = record["tflops"] / self.world_size
+        if self.peak:
+            record["mfu"] = record["tflops_per_rank"] * 1e12 / self.peak
         if val_loss is not None:
             record["val_loss"] = val_loss
         record.update(scaling or {})
-        self.say(format_record(record, self.total))
+        lines = [format_record(record, self.total)]
+        if self.trainer.timers.enabled:     # collective, as is the memory report
+            record["phases_s"] = phases(self.trainer.timers, steps, self.trainer.grid.world)
+            record["other_s"] = elapsed / steps - sum(high for high, _ in record["phases_s"].values())
+            lines.append(format_phases(record))
+        memory = self.trainer.memory_log.report() if self.trainer.memory_log else None
+        if memory:
+            record.update(memory)
+            lines.append(format_memory(record, self.trainer.model.xp is not numpy))
+        for line in lines:
+            self.say(line)
         if self.file:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
@@ -150,7 +169,9 @@ def open_log(path, append):
 def format_record(r, total):
     line = (f"iter {r['iteration']:>5}/{total} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
             f"grad norm {r['grad_norm']:.3f} | {r['tokens_per_s']:,.0f} tok/s | "
-            f"{r['tflops']:.4f} TFLOP/s")
+            f"{r['tflops_per_rank']:.4f} TFLOP/s per rank")
+    if "mfu" in r:
+        line += f" | MFU {r['mfu'] * 100:.1f} %"
     if "loss_scale" in r:
         line += f" | loss scale {r['loss_scale']:g} | skipped {r['skipped_iterations']}"
     return line + (f" | val loss {r['val_loss']:.4f}" if "val_loss" in r else "")

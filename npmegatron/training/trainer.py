@@ -31,6 +31,7 @@ from ..run import assemble
 from ..timers import NO_TIMERS, OPTIMIZER
 from .cuda_graph import GraphedStep
 from .log import TrainingLog
+from .metrics import MemoryLog, current_resident_bytes, run_timers
 from .step import clip_after_step, schedule_options, setup_objects_frozen, sum_losses, train_step
 
 
@@ -53,6 +54,7 @@ class Trainer:
             config = config.with_checkpoint_args(checkpoint.read_manifest(config.load)[1])
         self.config, self.timers = config, timers     # timers.py: off unless a Timers is passed
         self.data = TrainingData(config.data_path, config.split)
+        baseline = current_resident_bytes()         # --log-memory: the process before the model
         # Before anything is allocated: a model too large for this rank's memory is one sentence.
         refuse_unless_fits(dataclasses.replace(config.model, vocab_size=self.data.vocab_size),
                            run_shape(config, config.plan(comm.launch_size())))
@@ -60,6 +62,9 @@ class Trainer:
         self.plan, self.grid, self.cfg, self.model, self.schedule = run.plan, run.grid, run.cfg, run.model, run.schedule
         self.exchange, self.params, self.buckets, self.optimizer = run.exchange, run.params, run.buckets, run.optimizer
         self.norm_skip = run.norm_skip            # what counts once in the global norm
+        if timers is NO_TIMERS:
+            self.timers = run_timers(self) or NO_TIMERS     # --timing-log-level 1
+        self.memory_log = MemoryLog(self, baseline) if config.log_memory else None
         self.sampler = self.data.sampler("train", config.seq_length, self.cfg.seed)
         self.valid_sampler = self.data.sampler("valid", config.seq_length, self.cfg.seed + 1)
         self.loss_scale = build_loss_scale(config)  # --fp16 (loss_scale.py), else None
@@ -227,7 +232,9 @@ class Trainer:
             done, last = self.iteration, self.iteration == config.train_iters
             if done % config.log_interval == 0 or last:
                 evaluate = done % config.eval_interval == 0 or last
-                log.interval(done, lr, norm, self.evaluate() if evaluate else None, self.scaling())
+                started = time.perf_counter()
+                val_loss = self.evaluate() if evaluate else None
+                log.interval(done, lr, norm, val_loss, self.scaling(), time.perf_counter() - started)
             if self._save_or_stop(log, exit_signal):
                 return
 

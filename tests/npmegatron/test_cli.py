@@ -69,7 +69,7 @@ def test_bench_step_reports_a_ratio_to_the_measured_gemm_ceiling():
 
 
 def test_bench_step_model_presets_and_the_peak_table():
-    from npmegatron.bench.peaks import peak_flops
+    from npmegatron.perf.peaks import peak_flops
     from npmegatron.config import MODEL_PRESETS
     assert MODEL_PRESETS["gpt2-124m"] == {"num_layers": 12, "hidden_size": 768, "num_attention_heads": 12,
                                           "seq_length": 1024, "vocab_size": 50304}

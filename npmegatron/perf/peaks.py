@@ -1,6 +1,9 @@
 """The dense peak FLOP/s of the GPUs people train on, by precision, from NVIDIA's datasheets
 (figures quoted "with sparsity" halved): the denominator of model-FLOP utilisation (MFU) in
-`bench step`, beside the GEMM ceiling measured in the same run."""
+`bench step` and `train`'s log, beside the GEMM ceiling measured in the same run."""
+import time
+
+import numpy
 
 #: (substring of the device name, {precision: dense TFLOP/s}); the first match wins, so a more
 #: specific name comes before a shorter one ("H100 PCIe" before "H100").
@@ -36,3 +39,27 @@ def peak_flops(device_name, precision):
             tflops = peaks.get(precision)
             return None if tflops is None else tflops * 1e12
     return None
+
+
+def device_name(xp):
+    """The GPU's name as CUDA gives it, or "cpu"."""
+    if xp is numpy:
+        return "cpu"
+    name = xp.cuda.runtime.getDeviceProperties(xp.cuda.Device().id)["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def measured_gemm_flops(xp, dtype, n=1024, repeats=3):
+    """FLOP/s of an n x n x n matrix product on this device, the best of `repeats`: the CPU's peak
+    for model-FLOP utilisation, measured when a run starts (DESIGN: the machine's own ceiling)."""
+    a, b = xp.full((n, n), 0.5, dtype), xp.full((n, n), 0.25, dtype)
+    best = float("inf")
+    for _ in range(repeats + 1):            # the first warms BLAS's threads and the pages
+        if xp is not numpy:
+            xp.cuda.get_current_stream().synchronize()
+        start = time.perf_counter()
+        a @ b
+        if xp is not numpy:
+            xp.cuda.get_current_stream().synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * n ** 3 / best

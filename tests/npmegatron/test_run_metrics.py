@@ -1,0 +1,56 @@
+"""What `train` measures besides the loss: the step's phases (--timing-log-level 1) adding up to
+the step, throughput per rank and model-FLOP utilisation against a peak (--peak-tflops, or measured
+at start), and measured peak memory beside the plan's prediction (--log-memory)."""
+import json
+
+import pytest
+
+from npmegatron.autograd import InputError
+from npmegatron.timers import PHASES
+from npmegatron.training import TrainConfig, train
+
+SMALL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, micro_batch_size=4, lr=3e-3,
+             lr_warmup_iters=1, train_iters=8, log_interval=4, eval_interval=4, eval_iters=1, sample_tokens=0)
+
+
+def records(tmp_path, **options):
+    said = []
+    train(TrainConfig.from_flat(**SMALL, log_file=str(tmp_path / "log.jsonl"), **options), echo=said.append)
+    return [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()], said
+
+
+def test_phases_are_in_every_interval_and_add_up_to_the_step(tmp_path):
+    logged, said = records(tmp_path, timing_log_level=1)
+    for record in logged:
+        assert set(record["phases_s"]) == set(PHASES)
+        # phases (max over ranks; one rank here: max = min) plus what no phase covers are the step
+        step_s = SMALL["micro_batch_size"] * SMALL["seq_length"] / record["tokens_per_s"]
+        total = sum(high for high, _ in record["phases_s"].values()) + record["other_s"]
+        assert total == pytest.approx(step_s, rel=1e-6)
+        assert record["phases_s"]["forward-compute"][0] > 0 and record["phases_s"]["backward-compute"][0] > 0
+        assert all(high == low for high, low in record["phases_s"].values())
+    assert sum("phases ms/step (max/min over ranks): forward-compute" in line for line in said) == 2
+
+
+def test_throughput_per_rank_and_utilisation_against_a_given_peak(tmp_path):
+    logged, said = records(tmp_path, peak_tflops=0.5)
+    for record in logged:
+        assert record["tflops_per_rank"] == record["tflops"]            # one rank
+        assert record["mfu"] == pytest.approx(record["tflops_per_rank"] / 0.5)
+    assert any("model-FLOP utilisation against 0.5 TFLOP/s per rank (--peak-tflops)" in line for line in said)
+    logged, said = records(tmp_path)
+    assert all(0 < record["mfu"] < 1 for record in logged)              # against a product measured at start
+
+
+def test_memory_is_reported_at_the_first_interval_and_when_it_grows(tmp_path):
+    logged, said = records(tmp_path, log_memory=True)
+    first = logged[0]
+    assert first["memory_bytes"] >= 0 and first["memory_bytes_max"] == first["memory_bytes"]
+    assert first["predicted_bytes"] > 0
+    assert all("memory_bytes" not in r or r["memory_bytes_max"] > first["memory_bytes_max"] for r in logged[1:])
+    assert any(line.startswith("memory (peak resident set above") for line in said)
+
+
+def test_per_layer_timing_is_refused_in_one_sentence(tmp_path):
+    with pytest.raises(InputError, match="--timing-log-level 2 times each layer, which this version does not"):
+        records(tmp_path, timing_log_level=2)
