@@ -37,13 +37,16 @@ def token_dtype(vocab_size):
 
 
 def _check_output(output_prefix):
-    """The output PREFIX names a file in a folder that exists, so writing fails before any work."""
+    """The output PREFIX names a file in a folder that exists (made here), so writing fails before
+    any work."""
     folder = os.path.dirname(os.path.abspath(output_prefix))
     if output_prefix.endswith(os.sep) or os.path.isdir(output_prefix):
         raise InputError(f"--output {output_prefix} is a folder; give a file prefix inside it, e.g. "
                          f"{os.path.join(output_prefix, 'data')}")
-    if not os.path.isdir(folder):
-        raise InputError(f"output folder {folder} does not exist; create it or choose another --output")
+    try:
+        os.makedirs(folder, exist_ok=True)      # `--output data/x` makes data/, as a user expects
+    except OSError as e:
+        raise InputError(f"output folder {folder} cannot be created ({e.strerror}); choose another --output") from None
 
 def encode_document(tokenizer, text, eod=None):
     """A document's token ids, with `eod` after a non-empty one as Megatron's preprocess_data.py

@@ -35,6 +35,10 @@ from .metrics import MemoryLog, current_resident_bytes, run_timers
 from .step import clip_after_step, schedule_options, setup_objects_frozen, sum_losses, train_step
 
 
+#: Where the end-of-run sample's prompt ends and the generated text begins.
+PROMPT_END = " ▶ "
+
+
 class TrainingDiverged(InputError):
     """The loss or gradient norm stopped being finite; nothing of that step was saved (nor applied,
     but under --cuda-graph, whose graph applies its update)."""
@@ -253,7 +257,7 @@ class Trainer:
         signalled = exit_signal is not None and exit_signal.received(self.grid.world)
         if config.save and (done == config.train_iters or stop or late or signalled or
                             (config.save_interval and done % config.save_interval == 0)):
-            self.save()
+            log.say(f"saved {os.path.basename(self.save())} in {config.save}")
         if stop:
             log.say(f"exiting at iteration {done} (--exit-interval {config.exit_interval})")
         elif late:
@@ -280,7 +284,9 @@ class Trainer:
         prompt = [int(t) for t in self.valid_sampler.tokens[:32]]
         ids = generate(self.model, prompt, self.config.sample_tokens, temperature=0.8, top_k=40,
                        seed=self.cfg.seed)
-        return "sample (the first 32 validation tokens, then generated):\n" + self.data.tokenizer.decode(ids)
+        decode = self.data.tokenizer.decode
+        return (f"sample (the first 32 validation tokens, then what the model generated after {PROMPT_END!r}):\n"
+                f"{decode(ids[:len(prompt)])}{PROMPT_END}{decode(ids[len(prompt):])}")
 
     def close(self):
         """Let go of the --save folder's lock (also dropped when the process ends)."""

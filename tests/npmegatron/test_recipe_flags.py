@@ -105,3 +105,21 @@ def test_one_job_script_starts_then_resumes_and_exits_before_a_time_limit(tmp_pa
     said.clear()
     second = train(TrainConfig.from_flat(**SMALL, train_iters=3, load=folder, save=folder), echo=said.append)
     assert len(second) == 2 and any(f"resumed from {folder} at iteration 1" in s for s in said), said
+
+
+def test_a_save_says_where_and_the_sample_marks_where_its_prompt_ends(tmp_path):
+    from npmegatron.training import train
+    from npmegatron.training.trainer import PROMPT_END
+    said = []
+    train(TrainConfig.from_flat(**{**SMALL, "sample_tokens": 8}, train_iters=2, save=str(tmp_path / "ck")),
+          echo=said.append)
+    assert f"saved iter_0000002 in {tmp_path / 'ck'}" in said
+    sample = next(line for line in said if line.startswith("sample ("))
+    assert sample.count(PROMPT_END) == 2        # named in the heading, then marking the place
+
+
+def test_preprocess_makes_the_output_folder(tmp_path):
+    from npmegatron.data.preprocessing import preprocess
+    (tmp_path / "a.txt").write_text("hello world")
+    preprocess([str(tmp_path / "a.txt")], str(tmp_path / "data" / "deeper" / "x"))
+    assert (tmp_path / "data" / "deeper" / "x.bin").exists()
