@@ -100,7 +100,7 @@ def test_pipeline_training_follows_serial_and_resumes_bitwise(tmp_path):
         assert run.returncode == 0, run.stdout + run.stderr
     assert losses(tmp_path / "b.jsonl") == losses(tmp_path / "a.jsonl")
     assert sorted(p.name for p in (tmp_path / "ck" / "iter_0000006").iterdir()) == [
-        "manifest.json", "mp_rank_00_000.safetensors", "mp_rank_00_001.safetensors"]
+        "config.yaml", "manifest.json", "mp_rank_00_000.safetensors", "mp_rank_00_001.safetensors"]
 
 
 @pytest.mark.parametrize("args,message", [
