@@ -3,7 +3,6 @@ machine's matmul FLOP/s at the model's own GEMM shapes, so the ratio holds on a 
 import contextlib
 import importlib.util
 import json
-import resource
 import statistics
 import time
 
@@ -18,6 +17,7 @@ from ..config import TrainConfig
 from ..model import GPTConfig, model_flops
 from ..run import assemble
 from ..training.cuda_graph import GraphedStep
+from ..training.metrics import device_pool_bytes, peak_resident_bytes
 from ..training.step import setup_objects_frozen, train_step
 from ..perf.peaks import device_name, peak_flops, precision_of
 
@@ -165,12 +165,8 @@ def torch_peers(cfg, batch, seq, warmup, iters, ours):
 
 
 def peak_bytes(xp, graphed=None):
-    """Peak memory of this process's arrays: on a GPU the bytes CuPy's memory pool holds (it keeps
-    what was freed, so after a run that is its peak), and under --cuda-graph the stream-ordered
-    pool's too; on the CPU the resident set's peak."""
-    if xp is numpy:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return xp.get_default_memory_pool().total_bytes() + (0 if graphed is None else graphed.pool.total_bytes())
+    """Peak memory: on a GPU the memory pools' bytes, on the CPU the process's peak resident set."""
+    return peak_resident_bytes() if xp is numpy else device_pool_bytes(xp, graphed)
 
 
 def _bench_step(cfg, batch, seq, warmup, iters, threads, profile, cuda_graph):

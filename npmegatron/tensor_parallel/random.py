@@ -110,11 +110,16 @@ def hashed_keep(xp, row_starts, columns, key, golden, mix_1, mix_2, shift_1, shi
     z = row_starts + columns
     z *= golden
     z += key
+    _mix64_in_place(xp, z, mix_1, mix_2, shift_1, shift_2, shift_3)
+    return xp.right_shift(z, drop_bits) >= threshold
+
+
+def _mix64_in_place(xp, z, mix_1, mix_2, shift_1, shift_2, shift_3):
+    """mix64 inside a fused body, its constants passed as kernel arguments (uint64)."""
     for shift, multiplier in ((shift_1, mix_1), (shift_2, mix_2)):
         xp.bitwise_xor(z, xp.right_shift(z, shift), out=z)
         z *= multiplier
     xp.bitwise_xor(z, xp.right_shift(z, shift_3), out=z)
-    return xp.right_shift(z, drop_bits) >= threshold
 
 
 @fused
@@ -124,16 +129,15 @@ def device_draw_key(xp, iteration, key, golden, mix_1, mix_2, shift_1, shift_2, 
     0-d uint64 array: --cuda-graph replays a step whose iteration only the device knows), the
     micro-batch's and the site's words, (n + 1) * golden, computed on the host. Integer arithmetic
     wraps as on the host, so the key is draw_key's bit for bit."""
+    constants = (mix_1, mix_2, shift_1, shift_2, shift_3)
     z = iteration + 1
     z *= golden
     z += key
-    for word in (micro_batch_word, site_word, None):
-        for shift, multiplier in ((shift_1, mix_1), (shift_2, mix_2)):
-            xp.bitwise_xor(z, xp.right_shift(z, shift), out=z)
-            z *= multiplier
-        xp.bitwise_xor(z, xp.right_shift(z, shift_3), out=z)
-        if word is not None:
-            z += word
+    _mix64_in_place(xp, z, *constants)
+    z += micro_batch_word
+    _mix64_in_place(xp, z, *constants)
+    z += site_word
+    _mix64_in_place(xp, z, *constants)
     return z
 
 

@@ -67,8 +67,7 @@ class MemoryLog:
         xp = self.trainer.model.xp
         if xp is numpy:     # (freed memory the process reuses does not grow the resident set: at least 0)
             return max(0, peak_resident_bytes() - self.baseline)
-        graphed = self.trainer.graphed
-        return xp.get_default_memory_pool().total_bytes() + (graphed.pool.total_bytes() if graphed else 0)
+        return device_pool_bytes(xp, self.trainer.graphed)
 
     def report(self):
         """Collective: {"memory_bytes": this rank's, max over ranks, "predicted_bytes"} when the
@@ -79,6 +78,12 @@ class MemoryLog:
             return None
         self.shown = largest
         return {"memory_bytes": int(mine), "memory_bytes_max": largest, "predicted_bytes": self.predicted}
+
+
+def device_pool_bytes(xp, graphed=None):
+    """The bytes CuPy's memory pool holds (it keeps what was freed: after a run, its peak), and
+    under --cuda-graph the stream-ordered pool's too."""
+    return xp.get_default_memory_pool().total_bytes() + (graphed.pool.total_bytes() if graphed else 0)
 
 
 def reset_peak_resident():
