@@ -1,0 +1,117 @@
+"""cuDNN's fused attention and --cuda-graph on a real GPU, against the float64 reference and the
+eager step: the check that the strict stand-in's cuDNN (tests/fakes/strict_cupy/cudnn) and its
+capture and replay tell the truth. It skips without CuPy, a CUDA device or nvidia-cudnn-frontend
+(the gpu extra); tests/test_fused_attention_on_device.py and tests/test_cuda_graph_on_device.py
+hold the same code to the stand-in on every machine."""
+import contextlib
+
+import numpy
+import pytest
+
+cupy = pytest.importorskip("cupy")
+if hasattr(cupy, "_strict"):
+    pytest.skip("the stand-in's own tests cover it; this file is for a real GPU", allow_module_level=True)
+try:
+    if cupy.cuda.runtime.getDeviceCount() < 1:
+        raise RuntimeError
+except Exception:
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+from npmegatron import autograd as ag  # noqa: E402
+from npmegatron.autograd import precision  # noqa: E402
+from npmegatron.autograd.ops import fused_attention  # noqa: E402
+from npmegatron.training import TrainConfig  # noqa: E402
+from npmegatron.training.trainer import Trainer  # noqa: E402
+
+if fused_attention.library(cupy) is None:
+    pytest.skip("nvidia-cudnn-frontend or cuDNN does not load (pip install 'npmegatron[gpu]')", allow_module_level=True)
+
+SHAPE = (2, 256, 4, 64)          # batch, sequence, heads, head dimension
+SCALE = 64 ** -0.5
+
+
+def inputs(seed=0):
+    b, t, h, d = SHAPE
+    rng = numpy.random.default_rng(seed)
+    return rng.standard_normal((b, t, h, 3, d)), rng.standard_normal((b, h, t, d))
+
+
+def attention(mode, qkv, g, fmt, monkeypatch):
+    """(Function name, output, qkv's gradient) as float64 host arrays; fmt None: float64 on NumPy."""
+    monkeypatch.setattr(fused_attention, "FUSED_ATTENTION", mode)
+    xp, dtype = (numpy, numpy.float64) if fmt is None else (cupy, numpy.float32)
+    with precision.storage(fmt) if fmt else contextlib.nullcontext():
+        x = ag.Tensor(xp.asarray(qkv.astype(dtype)), requires_grad=True)
+        out = ag.causal_attention_packed(x, SCALE, 0.0, None)
+        out.backward(xp.asarray(g.astype(dtype)))
+    host = cupy.asnumpy if xp is cupy else numpy.asarray
+    return out.grad_fn.name, host(out.data).astype(numpy.float64), host(x.grad).astype(numpy.float64)
+
+
+def relative_error(a, reference):
+    return float(numpy.abs(a - reference).max() / numpy.abs(reference).max())
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+def test_cudnn_attention_is_as_accurate_as_the_blockwise_path(monkeypatch, fmt):
+    """On the same on-grid inputs, cuDNN's output and gradient are as close to the float64
+    reference as the blockwise path's 16-bit run (within 2x its error, or two roundings)."""
+    dtype = precision.sixteen_bit_dtype(fmt)
+    qkv, g = (a.astype(dtype).astype(numpy.float64) for a in inputs())
+    _, reference, reference_grad = attention("never", qkv, g, None, monkeypatch)
+    name, fused, fused_grad = attention("auto", qkv, g, fmt, monkeypatch)
+    blockwise_name, blockwise, blockwise_grad = attention("never", qkv, g, fmt, monkeypatch)
+    assert name == "FusedCausalAttention" and blockwise_name == "PackedCausalAttention"
+    assert not fused_attention.unsupported
+    rounding = 2.0 ** -8 if fmt == "bf16" else 2.0 ** -11
+    errors = {"fused": relative_error(fused, reference), "blockwise": relative_error(blockwise, reference),
+              "fused grad": relative_error(fused_grad, reference_grad),
+              "blockwise grad": relative_error(blockwise_grad, reference_grad)}
+    print(fmt, {k: f"{v:.2e}" for k, v in errors.items()})
+    assert errors["fused"] <= max(2 * errors["blockwise"], 2 * rounding), errors
+    assert errors["fused grad"] <= max(2 * errors["blockwise grad"], 2 * rounding), errors
+
+
+def test_cudnn_attention_is_causal(monkeypatch):
+    qkv, g = inputs(1)
+    later = qkv.copy()
+    later[:, -1] += 10.0
+    _, before, _ = attention("auto", qkv, g, "bf16", monkeypatch)
+    name, after, _ = attention("auto", later, g, "bf16", monkeypatch)
+    assert name == "FusedCausalAttention"
+    numpy.testing.assert_array_equal(after[:, :, :-1], before[:, :, :-1])
+    assert not numpy.array_equal(after[:, :, -1], before[:, :, -1])
+
+
+SMALL = dict(device="gpu", num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=128, micro_batch_size=2,
+             global_batch_size=4, lr=3e-3, lr_warmup_iters=2, train_iters=7, log_interval=1, eval_interval=100,
+             eval_iters=1, sample_tokens=0, hidden_dropout=0.0, attention_dropout=0.0, cuda_graph_warmup_steps=2)
+
+
+def train(steps, **options):
+    """(losses, gradient norms, parameters, trainer) of a trainer's first steps."""
+    trainer = Trainer(TrainConfig.from_flat(**{**SMALL, **options}))
+    losses, norms = [], []
+    for _ in range(steps):
+        loss, norm, _ = trainer.step()
+        losses.append(loss)
+        norms.append(norm)
+    return losses, norms, [cupy.asnumpy(p.data) for p in trainer.params], trainer
+
+
+@pytest.mark.parametrize("options", [{}, {"bf16": True}, {"hidden_dropout": 0.1, "attention_dropout": 0.1}],
+                         ids=["float32", "bf16-fused-attention", "dropout"])
+def test_replayed_steps_equal_eager_ones(options):
+    """Two micro-batches a step, clipping on: steps 1-2 eager, step 3 captured, 4-7 replayed,
+    against seven eager steps. cuBLAS may choose other kernels inside a capture, so the figures
+    are held to float32 rounding, not bitwise; the replays' run is printed."""
+    eager = train(7, **options)
+    graphed = train(7, cuda_graph=True, **options)
+    assert graphed[3].graphed.graph is not None
+    bitwise = graphed[0] == eager[0] and all(numpy.array_equal(a, b) for a, b in zip(graphed[2], eager[2]))
+    print(options, "bitwise" if bitwise else "not bitwise", eager[0], graphed[0])
+    numpy.testing.assert_allclose(graphed[0], eager[0], rtol=1e-5)
+    numpy.testing.assert_allclose(graphed[1], eager[1], rtol=1e-4)
+    for mine, theirs in zip(graphed[2], eager[2]):
+        numpy.testing.assert_allclose(mine.astype(numpy.float64), theirs.astype(numpy.float64), rtol=1e-4, atol=1e-5)
+    assert eager[0][-1] < eager[0][0]
