@@ -13,11 +13,10 @@ PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "bf16-graph")
 
 
 def last_json(path):
+    """The last JSON line of a bench step's output, or None where it failed before printing one."""
     with open(path) as f:
         lines = [line for line in f if line.startswith("{")]
-    if not lines:
-        raise SystemExit(f"{path} holds no bench step result; run scripts/bench_gpu.sh again")
-    return json.loads(lines[-1])
+    return json.loads(lines[-1]) if lines else None
 
 
 def last_line(path, prefix):
@@ -61,7 +60,9 @@ def main():
                if os.path.exists(os.path.join(out, f"step_{p}.txt"))}
     if not results:
         raise SystemExit(f"{out} holds no step_<precision>.txt; run scripts/bench_gpu.sh first")
-    first = next(iter(results.values()))
+    if not any(results.values()):
+        raise SystemExit(f"every bench step in {out} failed; its step_<precision>.txt files say why")
+    first = next(r for r in results.values() if r)
     commit, cupy_version, driver = environment()
     print(f"{datetime.date.today()}, commit {commit}, {first['device_name']}, driver {driver}, CuPy {cupy_version}; "
           f"{first['num_layers']} x {first['hidden_size']}, {first['num_attention_heads']} heads, seq "
@@ -70,7 +71,7 @@ def main():
           "| PyTorch eager (ours / theirs) | torch.compile (ours / theirs) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for precision, result in results.items():
-        print(row(precision, result))
+        print(row(precision, result) if result else f"| {precision} | failed: step_{precision}.txt says why |")
     print(f"\nGPU tests: {last_line(os.path.join(out, 'tests.txt'), '')}")
     print(f"2 ranks, TP 2, --bf16: {last_line(os.path.join(out, 'train_tp2.txt'), 'iter')}")
 

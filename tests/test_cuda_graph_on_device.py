@@ -64,8 +64,8 @@ def test_capture_refuses_what_cuda_refuses(cp):
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         stream.begin_capture()
-        with pytest.raises(cp._strict.StreamCaptureError, match="not stream-ordered"):
-            x * 2                                           # cudaMalloc from the default pool
+        with pytest.raises(cp._strict.StreamCaptureError, match="default memory pool"):
+            x * 2                           # later arrays would be given the graph's memory
         stream.end_capture()
     cp.cuda.set_allocator(cp.cuda.MemoryAsyncPool().malloc)
     try:
@@ -102,6 +102,35 @@ def test_capture_refuses_what_cuda_refuses(cp):
             graph.launch(stream)
             graph.launch(stream)
         assert cp.asnumpy(x).tolist() == [9.0] * 4 and cp.asnumpy(y).tolist() == [6.0] * 4
+    finally:
+        cp.cuda.set_allocator(None)
+
+
+def test_graph_memory_comes_from_a_pool_of_its_own(cp):
+    """With the stream-ordered pool, CUDA refuses a free inside the capture of memory allocated
+    before it (cudaFreeAsync: cudaErrorInvalidValue); a caching pool of the graph's own frees on
+    the host, and once it has served a capture it may serve nothing outside one."""
+    stream = cp.cuda.Stream(non_blocking=True)
+    try:
+        for pool in (cp.cuda.MemoryAsyncPool(), cp.cuda.MemoryPool()):
+            cp.cuda.set_allocator(pool.malloc)
+            before, dropped = cp.ones(4, cp.float32), cp.ones(4, cp.float32)
+            with stream:
+                stream.begin_capture()
+                after = before * 2
+                del dropped                 # as a step replaces an array made before it
+                if isinstance(pool, cp.cuda.MemoryAsyncPool):
+                    with pytest.raises(cp._strict.StreamCaptureError, match="freed during it"):
+                        stream.end_capture()
+                    continue
+                graph = stream.end_capture()
+            with pytest.raises(cp._strict.StreamCaptureError, match="replays would write over it"):
+                cp.zeros(2)
+            cp.cuda.set_allocator(None)
+            cp.zeros(2)
+            with stream:
+                graph.launch(stream)
+            assert cp.asnumpy(after).tolist() == [2.0] * 4
     finally:
         cp.cuda.set_allocator(None)
 

@@ -6,12 +6,19 @@ Python, it launches one graph.
 A graph replays the same kernels with the same arguments on the same memory, so nothing a step
 launches may depend on the host: the batch is copied into the graph's own input arrays, the
 optimizer's scalars (learning rate, bias corrections) into a device array it reads (AdamW.load_step),
-the clipping factor is computed on the device from the squared norm, allocations inside the step
-come from the stream-ordered pool (cupy.cuda.MemoryAsyncPool: a capture may allocate), dropout's
-keys are made on the device from the iteration written there (random.device_draw_key), and token
+the clipping factor is computed on the device from the squared norm, the step's memory comes from a
+pool of the graph's own (below), dropout's keys are made on the device from the iteration written there (random.device_draw_key), and token
 ids are checked on the host before their upload. Per step the host then copies the batch, writes
 the scalars and the iteration, launches the graph and reads the loss and the norm together (the
-step's one synchronisation). What a graph cannot hold is refused by TrainConfig (config.py)."""
+step's one synchronisation). What a graph cannot hold is refused by TrainConfig (config.py).
+
+Memory, as PyTorch's graphs keep it: the warm-up steps and the capture allocate from a caching
+pool of the graph's own (cupy.cuda.MemoryPool), so the capture finds its blocks cached (CuPy
+captures in relaxed mode, where a cudaMalloc is allowed anyway) and a free during it is host
+bookkeeping; once captured, the default pool serves everything else, so no array made after the
+capture is given memory a replay writes. The stream-ordered pool (MemoryAsyncPool) does not do:
+CUDA refuses a cudaFreeAsync inside a capture of memory allocated before it, and an allocation a
+capture made and that outlives it must be freed between replays."""
 import gc
 import math
 
@@ -36,7 +43,8 @@ class GraphedStep:
         if run.grid.world_size > 1 and backend_for(xp.zeros(1)).name != "nccl":
             raise InputError("--cuda-graph captures collectives through NCCL, but these ranks share GPUs, so "
                              "theirs go through MPI in host memory; give each rank a GPU of its own")
-        self.pool = xp.cuda.MemoryAsyncPool()
+        self.pool = xp.cuda.MemoryPool()                # the graph's memory (the module's docstring)
+        self.eager_allocator = xp.cuda.get_allocator()
         xp.cuda.set_allocator(self.pool.malloc)
         self.parts, self.config, self.xp = run, config, xp
         run.model.rng.iteration_on_device()             # dropout's masks keyed by the iteration there
@@ -82,7 +90,9 @@ class GraphedStep:
             raise
         finally:
             gc.enable()
-        return self.stream.end_capture()
+        graph = self.stream.end_capture()
+        self.xp.cuda.set_allocator(self.eager_allocator)    # the pool is the graph's from now on
+        return graph
 
     def _load(self, batches):
         """Check the batch on the host and copy it into the graph's input arrays."""

@@ -51,28 +51,7 @@ def is_available():
     return cuda.is_available()
 
 
-class _MemoryPool:
-    """get_default_memory_pool(): the counters read by memory reports, all zero."""
-
-    def used_bytes(self):
-        return 0
-
-    def total_bytes(self):
-        return 0
-
-    def free_bytes(self):
-        return 0
-
-    def free_all_blocks(self, stream=None):
-        pass
-
-    def set_limit(self, size=None, fraction=None):
-        pass
-
-    def get_limit(self):
-        return 0
-
-
+_MemoryPool = cuda.MemoryPool
 _pool, _pinned_pool = _MemoryPool(), _MemoryPool()
 
 

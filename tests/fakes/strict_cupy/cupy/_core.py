@@ -57,7 +57,7 @@ buffers = {}
 def _forget(start, nbytes, ref):
     """The allocation at `start` was freed (its NumPy root died): drop it, unless the address
     already holds a newer allocation."""
-    _strict.freed(nbytes)
+    _strict.freed(nbytes, allocation=True)
     entry = buffers.get(start)
     if entry is not None and entry.root is ref:
         del buffers[start]

@@ -39,6 +39,7 @@ import functools
 import os
 import sys
 import threading
+import weakref
 
 import numpy
 
@@ -180,20 +181,38 @@ def launches(kind=None):
 
 
 def allocated(nbytes, root=None):
-    if _capture is not None and _allocator["stream_ordered"]:
+    """`nbytes` allocated from the pool set_allocator names. While a stream captures, CuPy's
+    relaxed capture mode lets any pool allocate; but the default pool would give the graph's
+    memory to other arrays once the capture ends while replays still write it, so a capture
+    allocates from a stream-ordered pool or a pool of the graph's own (as PyTorch's graphs do),
+    and that private pool, once it has served a capture, serves nothing outside one."""
+    kind, pool = _allocator["kind"], _allocator["pool"]
+    if _capture is not None and kind != "default":
         _capture.keep.append(root)      # memory allocated in a capture belongs to the graph
+        if kind == "private":
+            _capture.pools.add(pool)
     elif _capture is not None:
-        raise StreamCaptureError(f"an allocation of {nbytes} bytes while a stream captures, from a memory pool "
-                                 "that is not stream-ordered (cudaMalloc is not capturable): use "
-                                 "cupy.cuda.set_allocator(cupy.cuda.MemoryAsyncPool().malloc)")
+        raise StreamCaptureError(f"an allocation of {nbytes} bytes at {caller(2)} while a stream captures, from "
+                                 "the default memory pool, which would hand the graph's memory to other arrays "
+                                 "after the capture: capture with a pool of the graph's own, "
+                                 "cupy.cuda.set_allocator(cupy.cuda.MemoryPool().malloc)")
+    elif kind == "private" and pool in _graph_pools:
+        raise StreamCaptureError(f"an allocation of {nbytes} bytes at {caller(2)} outside a capture from the pool "
+                                 "a captured graph took its memory from: replays would write over it; once the capture "
+                                 "ends, set back the allocator before it (cupy.cuda.get_allocator())")
     _memory["allocations"] += 1
     _memory["allocated_bytes"] += nbytes
     _memory["live_bytes"] += nbytes
     _memory["peak_bytes"] = max(_memory["peak_bytes"], _memory["live_bytes"])
 
 
-def freed(nbytes):
+def freed(nbytes, allocation=False):
+    """`nbytes` of device memory freed; `allocation`: a whole allocation whose array died. While a
+    stream captures with a stream-ordered pool, that free is cudaFreeAsync, which CUDA takes only
+    for memory the capture allocated: the capture keeps those alive, so any other is refused."""
     _memory["live_bytes"] -= nbytes
+    if allocation and _capture is not None and _allocator["kind"] == "stream_ordered":
+        _capture.outside_frees.append(f"{nbytes} bytes at {caller(2)}")
 
 
 def memory():
@@ -256,8 +275,11 @@ class StreamCaptureError(RuntimeError):
     allocation outside a stream-ordered pool, or work on another stream."""
 
 
-#: whether allocations come from a stream-ordered pool (cupy.cuda.set_allocator(MemoryAsyncPool))
-_allocator = {"stream_ordered": False}
+#: which pool allocations come from (cupy.cuda.set_allocator): kind "default", "stream_ordered"
+#: (MemoryAsyncPool) or "private" (a MemoryPool of its own), and that pool's id
+_allocator = {"kind": "default", "pool": None}
+#: the private pools captures allocated from
+_graph_pools = weakref.WeakSet()
 _capture = None
 
 
@@ -268,6 +290,8 @@ class Capture:
     def __init__(self, stream, current_stream):
         self.stream, self.current_stream = stream, current_stream
         self.work, self.launches, self.keep = [], [], []
+        self.outside_frees = []     # memory allocated before the capture and freed during it
+        self.pools = set()          # the private pools it allocated from
         self.members = {stream}     # the capturing stream and those that joined it (fork)
         self.last_work = {}         # stream -> launches captured when its last work was
         self.joined = {}            # stream -> launches captured when the capturing stream last
@@ -307,6 +331,12 @@ def end_capture():
                                  f"capturing stream {capture.stream:#x} never waited for, the last of it "
                                  f"{[f'{r.kind} {r.name} at {r.where}' for r in last]} "
                                  "(cudaErrorStreamCaptureUnjoined)")
+    if capture.outside_frees:
+        raise StreamCaptureError(f"{len(capture.outside_frees)} allocations made before the capture were freed "
+                                 f"during it, the first {capture.outside_frees[0]}: cudaFreeAsync in a capture "
+                                 "takes only memory the capture allocated (cudaErrorInvalidValue); keep them "
+                                 "alive until the capture ends")
+    _graph_pools.update(capture.pools)
     for start, (root, saved) in capture.snapshot.items():
         if root() is not None:
             _bytes_at(start, saved.size)[...] = saved
