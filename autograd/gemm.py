@@ -29,6 +29,7 @@ import itertools
 
 import numpy
 
+from . import cublas_capture
 from .backend import get_array_module
 
 _settings = {"tf32": False}
@@ -189,17 +190,23 @@ def _run(operands, shape, batch_dims, accumulate, grid):
     compute, alpha, beta = _compute(cublas, a.dtype, out.dtype, accumulate, grid)
     types = [_cuda_type(runtime, op.dtype) for op in operands]
     handle = cupy.cuda.device.get_cublas_handle()
+    # CuPy's bindings refuse cuBLAS while a graph is captured; cublas_capture calls it there
+    captured = cublas_capture.capturing(cupy)
     for index in itertools.product(*(range(size) for size, _ in outer)):
         ptr_a, ptr_b, ptr_out = (op.ptr + op.itemsize * sum(i * strides[j] for i, (_, strides) in zip(index, outer))
                                  for j, op in enumerate(operands))
         if inner == 1:
-            cublas.gemmEx(handle, b.flag, a.flag, n, m, k, alpha, ptr_b, types[1], b.ld, ptr_a, types[0], a.ld,
-                          beta, ptr_out, types[2], out.ld, compute, cublas.CUBLAS_GEMM_DEFAULT)
+            routine, args = "gemmEx", (b.flag, a.flag, n, m, k, alpha, ptr_b, types[1], b.ld, ptr_a, types[0],
+                                       a.ld, beta, ptr_out, types[2], out.ld, compute, cublas.CUBLAS_GEMM_DEFAULT)
         else:
-            cublas.gemmStridedBatchedEx(
-                handle, b.flag, a.flag, n, m, k, alpha, ptr_b, types[1], b.ld, inner_strides[1],
+            routine, args = "gemmStridedBatchedEx", (
+                b.flag, a.flag, n, m, k, alpha, ptr_b, types[1], b.ld, inner_strides[1],
                 ptr_a, types[0], a.ld, inner_strides[0], beta, ptr_out, types[2], out.ld, inner_strides[2],
                 inner, compute, cublas.CUBLAS_GEMM_DEFAULT)
+        if captured:
+            cublas_capture.call(cupy, handle, "cublas" + routine[0].upper() + routine[1:], *args)
+        else:
+            getattr(cublas, routine)(handle, *args)
 
 
 #: alpha and beta as cuBLAS reads them (host memory, in the compute type's precision): 0 and 1

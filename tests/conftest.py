@@ -4,7 +4,7 @@ test, and every rank's output shown on failure. The helpers behind it (and those
 share: mpiexec_path, rank_environment, launch) live in tests/helpers.py."""
 import pytest
 
-from npmegatron.autograd import fusion, row_kernels     # first: npmegatron sets the BLAS threads before NumPy loads
+from npmegatron.autograd import cublas_capture, fusion, row_kernels     # first: npmegatron sets the BLAS threads before NumPy loads
 from fakes.strict_cupy import strict_cupy  # noqa: E402
 from helpers import run_ranks  # noqa: E402
 
@@ -29,6 +29,8 @@ def fresh_strict_cupy(monkeypatch):
         monkeypatch.setattr(chain, "_kernel", None)
     for kernel in row_kernels.KERNELS.values():
         monkeypatch.setattr(kernel, "_compiled", {})
+    monkeypatch.setattr(cublas_capture, "_apis", {})           # another stand-in's C API and workspaces
+    monkeypatch.setattr(cublas_capture, "_workspaces", {})
     with strict_cupy(devices=1) as module:
         module._strict.reset()
         yield module

@@ -24,7 +24,7 @@ import math
 
 import numpy
 
-from ..autograd import InputError
+from ..autograd import InputError, cublas_capture
 from ..comm.backends import backend_for
 from ..autograd.backend import to_numpy
 from ..autograd.ops.nn import check_ids, ids_checked_on_host
@@ -79,6 +79,7 @@ class GraphedStep:
         # refuses for memory allocated outside the capture
         gc.collect()
         gc.disable()
+        cublas_capture.workspace(self.xp)               # the captured GEMMs' workspace, made before
         self.stream.begin_capture()
         try:
             self._body(loss_scale)

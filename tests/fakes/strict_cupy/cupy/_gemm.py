@@ -115,6 +115,7 @@ def dot(a, b, out=None):
         _strict.launch("elementwise", "_integral_tensordot_core", dtype=str(dtype))
     else:
         flag = "NT"
+        _strict.refuse_cublas_in_capture()
         _strict.launch("gemm", "gemmEx", routine="gemmEx", a=str(dtype), b=str(dtype), c=str(dtype),
                        compute=_cublas_compute(dtype), transa=flag[transposes[1]], transb=flag[transposes[0]],
                        m=m, n=n, k=k, batch=1)
@@ -148,8 +149,10 @@ def matmul(a, b, out=None):
         for _ in range(3):
             _strict.launch("elementwise", "cupy_mat_ptrs")
         routine = {"float32": "sgemmBatched", "float64": "dgemmBatched"}.get(dtype.name, "gemmBatched")
+        _strict.refuse_cublas_in_capture()
         _strict.launch("gemm", routine, routine=routine, compute=CUDA_NAMES[dtype.name], **fields)
     else:
+        _strict.refuse_cublas_in_capture()
         _strict.launch("gemm", "gemmStridedBatchedEx", routine="gemmStridedBatchedEx",
                        compute=CUDA_NAMES[dtype.name], **fields)
     if dtype != ret_dtype or (out is not None and (out.dtype != dtype or not out.flags.c_contiguous)):

@@ -350,6 +350,13 @@ def capturing():
     return _capture is not None
 
 
+def refuse_cublas_in_capture():
+    """What CuPy's cuBLAS bindings (and cupy.matmul / dot through them) do while a stream captures:
+    its setStream raises."""
+    if _capture is not None:
+        raise NotImplementedError("calling cuBLAS API during stream capture is currently unsupported")
+
+
 def replaying():
     return getattr(_local, "replaying", False)
 

@@ -11,13 +11,20 @@ precision. 32F_FAST_16BF and 32F_FAST_16F on float32 inputs let cuBLAS convert A
 the stand-in refuses inputs that are not already on that grid, where the conversion would change
 them (a real GPU would silently round). The product is NumPy's, computed in float32 for 16-bit inputs, and written through the
 column-major view of C. One launch is recorded per call, with its dtypes, compute type, transposes,
-sizes, leading dimensions and strides."""
+sizes, leading dimensions and strides.
+
+While a stream captures, these bindings refuse every call, as CuPy's do (its setStream raises
+NotImplementedError). `c_api` stands for the library's C API, which cuBLAS lets a capture record
+once the handle's stream is the capturing one and the handle holds a workspace of the caller's
+(cublasSetWorkspace after cublasSetStream, which resets it): the stand-in refuses a captured
+product without both."""
 import ctypes
 
 import numpy
 
 from .. import _core, _strict
 from . import runtime
+from .stream import get_current_stream
 
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 CUBLAS_GEMM_DEFAULT = -1
@@ -136,11 +143,56 @@ def _gemm_on(routine, transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B,
 
 def gemmEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc,
            computeType, algo):
+    _strict.refuse_cublas_in_capture()
     _gemm("gemmEx", transa, transb, m, n, k, alpha, A, Atype, lda, 0, B, Btype, ldb, 0, beta, C, Ctype,
           ldc, 0, 1, computeType)
 
 
 def gemmStridedBatchedEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B, Btype, ldb,
                          strideB, beta, C, Ctype, ldc, strideC, batchCount, computeType, algo):
+    _strict.refuse_cublas_in_capture()
     _gemm("gemmStridedBatchedEx", transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B, Btype, ldb,
           strideB, beta, C, Ctype, ldc, strideC, batchCount, computeType)
+
+
+class _CApi:
+    """libcublas's C entry points as ctypes calls them (pointers as ints; status 0 returned)."""
+
+    def __init__(self):
+        self.handles = {}       # handle -> {"stream": pointer, "workspace": (pointer, bytes) or None}
+
+    def cublasSetStream_v2(self, handle, stream):
+        self.handles[handle] = {"stream": stream, "workspace": None}
+        return 0
+
+    def cublasSetWorkspace_v2(self, handle, workspace, nbytes):
+        if _core.find_buffer(workspace, nbytes) is None:
+            raise CUBLASError(7, f"workspace at {workspace:#x}: {nbytes} bytes are not inside one live allocation")
+        self.handles.setdefault(handle, {"stream": 0})["workspace"] = (workspace, nbytes)
+        return 0
+
+    def _ready(self, handle, routine):
+        state = self.handles.get(handle, {})
+        if state.get("stream") != get_current_stream().ptr:
+            raise _strict.StreamCaptureError(f"{routine} on a handle whose stream is not the current one: "
+                                             "cublasSetStream first")
+        if _strict.capturing() and not state.get("workspace"):
+            raise _strict.StreamCaptureError(f"{routine} captured on a handle without a workspace of the caller's "
+                                             "(cublasSetWorkspace after cublasSetStream)")
+
+    def cublasGemmEx(self, handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype,
+                     ldc, computeType, algo):
+        self._ready(handle, "cublasGemmEx")
+        _gemm("gemmEx", transa, transb, m, n, k, alpha, A, Atype, lda, 0, B, Btype, ldb, 0, beta, C, Ctype,
+              ldc, 0, 1, computeType)
+        return 0
+
+    def cublasGemmStridedBatchedEx(self, handle, transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B, Btype,
+                                   ldb, strideB, beta, C, Ctype, ldc, strideC, batchCount, computeType, algo):
+        self._ready(handle, "cublasGemmStridedBatchedEx")
+        _gemm("gemmStridedBatchedEx", transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B, Btype, ldb,
+              strideB, beta, C, Ctype, ldc, strideC, batchCount, computeType)
+        return 0
+
+
+c_api = _CApi()
