@@ -103,15 +103,19 @@ def train(steps, **options):
                          ids=["float32", "bf16-fused-attention", "dropout"])
 def test_replayed_steps_equal_eager_ones(options):
     """Two micro-batches a step, clipping on: steps 1-2 eager, step 3 captured, 4-7 replayed,
-    against seven eager steps. cuBLAS may choose other kernels inside a capture, so the figures
-    are held to float32 rounding, not bitwise; the replays' run is printed."""
+    against seven eager steps. Inside a capture cuBLAS runs with a workspace of the graph's and
+    may choose other kernels, so the figures are held to the run's rounding, not bitwise: float32's,
+    and under --bf16 the 16-bit rounding of the parameters the GEMMs read (a replay that read a
+    stale batch or skipped the update would miss by far more). Whether they were bitwise is printed."""
     eager = train(7, **options)
     graphed = train(7, cuda_graph=True, **options)
     assert graphed[3].graphed.graph is not None
     bitwise = graphed[0] == eager[0] and all(numpy.array_equal(a, b) for a, b in zip(graphed[2], eager[2]))
     print(options, "bitwise" if bitwise else "not bitwise", eager[0], graphed[0])
-    numpy.testing.assert_allclose(graphed[0], eager[0], rtol=1e-5)
-    numpy.testing.assert_allclose(graphed[1], eager[1], rtol=1e-4)
+    rtol, atol = (1e-3, 2e-3) if options.get("bf16") else (1e-5, 1e-5)    # atol: under one AdamW step (lr 3e-3)
+    numpy.testing.assert_allclose(graphed[0], eager[0], rtol=rtol)
+    numpy.testing.assert_allclose(graphed[1], eager[1], rtol=10 * rtol)
     for mine, theirs in zip(graphed[2], eager[2]):
-        numpy.testing.assert_allclose(mine.astype(numpy.float64), theirs.astype(numpy.float64), rtol=1e-4, atol=1e-5)
+        numpy.testing.assert_allclose(mine.astype(numpy.float64), theirs.astype(numpy.float64), rtol=10 * rtol,
+                                      atol=atol)
     assert eager[0][-1] < eager[0][0]

@@ -8,7 +8,7 @@ import time
 
 import numpy
 
-from ..autograd import precision
+from ..autograd import gemm, precision
 from ..autograd.backend import array_module_for, to_numpy
 from ..autograd.ops.fused_attention import attention_path
 from ..autograd.profile import op_profile
@@ -44,10 +44,14 @@ class GemmCeiling:
     speed. bench step runs a round after each timed step, and the ratio pairs each step with the
     round right after it, so that on a machine whose speed drifts by +-15 % from one second to
     the next (this project's) a step is held against the ceiling of the same moment. Operands
-    are made per shape in each round (untimed), so a GPU holds one shape's beside the model."""
+    are made per shape in each round (untimed), so a GPU holds one shape's beside the model. The
+    GEMMs are the model's: gemm.matmul in its dtype, or in the 16-bit type where the run holds
+    16-bit arrays (--bf16/--fp16 on a GPU: 16-bit tensor cores), TF32 under --tf32."""
 
     def __init__(self, cfg, batch, seq, repeats=3):
-        self.xp, self.dtype, self.repeats = array_module_for(cfg.device), numpy.dtype(cfg.dtype), repeats
+        self.xp, self.repeats = array_module_for(cfg.device), repeats
+        sixteen_bit = precision.holds_16_bit_arrays(self.xp, cfg.storage_format)
+        self.dtype = precision.sixteen_bit_dtype(cfg.storage_format) if sixteen_bit else numpy.dtype(cfg.dtype)
         self.gemms, self.flops = [], 0.0
         for count, m, k, n in model_gemms(cfg, batch, seq):
             bmm = count if count > cfg.num_layers else 1     # attention GEMMs are batched
@@ -66,7 +70,7 @@ class GemmCeiling:
             for _ in range(self.repeats):
                 _synchronize(self.xp)
                 start = time.perf_counter()
-                a @ b
+                gemm.matmul(a, b)
                 _synchronize(self.xp)
                 best = min(best, time.perf_counter() - start)
             seconds += calls * best

@@ -46,6 +46,7 @@ class GraphedStep:
         self.pool = xp.cuda.MemoryPool()                # the graph's memory (the module's docstring)
         self.eager_allocator = xp.cuda.get_allocator()
         xp.cuda.set_allocator(self.pool.malloc)
+        xp.get_default_memory_pool().free_all_blocks()  # its cache would sit unused beside the graph's pool
         self.parts, self.config, self.xp = run, config, xp
         run.model.rng.iteration_on_device()             # dropout's masks keyed by the iteration there
         self.stream = xp.cuda.Stream(non_blocking=True)
