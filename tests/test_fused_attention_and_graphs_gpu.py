@@ -116,6 +116,13 @@ def test_replayed_steps_equal_eager_ones(options):
     numpy.testing.assert_allclose(graphed[0], eager[0], rtol=rtol)
     numpy.testing.assert_allclose(graphed[1], eager[1], rtol=10 * rtol)
     for mine, theirs in zip(graphed[2], eager[2]):
-        numpy.testing.assert_allclose(mine.astype(numpy.float64), theirs.astype(numpy.float64), rtol=10 * rtol,
-                                      atol=atol)
+        mine, theirs = mine.astype(numpy.float64), theirs.astype(numpy.float64)
+        if mine.shape == (3 * SMALL["hidden_size"],):
+            # the key bias adds the same q.b to every score of a query, so its gradient is zero
+            # but for rounding, and AdamW turns that noise into steps of +-lr either way: held to
+            # the steps taken (seen on an H200: only these entries differ by more than rounding)
+            key = numpy.arange(mine.size) // (SMALL["hidden_size"] // SMALL["num_attention_heads"]) % 3 == 1
+            assert numpy.abs(mine[key] - theirs[key]).max() <= 2 * 7 * SMALL["lr"]
+            mine, theirs = mine[~key], theirs[~key]
+        numpy.testing.assert_allclose(mine, theirs, rtol=10 * rtol, atol=atol)
     assert eager[0][-1] < eager[0][0]
