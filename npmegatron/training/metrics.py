@@ -82,7 +82,7 @@ class MemoryLog:
 
 def device_pool_bytes(xp, graphed=None):
     """The bytes CuPy's memory pool holds (it keeps what was freed: after a run, its peak), and
-    under --cuda-graph the stream-ordered pool's too."""
+    under --cuda-graph the graph's own pool too."""
     return xp.get_default_memory_pool().total_bytes() + (graphed.pool.total_bytes() if graphed else 0)
 
 
