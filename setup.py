@@ -35,20 +35,25 @@ setup(
         "matplotlib>=3.5",      # bench scaling's plots (Agg backend)
         "numba>=0.59",          # the dropout hash on the CPU: 24x NumPy's uint64 passes (measured)
         "pyyaml>=6.0",          # --config files in YAML (TOML and JSON need nothing)
+        "tensorboardX>=2.6",    # --tensorboard-dir (event files without torch or tensorflow)
     ],
     extras_require={
         "mpi": ["mpich"],               # MPI itself from PyPI; leave out on clusters with a system MPI
         "hf": ["tokenizers>=0.15"],     # a local Hugging Face tokenizer.json for preprocess
         # ml_dtypes: the bfloat16 reference; hypothesis: the hostile-file tests; import-linter: the layers
-        "test": ["pytest>=7", "tokenizers>=0.15", "ml_dtypes>=0.3", "hypothesis>=6.80", "import-linter>=2.1"],
+        # tensorboard and wandb: their own readers check what --tensorboard-dir and --wandb-project wrote
+        "test": ["pytest>=7", "tokenizers>=0.15", "ml_dtypes>=0.3", "hypothesis>=6.80", "import-linter>=2.1",
+                 "tensorboard>=2.10", "wandb>=0.16"],
+        "wandb": ["wandb>=0.16"],                 # --wandb-project
         # cupy-cuda13x for CUDA 13. CuPy pinned to the versions whose NCCL API comm uses (13: the
         # unique id is a tuple, 14: bytes; comm passes it through unchanged); libnccl itself does
         # not come with CuPy's wheel, and without it cupy.cuda.nccl imports but is unavailable.
         # ml_dtypes: bfloat16 arrays in CuPy 14 (--bf16 keeps float32 arrays under CuPy 13).
-        # nvidia-cudnn-frontend: cuDNN's flash attention (1.13: `generate_stats`), with cuDNN itself
-        # for CUDA 12; without them attention runs the blockwise path (fused_attention.py)
+        # nvidia-cudnn-frontend: cuDNN's flash attention (1.13: `generate_stats`; 1.16 ran on an H200,
+        # later releases rewrote the graph API in Python), with cuDNN itself for CUDA 12; without them
+        # attention runs the blockwise path (fused_attention.py)
         "gpu": ["cupy-cuda12x>=13,<15", "nvidia-nccl-cu12", "ml_dtypes>=0.3",
-                "nvidia-cudnn-frontend>=1.13", "nvidia-cudnn-cu12>=9.5"],
+                "nvidia-cudnn-frontend>=1.13,<1.17", "nvidia-cudnn-cu12>=9.5"],
     },
     entry_points={"console_scripts": ["npmegatron=npmegatron.cli:main"]},
     # the machine profiles of `npmegatron plan --profile NAME`, shipped in the wheel

@@ -219,6 +219,15 @@ class TrainConfig:
     eval_interval: int = option(250, "Steps between validation losses.", minimum=1)
     eval_iters: int = option(10, "Validation batches.", minimum=1)
     log_file: Optional[str] = option(None, "Write metrics as JSON lines here.")
+    tensorboard_dir: Optional[str] = option(None, "Write each interval's figures here as TensorBoard scalars, "
+                                                  "with Megatron-LM's names (lm loss, learning-rate, grad-norm, "
+                                                  "throughput, ...).")
+    wandb_project: Optional[str] = option(None, "Log each interval's figures to this Weights & Biases project "
+                                                "(pip install 'npmegatron[wandb]'; WANDB_MODE=offline needs no "
+                                                "network).")
+    wandb_exp_name: Optional[str] = option(None, "The Weights & Biases run's name.")
+    wandb_save_dir: Optional[str] = option(None, "Folder for Weights & Biases' files (default: wandb/ in --save, "
+                                                 "else ./wandb).")
     data_path: Optional[str] = option(None, "PREFIX written by `npmegatron preprocess` (either format) or "
                                             "by Megatron's preprocess_data.py, or a weighted blend "
                                             "'0.7 PREFIX_A 0.3 PREFIX_B' (default: the embedded corpus).")

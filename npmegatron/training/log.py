@@ -1,6 +1,7 @@
 """What a training run shows: a header, a progress bar (on a terminal only: captured to a file,
 its refreshes would bury the interval lines), a line every --log-interval iterations with the
-same figures as JSON in --log-file, and a summary. Only rank 0 writes; other ranks pass echo=None."""
+same figures as JSON in --log-file and to TensorBoard or W&B (trackers.py), and a summary. Only
+rank 0 writes; other ranks pass echo=None."""
 import json
 import sys
 import time
@@ -13,6 +14,7 @@ from ..autograd.ops.fused_attention import attention_path
 from ..model import model_flops
 from ..perf.memory import ParallelShape, chunk_activation_bytes
 from .metrics import format_memory, format_phases, peak_flops_per_rank, phases
+from .trackers import Trackers
 
 
 class TrainingLog:
@@ -23,6 +25,7 @@ class TrainingLog:
         self.flops_per_step = model_flops(trainer.cfg, trainer.model.num_parameters(),
                                           trainer.plan.global_batch, config.seq_length)
         self.file = open_log(config.log_file, append=bool(config.load)) if config.log_file and echo else None
+        self.trackers = Trackers(config, echo)
         self.bar = tqdm(total=self.total, initial=trainer.iteration, desc="training", unit="it",
                         leave=False, disable=not (echo and sys.stderr.isatty()))
         self.window, self.window_start = [], time.perf_counter()
@@ -58,7 +61,7 @@ class TrainingLog:
         elapsed, steps = time.perf_counter() - self.window_start - (evaluated_s or 0.0), len(self.window)
         record = {"iteration": done, "loss": float(numpy.mean(self.window)), "lr": lr, "grad_norm": grad_norm,
                   "tokens_per_s": steps * self.tokens_per_step / elapsed,
-                  "tflops": steps * self.flops_per_step / elapsed / 1e12}
+                  "tflops": steps * self.flops_per_step / elapsed / 1e12, "iteration_s": elapsed / steps}
         record["tflops_per_rank"] = record["tflops"] / self.world_size
         if self.peak:
             record["mfu"] = record["tflops_per_rank"] * 1e12 / self.peak
@@ -79,6 +82,7 @@ class TrainingLog:
         if self.file:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
+        self.trackers.write(record)
         self.window, self.window_start = [], time.perf_counter()
 
     def summary(self, losses):
@@ -90,6 +94,7 @@ class TrainingLog:
         self.bar.close()
         if self.file:
             self.file.close()
+        self.trackers.close()
 
 
 def recompute_note(cfg):
