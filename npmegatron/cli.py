@@ -98,10 +98,17 @@ def preprocess(inputs, input_files, output, tokenizer_file, output_format, json_
 
 @main.command()
 @click.option("--load", required=True, help="Checkpoint folder (a --save folder).")
-@click.option("--prompt", required=True, help="Text to continue.")
-@click.option("--max-tokens", type=int, default=200, show_default=True, help="Tokens to generate.")
+@click.option("--prompt", default=None, help="Text to continue.")
+@click.option("--prompts-file", default=None, help="A UTF-8 text file of prompts, one per line (blank lines "
+              "skipped), each continued in turn; instead of --prompt.")
+@click.option("--max-tokens", type=int, default=200, show_default=True, help="Tokens to generate (past the "
+              "model's positions it attends to the last ones).")
 @click.option("--temperature", type=float, default=0.8, show_default=True, help="0: greedy.")
 @click.option("--top-k", type=int, default=40, show_default=True, help="Sample among the k likeliest (0: all).")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="Then among the fewest likeliest "
+              "whose probabilities reach p (nucleus sampling; 1: all).")
+@click.option("--num-samples", type=POSITIVE, default=1, show_default=True, help="Samples of each prompt "
+              "(seeds --seed, --seed + 1, ...), separated by a line of dashes.")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Sampling seed.")
 @click.option("--tensor-model-parallel-size", "--tp", "tp", type=POSITIVE, default=None,
               help="TP ranks (default: the launched ranks / PP).")
@@ -109,18 +116,49 @@ def preprocess(inputs, input_files, output, tokenizer_file, output_format, json_
               help="Pipeline stages.")
 @config_options(GPTConfig, only={"device"})
 @user_errors
-def generate(load, prompt, max_tokens, temperature, top_k, seed, tp, pp, device):
-    """Continue a prompt from a checkpoint saved at any layout, resharded to the one launched
-    (mpirun -n TP x PP): a key/value cache on one stage, the stages in turn over several."""
+def generate(load, prompt, prompts_file, max_tokens, temperature, top_k, top_p, num_samples, seed, tp, pp,
+             device):
+    """Continue a prompt (or each line of a file) from a checkpoint saved at any layout, resharded
+    to the one launched (mpirun -n TP x PP): a key/value cache on one stage, the stages in turn
+    over several."""
     if max_tokens < 1:
         raise InputError(f"--max-tokens {max_tokens} must be a positive integer")
-    from .data import utf8_bytes
-    utf8_bytes(prompt, "--prompt")      # before the checkpoint loads: argv bytes need not be UTF-8
+    prompts = generation_prompts(prompt, prompts_file)   # before the checkpoint loads
     from .generation import generate as run_generate, load_for_generation
     model, tokenizer = load_for_generation(load, device, tp, pp)
-    ids = run_generate(model, tokenizer.encode(prompt), max_tokens, temperature, top_k or None, seed)
-    if model.grid.rank == 0:
-        click.echo(tokenizer.decode(ids))
+    capacity, first = model.cfg.max_position_embeddings, True
+    for text in prompts:
+        ids = tokenizer.encode(text)
+        if model.grid.rank == 0 and len(ids) + max_tokens > capacity and first:
+            click.echo(f"note: the model holds {capacity} positions; past them each new token attends to the "
+                       f"last {capacity} (a full forward each)", err=True)
+            first = False
+        for sample in range(num_samples):
+            out = run_generate(model, ids, max_tokens, temperature, top_k or None, seed + sample, top_p)
+            if model.grid.rank == 0:
+                click.echo(("-" * 40 + "\n" if len(prompts) * num_samples > 1 else "") + tokenizer.decode(out))
+
+
+def generation_prompts(prompt, prompts_file):
+    """The prompts of `generate`: --prompt, or the non-blank lines of --prompts-file."""
+    from .data import utf8_bytes
+    if (prompt is None) == (prompts_file is None):
+        raise InputError("generate needs a prompt: give --prompt TEXT or --prompts-file FILE (one of them)")
+    if prompt is not None:
+        utf8_bytes(prompt, "--prompt")      # argv bytes need not be UTF-8
+        return [prompt]
+    try:
+        with open(prompts_file, encoding="utf-8") as f:
+            prompts = [line.rstrip("\n") for line in f if line.strip()]
+    except OSError as e:
+        raise InputError(f"cannot read --prompts-file {prompts_file} ({e.strerror}); give a readable text "
+                         "file") from None
+    except UnicodeDecodeError:
+        raise InputError(f"--prompts-file {prompts_file} is not UTF-8 text; save it as UTF-8") from None
+    if not prompts:
+        raise InputError(f"--prompts-file {prompts_file} holds no prompt (every line is blank); write one "
+                         "prompt per line")
+    return prompts
 
 
 @main.command()

@@ -49,8 +49,10 @@ class KVCache:
         return self.layers[i]
 
 
-def sample_token(logits, rng, temperature, top_k):
-    """One token id from a (vocab,) float64 array: greedy at temperature 0."""
+def sample_token(logits, rng, temperature, top_k, top_p=1.0):
+    """One token id from a (vocab,) float64 array: greedy at temperature 0; else sampled among
+    the top_k likeliest (None: all), then among the fewest likeliest whose probabilities reach
+    top_p (nucleus sampling, Holtzman et al., 2019; 1.0: all)."""
     if temperature == 0:
         return int(numpy.argmax(logits))
     # Shift before scaling: a tiny temperature then overflows to -inf (probability 0), never to
@@ -61,7 +63,15 @@ def sample_token(logits, rng, temperature, top_k):
         cutoff = numpy.partition(logits, -top_k)[-top_k]
         logits = numpy.where(logits < cutoff, -numpy.inf, logits)
     probs = numpy.exp(logits)
-    return int(rng.choice(logits.size, p=probs / probs.sum()))
+    probs /= probs.sum()
+    if top_p < 1.0:
+        order = numpy.argsort(-probs, kind="stable")
+        # keep a token while the likelier ones before it have not yet reached top_p
+        before = numpy.cumsum(probs[order]) - probs[order]
+        kept = numpy.zeros_like(probs)
+        kept[order[before < top_p]] = probs[order[before < top_p]]
+        probs = kept / kept.sum()
+    return int(rng.choice(logits.size, p=probs))
 
 
 def without_sequence_parallel(model):
@@ -75,22 +85,25 @@ def without_sequence_parallel(model):
     return twin
 
 
-def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, seed=0):
-    """The prompt followed by up to max_new_tokens sampled ids (fewer if the position table
-    fills). `model` is a GPT, or a PipelineModel of any layout. Collective over the model's
-    ranks; every rank returns the same ids."""
+def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, seed=0, top_p=1.0):
+    """The prompt followed by max_new_tokens sampled ids. Past the position table the model
+    attends to the last positions it holds (a sliding window, as nanoGPT's sample.py). `model`
+    is a GPT, or a PipelineModel of any layout. Collective over the model's ranks; every rank
+    returns the same ids."""
     if not (math.isfinite(temperature) and temperature >= 0):
         raise InputError(f"temperature {temperature} must be a finite number >= 0; use 0 for greedy "
                          "decoding or a positive value to sample")
     if top_k is not None and top_k < 1:
         raise InputError(f"top-k {top_k} must be a positive integer (or omitted)")
+    if not 0.0 < top_p <= 1.0:
+        raise InputError(f"top-p {top_p} must be in (0, 1]; 1 samples from every token")
     if len(prompt_ids) == 0:
         raise InputError("the prompt is empty; give at least one character")
     whole = getattr(model, "whole", model)      # a pipeline rank holding every layer is a GPT
     capacity = model.cfg.max_position_embeddings
     ids = list(prompt_ids)[-capacity:]      # keep the end of a prompt longer than the table
     rng = numpy.random.default_rng(seed)
-    draw = lambda row: sample_token(row.astype(numpy.float64), rng, temperature, top_k)
+    draw = lambda row: sample_token(row.astype(numpy.float64), rng, temperature, top_k, top_p)
     was_training = model.training
     model.eval()
     try:
@@ -103,17 +116,22 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, see
 
 
 def _generate_cached(model, ids, max_new_tokens, draw):
-    """One stage: the prompt once, then one position per token through the key/value cache."""
+    """One stage: the prompt once, then one position per token through the key/value cache; once
+    the table is full, each token runs the last `capacity` positions afresh (the positions shift,
+    so the cached keys and values no longer hold), as the pipelined path does."""
     if model.cfg.sequence_parallel:
         model = without_sequence_parallel(model)
     capacity, cache, out = model.cfg.max_position_embeddings, KVCache(model), list(ids)
     logits, _ = model(numpy.array([ids]), cache=cache)
-    while len(out) - len(ids) < max_new_tokens:
+    while True:
         out.append(draw(to_numpy(model.full_logits(logits.data[:, -1:]))[0, -1]))
-        if cache.length >= capacity or len(out) - len(ids) == max_new_tokens:
-            break
-        logits, _ = model(numpy.array([[out[-1]]]), cache=cache)
-    return out
+        if len(out) - len(ids) == max_new_tokens:
+            return out
+        if cache.length < capacity:
+            logits, _ = model(numpy.array([[out[-1]]]), cache=cache)
+        else:
+            cache = KVCache(model)
+            logits, _ = model(numpy.array([out[-capacity:]]), cache=cache)
 
 
 def _generate_pipelined(model, ids, max_new_tokens, draw):
@@ -126,7 +144,7 @@ def _generate_pipelined(model, ids, max_new_tokens, draw):
     grid, capacity, out = model.grid, model.cfg.max_position_embeddings, list(ids)
     exchange = StageExchange(grid, model.cfg.dtype, model.xp, 1, variable_seq_lengths=True)
     last_stage = model.chunks[-1] if model.stage_specs[-1].post_process else None
-    while len(out) - len(ids) < max_new_tokens and len(out) <= capacity:
+    while len(out) - len(ids) < max_new_tokens:
         logits = []
         run_schedule(model, exchange, [(numpy.array([out[-capacity:]]), None)], forward_only=True,
                      outputs=logits)

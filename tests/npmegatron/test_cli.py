@@ -137,6 +137,30 @@ def test_bad_generate_input_is_one_sentence(tiny_checkpoint, args, message):
     assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], stderr
 
 
+def test_generate_from_a_prompts_file_several_samples_past_the_positions(tiny_checkpoint, tmp_path):
+    (tmp_path / "prompts.txt").write_text("the quick\n\nbrown fox\n")
+    result = run(CLI + ["generate", "--load", tiny_checkpoint, "--prompts-file", str(tmp_path / "prompts.txt"),
+                        "--num-samples", "2", "--max-tokens", "20", "--top-p", "0.9"])
+    assert result.returncode == 0, result.stderr
+    samples = result.stdout.split("-" * 40 + "\n")[1:]
+    assert len(samples) == 4 and [s[:9] for s in samples] == ["the quick", "the quick", "brown fox", "brown fox"]
+    assert all(len(s.rstrip("\n").encode()) >= 9 + 20 for s in samples[:2])   # 20 new bytes past 16 positions
+    assert samples[0] != samples[1]                                              # seeds 0 and 1
+    assert result.stderr.count("note: the model holds 16 positions") == 1
+
+
+@pytest.mark.parametrize("args,message", [
+    ([], "generate needs a prompt: give --prompt TEXT or --prompts-file FILE"),
+    (["--prompt", "a", "--prompts-file", "x.txt"], "generate needs a prompt: give --prompt TEXT or --prompts-file"),
+    (["--prompts-file", "/nonexistent/prompts.txt"], "cannot read --prompts-file /nonexistent/prompts.txt"),
+    (["--prompt", "a", "--top-p", "1.5"], "top-p 1.5 must be in (0, 1]"),
+], ids=["none", "both", "missing", "top-p"])
+def test_bad_prompts_are_one_sentence(tiny_checkpoint, args, message):
+    result = run(CLI + ["generate", "--load", tiny_checkpoint, "--max-tokens", "3"] + args)
+    lines = [l for l in result.stderr.splitlines() if l.strip()]
+    assert result.returncode != 0 and len(lines) == 1 and message in lines[0], result.stderr
+
+
 def test_bench_comm_without_ranks_launches_two():
     from helpers import rank_environment
     result = subprocess.run(CLI + ["bench", "comm", "--max-bytes", "4096"], capture_output=True, text=True,

@@ -38,11 +38,28 @@ def test_each_new_token_feeds_one_position():
     assert model.training                                  # restored
 
 
-def test_generation_stops_at_the_position_table():
+def test_generation_slides_past_the_position_table():
+    """Past the table the model sees the last positions it holds: each token is what a full
+    forward of the last 24 positions (CFG's table) gives, greedy."""
     model = GPT(GPTConfig(**CFG))
-    out = generate(model, list(range(30)), max_new_tokens=50, temperature=1.0, top_k=5, seed=1)
+    out = generate(model, list(range(30)), max_new_tokens=50, temperature=0.0)
     assert out[:24] == list(range(6, 30))                  # the prompt's end is kept
-    assert len(out) == 25                                  # 24 positions fed, one more sampled
+    assert len(out) == 24 + 50
+    model.eval()
+    for position in range(24, len(out)):
+        logits, _ = model(np.array([out[position - 24:position]]))
+        assert out[position] == int(np.argmax(logits.data[0, -1]))
+
+
+def test_top_p_keeps_the_fewest_likeliest_tokens_reaching_p():
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+    rng = np.random.default_rng(0)
+    assert {sample_token(logits, rng, 1.0, None, top_p=0.5) for _ in range(100)} == {0}
+    assert {sample_token(logits, rng, 1.0, None, top_p=0.7) for _ in range(300)} == {0, 1}
+    assert {sample_token(logits, rng, 1.0, None, top_p=0.81) for _ in range(500)} == {0, 1, 2}
+    assert {sample_token(logits, rng, 1.0, 1, top_p=0.9) for _ in range(50)} == {0}     # after top-k
+    with pytest.raises(InputError, match="top-p 0.0 must be in"):
+        generate(GPT(GPTConfig(**CFG)), [1], 3, top_p=0.0)
 
 
 def test_sampling_rules():
@@ -74,4 +91,4 @@ def test_tensor_parallel_generation_equals_serial(mpirun):
 
 def test_pipeline_generation_equals_serial(mpirun):
     result = mpirun(2, "ranks/generation.py", args=["pp-equals-serial", json.dumps(CFG)], timeout=120)
-    assert result.stdout.count("same 25") == 2       # 3 + 21: stopped by the 24-position table
+    assert result.stdout.count("same 43") == 2       # 3 + 40: past the 24-position table, both slide

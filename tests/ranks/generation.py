@@ -27,7 +27,7 @@ def tp_equals_serial(config):
 
 def pp_equals_serial(config):
     """Two pipeline stages, one per rank (no key/value cache across stages), sample what the
-    serial model samples with its cache, also when the position table fills."""
+    serial model samples with its cache, also past the position table (both slide)."""
     from npmegatron.run import build_model
     cfg = GPTConfig(**config)
     comm.init()
