@@ -1,8 +1,11 @@
 """The `npmegatron` command line (click): train, preprocess, generate, convert, bench
 step|comm|pipeline|scaling.
 Megatron-LM's flag names; the training and model flags are generated from config.py's fields."""
+import contextlib
 import json
+import os
 import sys
+import tempfile
 
 import click
 
@@ -71,6 +74,13 @@ def evaluate(**options):
                    "and PREFIX.idx; JSONL input writes PREFIX_KEY_document.bin/.idx per --json-keys key.")
 @click.option("--tokenizer", "tokenizer_file", default=None,
               help="A local Hugging Face tokenizer.json (default: byte-level, vocabulary 256).")
+@click.option("--tokenizer-type", type=click.Choice(["bytes", "HuggingFaceTokenizer", "GPT2BPETokenizer"]),
+              default=None, help="Megatron's name of the tokenizer (default: HuggingFaceTokenizer with "
+              "--tokenizer, else bytes); GPT2BPETokenizer reads --vocab-file and --merge-file.")
+@click.option("--vocab-file", default=None, help="GPT2BPETokenizer: GPT-2's vocab.json (or train-tokenizer's).")
+@click.option("--merge-file", default=None, help="GPT2BPETokenizer: GPT-2's merges.txt (or train-tokenizer's).")
+@click.option("--embedded-corpus", is_flag=True, help="Tokenize the embedded corpus (the standard library's "
+              ".py files, what train reads without --data-path) instead of INPUTS.")
 @click.option("--output-format", type=click.Choice(["npmegatron", "megatron"]), default=None,
               help="npmegatron (the default for text: PREFIX.json index) or megatron (always for JSONL: "
                    "Megatron's PREFIX.idx, plus PREFIX.npmegatron.json with the vocabulary).")
@@ -78,13 +88,52 @@ def evaluate(**options):
               "(default: text); repeat the flag or separate keys with commas.")
 @click.option("--append-eod", is_flag=True, help="Append the tokenizer's <|endoftext|> to every document.")
 @user_errors
-def preprocess(inputs, input_files, output, tokenizer_file, output_format, json_keys, append_eod):
+def preprocess(inputs, input_files, output, tokenizer_file, tokenizer_type, vocab_file, merge_file,
+               embedded_corpus, output_format, json_keys, append_eod):
     """Tokenize text files or folders, or Megatron's JSONL, into a memory-mapped token file for
     --data-path."""
-    from .data import choose_output_format, preprocess as run_preprocess, preprocess_megatron
-    inputs = list(inputs) + list(input_files)
+    inputs = corpus_inputs(list(inputs) + list(input_files), embedded_corpus)
+    with tokenizer_json(tokenizer_file, tokenizer_type, vocab_file, merge_file) as tokenizer_file:
+        run_preprocessing(inputs, output, tokenizer_file, output_format, json_keys, append_eod)
+
+
+def corpus_inputs(inputs, embedded_corpus):
+    """The input files and folders of preprocess and train-tokenizer."""
+    from .data import stdlib_python_files
+    if embedded_corpus and inputs:
+        raise InputError("--embedded-corpus takes the standard library's files; give it or INPUTS, not both")
+    if embedded_corpus:
+        return stdlib_python_files()
     if not inputs:
-        raise click.UsageError("Missing argument 'INPUTS...' (or --input FILE).")
+        raise click.UsageError("Missing argument 'INPUTS...' (or --input FILE, or --embedded-corpus).")
+    return inputs
+
+
+@contextlib.contextmanager
+def tokenizer_json(tokenizer_file, tokenizer_type, vocab_file, merge_file):
+    """The tokenizer.json preprocess reads (None: bytes): --tokenizer's, or GPT-2's BPE made from
+    --vocab-file and --merge-file into a temporary file (the dataset keeps its copy)."""
+    from .data.bpe import gpt2_tokenizer_json
+    kind = tokenizer_type or ("HuggingFaceTokenizer" if tokenizer_file else "bytes")
+    if (kind == "GPT2BPETokenizer") != bool(vocab_file or merge_file) or (kind == "GPT2BPETokenizer" and tokenizer_file):
+        raise InputError("--vocab-file and --merge-file go with --tokenizer-type GPT2BPETokenizer (and no "
+                         "--tokenizer), which needs both")
+    if (kind == "HuggingFaceTokenizer") != bool(tokenizer_file):
+        raise InputError(f"--tokenizer-type {kind} and --tokenizer {tokenizer_file} do not go together: "
+                         "HuggingFaceTokenizer reads --tokenizer FILE, bytes needs none")
+    if kind != "GPT2BPETokenizer":
+        yield tokenizer_file
+        return
+    text = gpt2_tokenizer_json(vocab_file, merge_file)
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "tokenizer.json")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+        yield path
+
+
+def run_preprocessing(inputs, output, tokenizer_file, output_format, json_keys, append_eod):
+    from .data import choose_output_format, preprocess as run_preprocess, preprocess_megatron
     keys = [key for value in json_keys for key in value.replace(",", " ").split()]
     if choose_output_format(inputs, output_format, keys) == "npmegatron":
         index = run_preprocess(inputs, output, tokenizer_file, append_eod)
@@ -94,6 +143,26 @@ def preprocess(inputs, input_files, output, tokenizer_file, output_format, json_
     for made in preprocess_megatron(inputs, output, tokenizer_file, keys, append_eod):
         click.echo(f"{made['prefix']}.bin/.idx: {made['num_tokens']:,} tokens ({made['dtype']}) from "
                    f"{made['num_documents']} documents, vocabulary {made['vocab_size']:,}")
+
+
+@main.command("train-tokenizer")
+@click.argument("inputs", nargs=-1)
+@click.option("--vocab-size", type=POSITIVE, required=True, help="Tokens in all: the 256 bytes, <|endoftext|> "
+              "and the merges learnt.")
+@click.option("--output", "-o", required=True, help="Folder to write vocab.json, merges.txt and tokenizer.json.")
+@click.option("--embedded-corpus", is_flag=True, help="Learn from the embedded corpus (the standard library's "
+              ".py files) instead of INPUTS.")
+@user_errors
+def train_tokenizer(inputs, vocab_size, output, embedded_corpus):
+    """Learn a byte-level BPE (GPT-2's kind) from text files or folders; preprocess then reads it
+    with --tokenizer OUTPUT/tokenizer.json."""
+    from .data.bpe import train_bpe
+    from .data.preprocessing import input_files
+    made = train_bpe(input_files(corpus_inputs(list(inputs), embedded_corpus)), vocab_size, output)
+    click.echo(f"{output}: vocab.json, merges.txt and tokenizer.json, {made['vocab_size']:,} tokens learnt from "
+               f"{made['bytes']:,} bytes in {made['files']:,} files")
+    if made["vocab_size"] < vocab_size:
+        click.echo(f"(fewer than the {vocab_size:,} asked: no other pair of tokens occurs twice in the inputs)")
 
 
 @main.command()

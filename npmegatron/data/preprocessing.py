@@ -17,7 +17,8 @@ from .tokenizer import ByteTokenizer, HFTokenizer, end_of_document_id, utf8_byte
 JSONL_SUFFIXES = (".jsonl", ".json")
 
 
-def _input_files(inputs):
+def input_files(inputs):
+    """The files of `inputs`: files as given, folders walked in sorted order (hidden names skipped)."""
     files = []
     for item in inputs:
         if os.path.isdir(item):
@@ -132,7 +133,7 @@ def preprocess(inputs, output_prefix, tokenizer_file=None, append_eod=False):
     PREFIX.bin and PREFIX.json. Returns the index. Nothing is left half-written on failure."""
     tokenizer = HFTokenizer(tokenizer_file) if tokenizer_file else ByteTokenizer()
     eod = end_of_document_id(tokenizer, tokenizer_file) if append_eod else None
-    files = _input_files(inputs)
+    files = input_files(inputs)
     _check_output(output_prefix)
     try:
         index = _write_dataset(_tokenized(files, [None], tokenizer, eod), output_prefix, tokenizer,
@@ -192,7 +193,7 @@ def preprocess_megatron(inputs, output_prefix, tokenizer_file=None, json_keys=()
     document. Returns a summary per dataset; nothing is left half-written on failure."""
     tokenizer = HFTokenizer(tokenizer_file) if tokenizer_file else ByteTokenizer()
     eod = end_of_document_id(tokenizer, tokenizer_file) if append_eod else None
-    files = _input_files(inputs)
+    files = input_files(inputs)
     _check_output(output_prefix)
     choose_output_format(inputs, "megatron", json_keys)     # refuses mixed inputs, keys for text
     keys = list(json_keys or ["text"]) if is_jsonl(inputs[0]) else [None]

@@ -15,7 +15,7 @@ def run(args, timeout=120):
     return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
-@pytest.mark.parametrize("command", [[], ["train"], ["preprocess"], ["generate"], ["evaluate"], ["bench"],
+@pytest.mark.parametrize("command", [[], ["train"], ["preprocess"], ["train-tokenizer"], ["generate"], ["evaluate"], ["bench"],
                                      ["bench", "step"], ["bench", "comm"]], ids=str)
 def test_every_command_has_help(command):
     result = run(CLI + command + ["--help"])
