@@ -10,24 +10,34 @@ from npmegatron.autograd.errors import InputError
 
 
 def launched_by_mpi():
-    """True inside an mpiexec/mpirun launch (MPICH's PMI or Open MPI's variables are set)."""
-    return any(v in os.environ for v in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK"))
+    """True inside an mpiexec/mpirun launch (MPICH's PMI or Open MPI's variables are set) or a
+    Slurm job step started by srun (which MPI joins through Slurm's PMI)."""
+    return (any(v in os.environ for v in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK"))
+            or _srun_step())
 
 
 def launch_rank():
     """This process's rank from the launcher's environment (0 outside mpirun), without MPI."""
-    return _launch_variable(("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"), 0)
+    return _launch_variable(("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"), "SLURM_PROCID", 0)
 
 
 def launch_size():
     """The number of ranks the launcher started (1 outside mpirun), without MPI."""
-    return _launch_variable(("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE"), 1)
+    return _launch_variable(("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE"), "SLURM_STEP_NUM_TASKS", 1)
 
 
-def _launch_variable(names, default):
+def _srun_step():
+    """Inside a task srun started: SLURM_STEP_ID is set by srun only, not in the batch script
+    itself (whose SLURM_PROCID is 0 and SLURM_NTASKS the allocation's, with no ranks started)."""
+    return "SLURM_STEP_ID" in os.environ and "SLURM_PROCID" in os.environ
+
+
+def _launch_variable(names, slurm_name, default):
     for name in names:
         if name in os.environ:
             return int(os.environ[name])
+    if _srun_step() and slurm_name in os.environ:
+        return int(os.environ[slurm_name])
     return default
 
 
