@@ -286,6 +286,7 @@ class TrainingData:
             self.train, self.valid = load_default_corpus()
             self.tokenizer, self.tokenizer_file = ByteTokenizer(), None
             self.description = "the embedded corpus"
+            self.held_out = "every 20th file"
             self.vocab_size = self.tokenizer.vocab_size
             return
         blend = parse_blend(data_path)
@@ -304,6 +305,8 @@ class TrainingData:
             self.description = "blend " + " + ".join(f"{w:.3g} x {n}" for w, n in zip(weights, names))
         if split:
             self.description += f" (--split {split})"
+        # whole documents are held out, so the share is near --split's (or 5 %), seldom equal
+        self.held_out = "--split's validation documents" if split else "the last whole documents, near 5 %"
         self.tokenizer, self.tokenizer_file = datasets[0].tokenizer(), datasets[0].tokenizer_file
         self.vocab_size = datasets[0].vocab_size
 

@@ -9,6 +9,7 @@ import time
 import numpy
 from tqdm import tqdm
 
+from .. import comm
 from ..autograd import InputError, precision
 from ..autograd.ops.fused_attention import attention_path
 from ..model import model_flops
@@ -34,6 +35,9 @@ class TrainingLog:
         self.say(header(trainer))
         if self.peak:
             self.say(f"model-FLOP utilisation against {self.peak / 1e12:g} TFLOP/s per rank ({peak_source})")
+        if echo and comm.launched_by_mpi() and not sys.stderr.isatty():
+            self.say("progress: a line every --log-interval steps (under mpiexec every rank's output is a pipe, so "
+                     "the progress bar shows only in runs of one process on a terminal)")
         if trainer.starts_fresh:
             self.say(f"--load {config.load} holds no checkpoint yet: training starts from scratch (run again "
                      "with the same --load to resume)")
@@ -161,7 +165,13 @@ def header(trainer):
             f"{' sequence-parallel' if cfg.sequence_parallel else ''}{pipeline}{recompute_note(cfg)}; global batch "
             f"{plan.global_batch} = {trainer.config.micro_batch_size} x {plan.micro_batches} accumulation x "
             f"{grid.dp_size} DP; data {data.description}: {len(data.train):,} training / "
-            f"{len(data.valid):,} validation tokens\n{memory_note(trainer)}{attention_note(trainer)}")
+            f"{len(data.valid):,} validation tokens ({held_out_share(data):.1f} % held out: {data.held_out})\n"
+            f"{memory_note(trainer)}{attention_note(trainer)}")
+
+
+def held_out_share(data):
+    """The validation tokens' share, in percent, of the training and validation tokens."""
+    return 100.0 * len(data.valid) / max(len(data.train) + len(data.valid), 1)
 
 
 def open_log(path, append):
