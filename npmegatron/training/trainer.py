@@ -278,15 +278,16 @@ class Trainer:
         return bool(to_numpy(comm.all_reduce(numpy.array([int(over)]), self.grid.world, "max"))[0])
 
     def sample(self):
-        """Text generated from the first 32 validation tokens (over the pipeline stages when PP > 1)."""
+        """Text generated from the first validation tokens, 32 or as many as the model's positions
+        (over the pipeline stages when PP > 1)."""
         if self.model.whole is None and self.cfg.sequence_parallel:
             return "no sample: generation over pipeline stages needs sequence parallelism off"
-        prompt = [int(t) for t in self.valid_sampler.tokens[:32]]
+        prompt = [int(t) for t in self.valid_sampler.tokens[:min(32, self.cfg.max_position_embeddings)]]
         ids = generate(self.model, prompt, self.config.sample_tokens, temperature=0.8, top_k=40,
                        seed=self.cfg.seed)
         decode = self.data.tokenizer.decode
-        return (f"sample (the first 32 validation tokens, then what the model generated after {PROMPT_END!r}):\n"
-                f"{decode(ids[:len(prompt)])}{PROMPT_END}{decode(ids[len(prompt):])}")
+        return (f"sample (the first {len(prompt)} validation tokens, then what the model generated after "
+                f"{PROMPT_END!r}):\n{decode(ids[:len(prompt)])}{PROMPT_END}{decode(ids[len(prompt):])}")
 
     def close(self):
         """Let go of the --save folder's lock (also dropped when the process ends)."""

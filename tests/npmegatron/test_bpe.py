@@ -76,6 +76,9 @@ def test_preprocess_train_and_evaluate_on_subword_tokens(learnt, tmp_path):
     validation = result["validation"]
     # nats per token over the bytes per token: fewer nats per byte than per token
     assert 0 < validation["loss_per_byte"] < validation["loss"]
+    sample = run(["generate", "--load", str(tmp_path / "ck"), "--prompt", "The model", "--max-tokens", "12"])
+    assert sample.returncode == 0 and sample.stdout.startswith("The model"), sample.stderr
+    assert len(sample.stdout.rstrip("\n")) > len("The model")
 
 
 @pytest.mark.parametrize("args,message", [
