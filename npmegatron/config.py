@@ -212,7 +212,8 @@ class TrainConfig:
                                       "communication not hidden, pipeline waits, optimizer), max and min "
                                       "over ranks.", minimum=0)
     log_memory: bool = option(False, "Measured peak memory per rank beside the plan's prediction, at the "
-                                     "first interval and whenever it grows.")
+                                     "first interval and whenever it grows (on the CPU allocations are "
+                                     "traced, which slows a step by about a quarter).")
     peak_tflops: Optional[float] = option(None, "The peak per rank that model-FLOP utilisation is taken "
                                                 "against (default: a matrix product measured at start on "
                                                 "the CPU, the card's datasheet figure on a GPU).", minimum=0)

@@ -4,6 +4,7 @@ against a peak (--peak-tflops; by default a matrix product's speed measured when
 the CPU, the card's datasheet figure on a GPU), and measured peak memory beside the plan's
 prediction (--log-memory). Collective where it says so: every rank calls it at each interval."""
 import resource
+import tracemalloc
 
 import numpy
 
@@ -50,11 +51,17 @@ def phases(timers, steps, world):
 
 class MemoryLog:
     """--log-memory: this rank's measured peak beside the plan's prediction for it (perf/memory.py:
-    weights, gradients, optimizer state and activations), reported when it grows. On the CPU the
-    peak resident set, less the process's before the model was built; on a GPU the memory pools'."""
+    weights, gradients, optimizer state and activations), reported when it grows. On a GPU the
+    memory pools'. On the CPU the plan's terms, measured: the bytes of the arrays the run holds
+    (parameters, gradients, optimizer state, counted from the arrays themselves) and the peak of
+    what the steps allocate on top (tracemalloc, which NumPy reports its arrays to: activations,
+    temporaries, the autograd's objects), traced from the end of the first step, whose kernels'
+    compilation is not the steps' memory. The peak resident set above the process's before the
+    model, which also counts the libraries' and compiled kernels' memory, is reported beside it."""
 
     def __init__(self, trainer, baseline):
         self.trainer, self.baseline, self.shown = trainer, baseline, -1     # the first report is always made
+        self.settled = False
         reset_peak_resident()
         config = trainer.config
         try:
@@ -63,21 +70,57 @@ class MemoryLog:
         except InputError:
             self.predicted = None
 
+    def settle(self):
+        """After the first step: trace what the later steps allocate (on the CPU)."""
+        self.settled = True
+        if self.trainer.model.xp is numpy:
+            if tracemalloc.is_tracing():
+                tracemalloc.stop()
+            tracemalloc.start(1)        # one frame a trace: the cheapest
+
     def measured(self):
         xp = self.trainer.model.xp
-        if xp is numpy:     # (freed memory the process reuses does not grow the resident set: at least 0)
-            return max(0, peak_resident_bytes() - self.baseline)
+        if xp is numpy:
+            traced = tracemalloc.get_traced_memory()[1] if tracemalloc.is_tracing() else 0
+            return held_bytes(self.trainer) + traced
         return device_pool_bytes(xp, self.trainer.graphed)
 
+    def resident(self):
+        """The peak resident set above the process's before the model (freed memory the process
+        reuses does not grow it: at least 0)."""
+        return max(0, peak_resident_bytes() - self.baseline)
+
     def report(self):
-        """Collective: {"memory_bytes": this rank's, max over ranks, "predicted_bytes"} when the
-        peak grew since the last report, else None."""
+        """Collective: {"memory_bytes": this rank's, max over ranks, "predicted_bytes"} (and on the
+        CPU "resident_bytes") when the peak grew since the last report, else None."""
         mine = self.measured()
         largest = int(to_numpy(comm.all_reduce(numpy.array([mine]), self.trainer.grid.world, "max"))[0])
         if largest <= self.shown:
             return None
         self.shown = largest
-        return {"memory_bytes": int(mine), "memory_bytes_max": largest, "predicted_bytes": self.predicted}
+        record = {"memory_bytes": int(mine), "memory_bytes_max": largest, "predicted_bytes": self.predicted}
+        if self.trainer.model.xp is numpy:
+            record["resident_bytes"] = self.resident()
+        return record
+
+    def close(self):
+        if self.settled and tracemalloc.is_tracing():
+            tracemalloc.stop()
+
+
+def held_bytes(trainer):
+    """The bytes of the arrays a run holds between steps, each buffer once: parameters, their
+    gradients and the optimizer's state (moments, master weights)."""
+    arrays = [p.data for p in trainer.params] + [p.grad for p in trainer.params if p.grad is not None]
+    for value in trainer.optimizer.state_dict().values():
+        if isinstance(value, (list, tuple)):
+            arrays.extend(a for a in value if hasattr(a, "nbytes"))
+    roots = {}
+    for a in arrays:
+        while getattr(a, "base", None) is not None:
+            a = a.base
+        roots[id(a)] = a.nbytes
+    return sum(roots.values())
 
 
 def device_pool_bytes(xp, graphed=None):
@@ -128,8 +171,8 @@ def format_phases(record):
 def format_memory(record, on_gpu):
     predicted = record["predicted_bytes"]
     plan = "" if predicted is None else f"; the plan predicts {predicted / MIB:,.1f} MiB of states and activations"
-    what = ("the memory pools' peak" if on_gpu else
-            "peak resident set above the process's before the model was built (libraries' and compiled kernels' "
-            "memory included)")
+    what = "the memory pools' peak" if on_gpu else "the arrays held and the steps' traced peak on top"
+    resident = ("" if on_gpu else f"; resident set {record['resident_bytes'] / MIB:,.1f} MiB above the process "
+                "before the model (libraries' and compiled kernels' memory included)")
     return (f"memory ({what}): {record['memory_bytes'] / MIB:,.1f} MiB on rank 0, "
-            f"{record['memory_bytes_max'] / MIB:,.1f} MiB on the largest rank{plan}")
+            f"{record['memory_bytes_max'] / MIB:,.1f} MiB on the largest rank{plan}{resident}")

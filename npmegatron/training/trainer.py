@@ -151,6 +151,8 @@ class Trainer:
             with self.timers(OPTIMIZER):
                 self.optimizer.step(lr)
         self.iteration += 1
+        if self.memory_log is not None and not self.memory_log.settled:
+            self.memory_log.settle()
         return loss, norm, lr
 
     def _graphed_step(self, lr):
@@ -290,9 +292,12 @@ class Trainer:
                 f"{PROMPT_END!r}):\n{decode(ids[:len(prompt)])}{PROMPT_END}{decode(ids[len(prompt):])}")
 
     def close(self):
-        """Let go of the --save folder's lock (also dropped when the process ends)."""
+        """Let go of the --save folder's lock (also dropped when the process ends), and stop
+        tracing allocations (--log-memory)."""
         if self.save_folder is not None:
             self.save_folder.release()
+        if self.memory_log is not None:
+            self.memory_log.close()
 
 
 def resumes_in_place(load, save):
