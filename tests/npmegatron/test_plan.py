@@ -194,8 +194,9 @@ def test_cli_plan_layouts_and_errors():
                          (["--profile", "nosuch"], "neither a file nor a shipped profile")):
         result = runner.invoke(main, ["plan"] + args)
         assert result.exit_code != 0 and needle in result.output, (args, result.output)
+    # train's micro-batch 16 in a global batch of 32: DP 1 or 2, five layouts of 4 ranks
     result = runner.invoke(main, ["plan", "--search", "4", "--global-batch-size", "32"])
-    assert result.exit_code == 0 and result.output.count("\n") == 7
+    assert result.exit_code == 0 and result.output.count("\n") == 6, result.output
     result = runner.invoke(main, ["plan", "--weak-scaling", "paper"])
     assert result.exit_code == 0 and "3072" in result.output
 
@@ -234,3 +235,15 @@ def test_calibrate_with_a_fake_bench(tmp_path, monkeypatch):
         layout = SimpleNamespace(ranks=cores)
         assert rank_flops(profile, layout) == 3e10
         assert rank_flops(profile, SimpleNamespace(ranks=2 * cores)) == 1.5e10
+
+
+def test_plan_takes_trains_defaults_and_a_cpu_runs_memory_is_this_machines():
+    runner = CliRunner()
+    plan = json.loads(runner.invoke(main, ["plan", "--layout", "1x1x2", "--json"]).output)
+    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert plan["memory"]["device_memory"] == pytest.approx(machine / 2)       # two ranks share it
+    assert plan["memory"]["ranks"][0]["parameter_count"] == 842_496             # train's default model
+    result = runner.invoke(main, ["plan"])
+    assert f"this machine's {machine / 1e9:.1f} GB over 1 rank(s)" in result.output, result.output
+    gpu = json.loads(runner.invoke(main, ["plan", "--device", "gpu", "--json"]).output)
+    assert gpu["memory"]["device_memory"] == pytest.approx(32 * 2 ** 30)       # the dgx2h profile's V100

@@ -1,19 +1,18 @@
 """The click command `npmegatron plan` (and `npmegatron plan calibrate`), added to cli.main."""
 import json
+import os
 
 import click
 
 from ...autograd import InputError
 from ...cli_support import Group, config_options, user_errors
-from ...config import GPTConfig, ParallelConfig, TrainConfig
+from ...config import TRAIN_MODEL_DEFAULTS, GPTConfig, ParallelConfig, TrainConfig
 from ...perf import ParallelShape, load_profile
 from ...perf.search import paper_weak_scaling, plan, search
 from .calibrate import calibrate
 
 MODEL_FIELDS = {"num_layers", "hidden_size", "num_attention_heads", "vocab_size", "dtype", "fp16", "bf16",
                 "sequence_parallel", "hidden_dropout", "attention_dropout"}
-REFERENCE = {"num_layers": 4, "hidden_size": 512, "num_attention_heads": 8, "vocab_size": 256,
-             "seq_length": 256, "micro_batch_size": 8, "hidden_dropout": 0.0, "attention_dropout": 0.0}
 GB = 1e9
 
 
@@ -79,8 +78,8 @@ def format_weak(rows):
 
 
 @click.group("plan", cls=Group, invoke_without_command=True)
-@config_options(GPTConfig, only=MODEL_FIELDS, defaults=REFERENCE)
-@config_options(TrainConfig, only={"seq_length", "micro_batch_size", "global_batch_size"}, defaults=REFERENCE)
+@config_options(GPTConfig, only=MODEL_FIELDS, defaults=TRAIN_MODEL_DEFAULTS)      # train's defaults
+@config_options(TrainConfig, only={"seq_length", "micro_batch_size", "global_batch_size"})
 @config_options(ParallelConfig, only={"num_layers_per_virtual_pipeline_stage", "pipeline_schedule"})
 @click.option("--layout", default="1x1x1", show_default=True, help="TPxPPxDP, e.g. 2x1x4.")
 @click.option("--recompute", type=click.Choice(["none", "selective", "full"]), default="none",
@@ -93,7 +92,11 @@ def format_weak(rows):
               help="Optimizer state sharded over the DP ranks, as training's flag.")
 @click.option("--profile", default="dgx2h", show_default=True,
               help="Profile JSON file, or a shipped profile's name (dgx2h).")
-@click.option("--device-memory", type=float, default=None, help="GB per device (default: the profile's).")
+@click.option("--device", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True,
+              help="Where the run trains, as train's flag: on cpu its ranks share this machine's memory, on "
+                   "gpu each has the profile's device memory.")
+@click.option("--device-memory", type=float, default=None, help="GB per rank (default: this machine's memory "
+              "over the ranks with --device cpu, the profile's with --device gpu).")
 @click.option("--search", "search_ranks", type=click.IntRange(min=1), default=None,
               help="Rank every TPxPPxDP layout of N ranks valid for the model by predicted step time.")
 @click.option("--weak-scaling", type=click.Choice(["paper"]), default=None,
@@ -102,7 +105,7 @@ def format_weak(rows):
 @click.pass_context
 @user_errors
 def plan_command(ctx, layout, recompute, recompute_method, recompute_num_layers, distributed_optimizer, profile,
-                 device_memory, search_ranks, weak_scaling, as_json, **options):
+                 device, device_memory, search_ranks, weak_scaling, as_json, **options):
     """Predict memory per rank and step time of a model on a layout from a machine profile."""
     if ctx.invoked_subcommand is not None:
         return
@@ -138,6 +141,9 @@ def plan_command(ctx, layout, recompute, recompute_method, recompute_num_layers,
                   sequence_parallel=cfg.sequence_parallel, recompute=recompute, schedule=schedule,
                   recompute_method=recompute_method, recompute_num_layers=recompute_num_layers,
                   distributed_optimizer=distributed_optimizer)
+    ranks = search_ranks or t * p * d
+    if memory is None and device == "cpu":
+        memory = machine_memory_bytes() / ranks         # the ranks of a CPU run share this machine
     if search_ranks is not None:
         if global_batch is None:
             base.global_batch = micro_batch * search_ranks
@@ -145,7 +151,22 @@ def plan_command(ctx, layout, recompute, recompute_method, recompute_num_layers,
         click.echo(json.dumps(results) if as_json else format_search(results))
         return
     result = plan(cfg, base, machine, memory)
-    click.echo(json.dumps(result) if as_json else format_plan(result, cfg, machine))
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    click.echo(format_plan(result, cfg, machine))
+    if device == "cpu" and device_memory is None:
+        click.echo(f"(memory: this machine's {machine_memory_bytes() / GB:.1f} GB over {ranks} rank(s); step time: "
+                   f"profile {machine['name']}" + (", a GPU machine's: `npmegatron plan calibrate -o cpu.json` "
+                   "and --profile cpu.json time this one)" if machine["name"] == "dgx2h" else ")"))
+
+
+def machine_memory_bytes():
+    """This machine's physical memory (Linux and macOS: the page size times the pages)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        raise InputError("this machine's memory is not known here; give --device-memory GB") from None
 
 
 @plan_command.command("calibrate")
