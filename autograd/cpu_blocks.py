@@ -169,7 +169,10 @@ def run_chain(body, xp, args):
     result = body(xp, *block_args(*first))
     single = not isinstance(result, tuple)
     results = () if result is None else ((result,) if single else result)
-    outputs = [numpy.empty((rows, cols), r.dtype) for r in results]
+    # made in the full shape and filled through (rows, cols) views, so that what is returned owns its
+    # memory (a pipeline stage frees its sent output, which must not be a view: exchange.deallocate)
+    shaped = [numpy.empty(full, r.dtype) for r in results]
+    outputs = [out.reshape(rows, cols) for out in shaped]
     for out, r in zip(outputs, results):
         out[first[0]:first[1]] = r
 
@@ -184,5 +187,4 @@ def run_chain(body, xp, args):
     for_row_blocks(rows, cols, work)
     if result is None:
         return None
-    shaped = [out.reshape(full) for out in outputs]
     return shaped[0] if single else tuple(shaped)

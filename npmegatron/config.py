@@ -210,7 +210,7 @@ class TrainConfig:
     timing_log_level: int = option(0, "Timers in each interval's log and record: 0 off (free); 1 the step's "
                                       "phases (forward, backward, TP/SP communication, data-parallel "
                                       "communication not hidden, pipeline waits, optimizer), max and min "
-                                      "over ranks.", minimum=0)
+                                      "over ranks; 2 also each layer's forward and backward.", minimum=0)
     log_memory: bool = option(False, "Measured peak memory per rank beside the plan's prediction, at the "
                                      "first interval and whenever it grows (on the CPU allocations are "
                                      "traced, which slows a step by about a quarter).")

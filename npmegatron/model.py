@@ -16,6 +16,7 @@ from .autograd.ops.nn import check_ids
 from .config import GPTConfig
 from .module import Module, ParamSpec, parameter
 from .recompute import recompute_segments, run_layers
+from .timers import NO_TIMERS, timed_layer
 from .tensor_parallel import (DEFAULT, MODEL_PARALLEL, ColumnParallelLinear, RNGTracker,
                               RowParallelLinear, VocabParallelEmbedding, pad_vocab_size,
                               vocab_parallel_cross_entropy)
@@ -94,9 +95,12 @@ class Block(Module):
     """x + drop(attn(ln_1(x))), then x + drop(mlp(ln_2(x))): GPT-2's pre-LayerNorm block. Each
     branch's output bias, dropout and residual add are one fused op (Megatron's bias_dropout_add)."""
 
+    #: per-layer timers (--timing-log-level 2, set by the trainer); off by default
+    layer_timers = NO_TIMERS
+
     def __init__(self, cfg, xp, dtype, group, rng, layer):
         sp = cfg.sequence_parallel
-        self.cfg = cfg
+        self.cfg, self.number = cfg, layer
         self.attn_dropout = rng.site(hidden_dropout_stream(cfg), site_number(layer, 1))
         self.mlp_dropout = rng.site(hidden_dropout_stream(cfg), site_number(layer, 2))
         self.ln_1 = LayerNorm(xp, dtype, cfg.hidden_size, cfg.layernorm_epsilon, sp)
@@ -105,6 +109,11 @@ class Block(Module):
         self.mlp = ParallelMLP(cfg, xp, dtype, group)
 
     def forward(self, x, cache=None):
+        if cache is None and self.layer_timers.enabled:
+            return timed_layer(self.layer_timers, self.number, self._layer, x)
+        return self._layer(x, cache)
+
+    def _layer(self, x, cache=None):
         p = self.cfg.hidden_dropout
         x = ag.bias_dropout_add(*self.attn(self.ln_1(x), cache), x, p, self.attn_dropout, self.training)
         return ag.bias_dropout_add(*self.mlp(self.ln_2(x)), x, p, self.mlp_dropout, self.training)

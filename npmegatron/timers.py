@@ -28,6 +28,7 @@ import time
 import numpy
 
 from . import comm
+from .autograd import Function, Tensor
 
 FORWARD, BACKWARD, TP_COMM, DP_COMM, PIPELINE_WAIT, FINALIZE_GRADS, OPTIMIZER = (
     "forward-compute", "backward-compute", "tp-comm", "dp-comm", "pipeline-wait", "finalize-grads",
@@ -171,3 +172,33 @@ class Timers:
     def reset(self):
         for t in self.timers.values():
             t.elapsed, t.count, t.intervals = 0.0, 0, []
+
+
+class _BackwardMark(Function):
+    """The identity, whose backward starts or stops a timer: at a layer's output it starts when the
+    gradient arrives there, at its input it stops once the layer's backward is done."""
+    float32_output = True       # the values pass through as they are
+
+    @staticmethod
+    def forward(ctx, x, timer=None, action=None):
+        ctx.timer, ctx.action = timer, action
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        getattr(ctx.timer, ctx.action)()
+        return g
+
+
+def timed_layer(timers, number, run, x):
+    """run(x), layer `number`'s forward, timed as "layer N forward", and its backward as "layer N
+    backward" (--timing-log-level 2). Under recomputation a recomputed forward runs inside the
+    backward and is timed as both."""
+    backward = timers(f"layer {number} backward")
+    if isinstance(x, Tensor) and x.requires_grad:
+        x = _BackwardMark.apply(x, timer=backward, action="stop")
+    with timers(f"layer {number} forward"):
+        y = run(x)
+    if isinstance(y, Tensor) and y.requires_grad:
+        y = _BackwardMark.apply(y, timer=backward, action="start")
+    return y

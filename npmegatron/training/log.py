@@ -14,7 +14,7 @@ from ..autograd import InputError, precision
 from ..autograd.ops.fused_attention import attention_path
 from ..model import model_flops
 from ..perf.memory import ParallelShape, chunk_activation_bytes
-from .metrics import format_memory, format_phases, peak_flops_per_rank, phases
+from .metrics import format_layers, format_memory, format_phases, layer_times, peak_flops_per_rank, phases
 from .trackers import Trackers
 
 
@@ -74,9 +74,14 @@ class TrainingLog:
         record.update(scaling or {})
         lines = [format_record(record, self.total)]
         if self.trainer.timers.enabled:     # collective, as is the memory report
+            if self.trainer.config.timing_log_level == 2:
+                record["layers_s"] = layer_times(self.trainer.timers, steps, self.trainer.grid.world,
+                                                 self.trainer.cfg.num_layers)
             record["phases_s"] = phases(self.trainer.timers, steps, self.trainer.grid.world)
             record["other_s"] = elapsed / steps - sum(high for high, _ in record["phases_s"].values())
             lines.append(format_phases(record))
+            if "layers_s" in record:
+                lines.append(format_layers(record))
         memory = self.trainer.memory_log.report() if self.trainer.memory_log else None
         if memory:
             record.update(memory)

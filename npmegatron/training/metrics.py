@@ -20,12 +20,36 @@ MIB = 2 ** 20
 
 
 def run_timers(trainer):
-    """Timers for --timing-log-level 1 (None for 0): TP/SP communication counted apart."""
+    """Timers for --timing-log-level 1 and 2 (None for 0): TP/SP communication counted apart; at 2
+    each layer's forward and backward too (model.Block.layer_timers)."""
     level = trainer.config.timing_log_level
-    if level > 1:
-        raise InputError(f"--timing-log-level {level} times each layer, which this version does not; use 1 "
-                         "(the step's phases)")
-    return Timers(trainer.model.xp, comm_groups=(trainer.grid.tp_group.name,)) if level == 1 else None
+    if level > 2:
+        raise InputError(f"--timing-log-level {level} is not a level; use 0 (off), 1 (the step's phases) or 2 "
+                         "(also each layer)")
+    if level == 0:
+        return None
+    timers = Timers(trainer.model.xp, comm_groups=(trainer.grid.tp_group.name,))
+    if level == 2:
+        for chunk in trainer.model.chunks:
+            for block in chunk.blocks.values():
+                block.layer_timers = timers
+    return timers
+
+
+def layer_times(timers, steps, world, num_layers):
+    """Collective: {layer: (forward, backward)} seconds per step since the last reset, max over
+    ranks (a layer lives on one pipeline stage; the others hold 0 for it). Read before phases(),
+    which resets the timers."""
+    elapsed = timers.elapsed()
+    values = numpy.array([elapsed.get(f"layer {i} {way}", 0.0) / steps
+                          for i in range(num_layers) for way in ("forward", "backward")])
+    high = to_numpy(comm.all_reduce(values, world, "max"))
+    return {str(i): (float(high[2 * i]), float(high[2 * i + 1])) for i in range(num_layers)}
+
+
+def format_layers(record):
+    parts = [f"{i} {forward * 1e3:.1f}/{backward * 1e3:.1f}" for i, (forward, backward) in record["layers_s"].items()]
+    return "layers ms/step, forward/backward (max over ranks): " + ", ".join(parts)
 
 
 def peak_flops_per_rank(trainer):

@@ -54,6 +54,24 @@ def test_memory_is_reported_at_the_first_interval_and_when_it_grows(tmp_path):
     assert any(line.startswith("memory (the arrays held and the steps' traced peak on top)") for line in said)
 
 
-def test_per_layer_timing_is_refused_in_one_sentence(tmp_path):
-    with pytest.raises(InputError, match="--timing-log-level 2 times each layer, which this version does not"):
-        records(tmp_path, timing_log_level=2)
+@pytest.mark.parametrize("recompute", [None, "full"])
+def test_each_layers_forward_and_backward_at_level_2(tmp_path, recompute):
+    """Level 2 adds each layer's times, inside the phases that hold them; under full recomputation
+    a layer's recomputed forward runs in the backward and counts in both."""
+    extra = {"recompute_granularity": recompute} if recompute else {}
+    logged, said = records(tmp_path, timing_log_level=2, **extra)
+    for record in logged:
+        layers = record["layers_s"]
+        assert sorted(layers) == ["0", "1"] and all(forward > 0 and backward > 0 for forward, backward in layers.values())
+        forward = record["phases_s"]["forward-compute"][0] + record["phases_s"]["tp-comm"][0]
+        backward = record["phases_s"]["backward-compute"][0] + record["phases_s"]["tp-comm"][0]
+        assert sum(f for f, _ in layers.values()) <= (backward + forward if recompute else forward)
+        assert sum(b for _, b in layers.values()) <= backward
+    assert sum(line.startswith("layers ms/step, forward/backward (max over ranks): 0 ") for line in said) == 2
+    logged, _ = records(tmp_path, timing_log_level=1)
+    assert "layers_s" not in logged[0]
+
+
+def test_an_unknown_timing_level_is_refused_in_one_sentence(tmp_path):
+    with pytest.raises(InputError, match="--timing-log-level 3 is not a level; use 0"):
+        records(tmp_path, timing_log_level=3)
