@@ -11,7 +11,7 @@
 # Environment (the slow test runs this on the strict CuPy stand-in with a small model):
 #   BENCH_MODEL   bench step's model flags   (default: --model gpt2-124m --micro-batch-size 8)
 #   BENCH_ITERS   bench step's timing flags  (default: --warmup 2 --iters 5)
-#   GPU_TESTS     the test files             (default: the three GPU test files; "none" skips them)
+#   GPU_TESTS     the test files             (default: the four GPU test files; "none" skips them)
 #   TRAIN_MODEL   the multi-rank run's model flags (default: GPT-2 124M's layers on the embedded
 #                 corpus, whose vocabulary is bytes; 20 iterations)
 set -euo pipefail
@@ -20,7 +20,7 @@ out="${1:-bench_gpu_out}"
 mkdir -p "$out"
 model="${BENCH_MODEL:---model gpt2-124m --micro-batch-size 8}"
 iters="${BENCH_ITERS:---warmup 2 --iters 5}"
-tests="${GPU_TESTS:-tests/test_kernels_gpu.py tests/test_gpu.py tests/comm/test_comm_gpu.py}"
+tests="${GPU_TESTS:-tests/test_kernels_gpu.py tests/test_gpu.py tests/comm/test_comm_gpu.py tests/test_fused_attention_and_graphs_gpu.py}"
 train="${TRAIN_MODEL:---num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 --micro-batch-size 4 --global-batch-size 4 --train-iters 20 --log-interval 10 --eval-interval 20 --eval-iters 1}"
 
 if [ "$tests" != "none" ]; then
