@@ -196,15 +196,15 @@ def _run(operands, shape, batch_dims, accumulate, grid):
         ptr_a, ptr_b, ptr_out = (op.ptr + op.itemsize * sum(i * strides[j] for i, (_, strides) in zip(index, outer))
                                  for j, op in enumerate(operands))
         if inner == 1:
-            routine, args = "gemmEx", (b.flag, a.flag, n, m, k, alpha, ptr_b, types[1], b.ld, ptr_a, types[0],
+            routine, c_routine, args = "gemmEx", "cublasGemmEx", (b.flag, a.flag, n, m, k, alpha, ptr_b, types[1], b.ld, ptr_a, types[0],
                                        a.ld, beta, ptr_out, types[2], out.ld, compute, cublas.CUBLAS_GEMM_DEFAULT)
         else:
-            routine, args = "gemmStridedBatchedEx", (
+            routine, c_routine, args = "gemmStridedBatchedEx", "cublasGemmStridedBatchedEx", (
                 b.flag, a.flag, n, m, k, alpha, ptr_b, types[1], b.ld, inner_strides[1],
                 ptr_a, types[0], a.ld, inner_strides[0], beta, ptr_out, types[2], out.ld, inner_strides[2],
                 inner, compute, cublas.CUBLAS_GEMM_DEFAULT)
         if captured:
-            cublas_capture.call(cupy, handle, "cublas" + routine[0].upper() + routine[1:], *args)
+            cublas_capture.call(cupy, handle, c_routine, *args)
         else:
             getattr(cublas, routine)(handle, *args)
 

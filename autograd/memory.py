@@ -9,6 +9,18 @@ def _arrays(ctx):
             yield v
 
 
+def root_buffer(a):
+    """The array that owns the memory `a` views (a itself when it owns its own)."""
+    while getattr(a, "base", None) is not None:
+        a = a.base
+    return a
+
+
+def distinct_bytes(arrays):
+    """The bytes of the buffers under `arrays`, each buffer once (views count their base)."""
+    return sum({id(root): root.nbytes for root in map(root_buffer, arrays)}.values())
+
+
 def saved_bytes_by_function(tensors, exclude=()):
     """{Function name: bytes of distinct buffers its nodes keep for backward}; `exclude`: arrays
     not to count (e.g. the parameters, which the tape references but does not own)."""
@@ -22,9 +34,7 @@ def saved_bytes_by_function(tensors, exclude=()):
         ctx = getattr(node, "ctx", None)
         if ctx is not None:
             for a in _arrays(ctx):
-                base = a
-                while getattr(base, "base", None) is not None:
-                    base = base.base
+                base = root_buffer(a)
                 if id(base) not in seen_buffers:
                     seen_buffers.add(id(base))
                     totals[node.name] = totals.get(node.name, 0) + base.nbytes

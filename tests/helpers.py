@@ -130,3 +130,17 @@ def write_indexed_dataset(prefix, documents, dtype):
             writer.add_document(ids)
         writer.commit()
     return writer
+
+
+def real_gpu_cupy():
+    """CuPy on a CUDA device, for the test files that hold the stand-in's emulations to a real GPU;
+    the calling module is skipped without CuPy, under the strict stand-in, or without a device."""
+    cupy = pytest.importorskip("cupy")
+    if hasattr(cupy, "_strict"):
+        pytest.skip("the stand-in's own tests cover it; this file is for a real GPU", allow_module_level=True)
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            raise RuntimeError
+    except Exception:
+        pytest.skip("no CUDA device", allow_module_level=True)
+    return cupy

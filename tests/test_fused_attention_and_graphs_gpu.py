@@ -8,14 +8,9 @@ import contextlib
 import numpy
 import pytest
 
-cupy = pytest.importorskip("cupy")
-if hasattr(cupy, "_strict"):
-    pytest.skip("the stand-in's own tests cover it; this file is for a real GPU", allow_module_level=True)
-try:
-    if cupy.cuda.runtime.getDeviceCount() < 1:
-        raise RuntimeError
-except Exception:
-    pytest.skip("no CUDA device", allow_module_level=True)
+from helpers import real_gpu_cupy
+
+cupy = real_gpu_cupy()
 
 from npmegatron import autograd as ag  # noqa: E402
 from npmegatron.autograd import precision  # noqa: E402

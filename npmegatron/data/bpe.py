@@ -6,22 +6,13 @@ beside its tokens, so training, evaluation and generation read it as any Hugging
 import os
 
 from ..autograd import InputError
-from .tokenizer import END_OF_DOCUMENT, BYTE_VOCAB_SIZE
-
-
-def _tokenizers():
-    try:
-        import tokenizers
-    except ImportError:
-        raise InputError("byte-level BPE needs the `tokenizers` package; install it with "
-                         "pip install 'npmegatron[hf]'") from None
-    return tokenizers
+from .tokenizer import BYTE_VOCAB_SIZE, END_OF_DOCUMENT, tokenizers_package
 
 
 def gpt2_tokenizer_json(vocab_file, merge_file):
     """GPT-2's tokenizer (byte-level pre-tokenizer and decoder, no prefix space, <|endoftext|>
     kept whole) from its vocab.json and merges.txt, as tokenizer.json text."""
-    tokenizers = _tokenizers()
+    tokenizers = tokenizers_package("byte-level BPE")
     for path, flag in ((vocab_file, "--vocab-file"), (merge_file, "--merge-file")):
         if not path or not os.path.isfile(path):
             raise InputError(f"{flag} {path} is not a file; GPT2BPETokenizer reads GPT-2's vocab.json "
@@ -43,7 +34,7 @@ def train_bpe(files, vocab_size, output_dir):
     """Learn a byte-level BPE of `vocab_size` tokens (the 256 bytes, <|endoftext|> and the merges)
     from `files`; write vocab.json, merges.txt and tokenizer.json into output_dir. Returns
     {"vocab_size", "files", "bytes"}."""
-    tokenizers = _tokenizers()
+    tokenizers = tokenizers_package("byte-level BPE")
     if vocab_size <= BYTE_VOCAB_SIZE + 1:
         raise InputError(f"--vocab-size {vocab_size} leaves no room for merges: a byte-level BPE holds the 256 "
                          f"bytes and {END_OF_DOCUMENT} first; ask for more, e.g. 8192")

@@ -19,6 +19,17 @@ def utf8_bytes(text, what="the text"):
                          f"{error.start}); pass it as UTF-8") from None
 
 
+def tokenizers_package(what="a tokenizer.json"):
+    """The `tokenizers` package (the hf extra), or one sentence saying `what` needs it and how to
+    install it."""
+    try:
+        import tokenizers
+    except ImportError:
+        raise InputError(f"{what} needs the `tokenizers` package; install it with "
+                         "pip install 'npmegatron[hf]'") from None
+    return tokenizers
+
+
 class ByteTokenizer:
     """UTF-8 bytes are the tokens: vocabulary 256, nothing to download."""
     spec = {"type": "bytes"}
@@ -40,11 +51,7 @@ class HFTokenizer:
     """A local Hugging Face tokenizer.json, through the `tokenizers` package (no network)."""
 
     def __init__(self, path):
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise InputError("a tokenizer.json needs the `tokenizers` package; install it with "
-                             "pip install 'npmegatron[hf]'") from None
+        Tokenizer = tokenizers_package().Tokenizer
         if not os.path.isfile(path):
             raise InputError(f"tokenizer file {path} does not exist; pass a Hugging Face tokenizer.json")
         try:

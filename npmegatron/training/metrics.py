@@ -11,6 +11,7 @@ import numpy
 from .. import comm
 from ..autograd import InputError
 from ..autograd.backend import to_numpy
+from ..autograd.memory import distinct_bytes
 from ..perf.fit import run_shape
 from ..perf.memory import memory_plan
 from ..perf.peaks import device_name, measured_gemm_flops, peak_flops, precision_of
@@ -139,12 +140,7 @@ def held_bytes(trainer):
     for value in trainer.optimizer.state_dict().values():
         if isinstance(value, (list, tuple)):
             arrays.extend(a for a in value if hasattr(a, "nbytes"))
-    roots = {}
-    for a in arrays:
-        while getattr(a, "base", None) is not None:
-            a = a.base
-        roots[id(a)] = a.nbytes
-    return sum(roots.values())
+    return distinct_bytes(arrays)
 
 
 def device_pool_bytes(xp, graphed=None):

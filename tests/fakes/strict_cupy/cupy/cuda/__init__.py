@@ -35,23 +35,11 @@ class MemoryPool:
         return 0
 
 
-class MemoryAsyncPool:
-    """Stream-ordered allocation (cudaMallocAsync), which CUDA graphs can capture; counters at 0."""
+class MemoryAsyncPool(MemoryPool):
+    """Stream-ordered allocation (cudaMallocAsync); set_allocator tells it from a caching pool."""
 
     def __init__(self, pool_handles="current"):
         self.pool_handles = pool_handles
-
-    def malloc(self, size):
-        raise NotImplementedError("the stand-in allocates NumPy memory; set_allocator only records the pool kind")
-
-    def used_bytes(self):
-        return 0
-
-    def total_bytes(self):
-        return 0
-
-    def free_all_blocks(self, stream=None):
-        pass
 
 
 _current = {"allocator": None}
