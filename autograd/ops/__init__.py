@@ -1,11 +1,14 @@
 """The ops, and the operator methods they give Tensor (`a + b`, `a @ b`, `x[i]`, `x.sum()`)."""
 from .arithmetic import add, sub, mul, div, neg, pow, matmul, linear
-from .shape import reshape, transpose, split, concatenate, getitem
+from .shape import reshape, transpose, split, concatenate, getitem, repeat_heads
 from .reduce import sum, mean, max
 from .elementwise import exp, log, tanh, gelu, bias_gelu
 from .dropouts import dropout, dropout_add, bias_dropout_add
 from .nn import softmax, layer_norm, embedding, cross_entropy
 from .attention import causal_attention, causal_attention_packed
+from .rms_norm import rms_norm
+from .rotary import rotary, rotary_angles
+from .swiglu import swiglu
 from ..tensor import Tensor
 
 

@@ -130,3 +130,27 @@ def getitem(x, index):
     elif isinstance(index, tuple):
         index = tuple(i.data if isinstance(i, Tensor) else i for i in index)
     return GetItem.apply(x, index=index)
+
+
+class RepeatHeads(Function):
+    """Each of x's heads (axis 1 of (b, heads, t, d)) repeated `times` times in a row: the key
+    and value heads of grouped-query attention, one per query head of their group (Hugging Face's
+    repeat_kv). Backward sums each group's copies back into its head."""
+
+    @staticmethod
+    def forward(ctx, x, times):
+        ctx.times = times
+        return get_array_module(x).repeat(x, times, axis=1)
+
+    @staticmethod
+    def backward(ctx, g):
+        b, heads, t, d = g.shape
+        return g.reshape(b, heads // ctx.times, ctx.times, t, d).sum(axis=2)
+
+
+def repeat_heads(x, times):
+    """x (b, heads, t, d) with each head repeated `times` times in a row (grouped-query attention)."""
+    if x.ndim != 4 or times < 1:
+        raise InputError(f"repeat_heads needs x (b, heads, t, d) and a positive count, got "
+                         f"{tuple(x.shape)} and {times}")
+    return x if times == 1 else RepeatHeads.apply(x, times=times)

@@ -284,6 +284,8 @@ def _cases(dtype=np.float64):
     columns = np.arange(SHAPE[-1])[None, :]
     bits = np.concatenate([x.astype(np.float32).reshape(-1).view(np.uint32), np.array(
         [0x7F800001, 0xFFFFFFFF, 0x7F800000, 0x7F7FFFFF, 0x3F808000, 0x3F818000, 0x80000000], np.uint32)])
+    rms = 1 / np.sqrt((x * x).mean(axis=-1, keepdims=True) + 1e-5)
+    sig = 1 / (1 + np.exp(-x))
     norms_squared = np.array([4.0, 0.25, np.inf, np.nan], dtype)    # clipped, kept, not finite twice
     return {
         "fp16_round_": ((x * 1e3,), lambda: {0: (x * 1e3).astype(np.float16).astype(dtype)}),
@@ -345,6 +347,17 @@ def _cases(dtype=np.float64):
                                       lambda: np.array([optimizer.gradient_factor(math.sqrt(s), 1.0) or 1.0
                                                         if np.isfinite(s) else 1.0 for s in norms_squared],
                                                        np.float32)),
+        "row_square_sums": ((x,), lambda: (x * x).sum(axis=-1)),
+        "rms_norm_forward_": ((x, (x * x).sum(axis=-1, keepdims=True), n, 1e-5, b, np.empty_like(x), np.empty_like(x)),
+                              lambda: {5: x * rms, 6: x * rms * b}),
+        "rms_norm_row_sums": ((g, b, x * rms), lambda: (gh * x * rms).sum(axis=-1)),
+        "rms_norm_backward_": ((g, b, x * rms, (gh * x * rms).sum(axis=-1, keepdims=True),
+                                (x * x).sum(axis=-1, keepdims=True), n, 1e-5, np.empty_like(g)),
+                               lambda: {7: rms * (gh - x * rms * (gh * x * rms).mean(axis=-1, keepdims=True))}),
+        "rotate_pairs": ((x, g, np.cos(r), np.sin(r)), lambda: (x * np.cos(r) - g * np.sin(r),
+                                                               g * np.cos(r) + x * np.sin(r))),
+        "swiglu_forward": ((x, g), lambda: x / (1 + np.exp(-x)) * g),
+        "swiglu_backward": ((r, x, g), lambda: (r * g * sig * (1 + x * (1 - sig)), r * x * sig)),
         "adamw_update_": ((p.copy(), g / 0.5, m.copy(), v.copy(), decayed, 0.5, 1 - lr * wd, b1, 1 - b1, b2, 1 - b2,
                            1 / math.sqrt(bias2), eps, lr / bias1),
                           lambda: {0: p_new, 2: m_new, 3: v_new}),
