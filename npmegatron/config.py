@@ -39,6 +39,23 @@ def check_minimums(config):
             raise InputError(f"{spec.name} is {value}; it must be {rule}")
 
 
+#: What --model-family sets, for each part whose own flag is not given.
+MODEL_FAMILIES = {
+    "gpt2": {"normalization": "LayerNorm", "position_embedding_type": "learned_absolute", "swiglu": False,
+             "untie_embeddings_and_output_weights": False, "disable_bias_linear": False},
+    "llama": {"normalization": "RMSNorm", "position_embedding_type": "rope", "swiglu": True,
+              "untie_embeddings_and_output_weights": True, "disable_bias_linear": True},
+}
+
+
+def default_ffn_hidden_size(hidden_size, swiglu):
+    """4 x hidden for GeLU; for SwiGLU, whose first layer is twice as wide, 2/3 of that rounded down
+    to a multiple of 64 as Megatron-LM does (exactly 8/3 x hidden for models too small for that)."""
+    if not swiglu:
+        return 4 * hidden_size
+    return int(8 * hidden_size / 3 / 64) * 64 or max(1, int(8 * hidden_size / 3))
+
+
 @dataclass
 class GPTConfig:
     """GPT-2's shape and numerics; with a TP group of one rank the model is the serial one."""
@@ -50,6 +67,31 @@ class GPTConfig:
                                                "--seq-length).", minimum=1)
     ffn_hidden_size: Optional[int] = option(None, "The MLP's inner size (default: 4 x --hidden-size, as GPT-2).",
                                             minimum=1)
+    model_family: str = option("gpt2", "Defaults for the block's parts: gpt2 (LayerNorm, learned positions, "
+                                       "GeLU, biases, the output layer tied to the embedding) or llama "
+                                       "(RMSNorm, rotary positions, SwiGLU, no biases, an untied output "
+                                       "layer); each part's own flag overrides it.", choices=MODEL_FAMILIES)
+    normalization: Optional[str] = option(None, "LayerNorm or RMSNorm (default: the model family's).",
+                                          choices=("LayerNorm", "RMSNorm"))
+    position_embedding_type: Optional[str] = option(
+        None, "learned_absolute (a trained position table) or rope (rotary embeddings of queries and keys; "
+              "default: the model family's).", choices=("learned_absolute", "rope"))
+    rotary_base: float = option(10000.0, "Rotary embeddings: the base of the angles' frequencies (HF's "
+                                         "rope_theta).", minimum=1)
+    rotary_percent: float = option(1.0, "Rotary embeddings: the fraction of each head's channels rotated.",
+                                   minimum=0)
+    swiglu: Optional[bool] = option(None, "SwiGLU MLP: silu(x W_gate) * (x W_up), then the down projection "
+                                          "(default: the model family's).", negatable=True)
+    group_query_attention: bool = option(False, "Grouped-query attention: --num-query-groups key/value heads, "
+                                                "each shared by a group of query heads.")
+    num_query_groups: Optional[int] = option(None, "Key/value heads under --group-query-attention (must "
+                                                   "divide the attention heads, and be divisible by TP).",
+                                             minimum=1)
+    untie_embeddings_and_output_weights: Optional[bool] = option(
+        None, "An output layer of its own instead of the word embedding's transpose (default: the model "
+              "family's).", negatable=True)
+    disable_bias_linear: Optional[bool] = option(None, "No biases in the linear layers (default: the model "
+                                                       "family's).", negatable=True)
     hidden_dropout: float = option(0.1, "Dropout on embeddings and residual branches.")
     attention_dropout: float = option(0.1, "Dropout on attention probabilities.")
     layernorm_epsilon: float = 1e-5
@@ -78,9 +120,18 @@ class GPTConfig:
     seed: int = option(1234, "Seed of weights, data and dropout.", minimum=0)
 
     def __post_init__(self):
+        if self.model_family not in MODEL_FAMILIES:
+            raise InputError(f"model family {self.model_family!r} is not known; use one of "
+                             f"{', '.join(MODEL_FAMILIES)}")
+        for name, value in MODEL_FAMILIES[self.model_family].items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
         if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * self.hidden_size
+            self.ffn_hidden_size = default_ffn_hidden_size(self.hidden_size, self.swiglu)
+        if self.num_query_groups is None or not self.group_query_attention:
+            self.num_query_groups = self.num_attention_heads if self.num_query_groups is None else self.num_query_groups
         check_minimums(self)
+        self._check_family_parts()
         if self.ffn_hidden_size < 1:
             raise InputError(f"ffn_hidden_size is {self.ffn_hidden_size}; it must be a positive integer")
         if self.hidden_size % self.num_attention_heads:
@@ -100,6 +151,33 @@ class GPTConfig:
             raise InputError(f"tf32 is for float32 matmuls on the GPU, but this run has device "
                              f"{self.device} and dtype {self.dtype}; drop --tf32 or use --device gpu "
                              "--dtype float32")
+
+    def _check_family_parts(self):
+        if self.group_query_attention and self.num_attention_heads % self.num_query_groups:
+            raise InputError(f"--num-query-groups {self.num_query_groups} does not divide the "
+                             f"{self.num_attention_heads} attention heads; choose a divisor of them")
+        if not self.group_query_attention and self.num_query_groups != self.num_attention_heads:
+            raise InputError(f"--num-query-groups {self.num_query_groups} needs --group-query-attention; "
+                             "add it or drop --num-query-groups")
+        if not 0 < self.rotary_percent <= 1:
+            raise InputError(f"--rotary-percent is {self.rotary_percent}; it must be in (0, 1]")
+        if self.position_embedding_type == "rope" and self.rotary_dim < 2:
+            raise InputError(f"--rotary-percent {self.rotary_percent} of a head of {self.head_dim} channels "
+                             "rotates fewer than 2; raise it")
+
+    @property
+    def rotary_dim(self):
+        """Channels of each head that rotary embeddings turn: an even number (pairs)."""
+        return int(self.head_dim * self.rotary_percent) // 2 * 2
+
+    @property
+    def query_groups_size(self):
+        """Query heads per key/value head (1 without grouped-query attention)."""
+        return self.num_attention_heads // self.num_query_groups
+
+    @property
+    def add_bias_linear(self):
+        return not self.disable_bias_linear
 
     def _check_recompute(self):
         if self.recompute_granularity not in (None, "full", "selective"):
@@ -445,7 +523,10 @@ class RunPlan:
 # What --use-checkpoint-args takes from a checkpoint: the model's shape and numerics (Megatron
 # takes the same from its saved arguments); parallel layout and training settings stay this run's.
 CHECKPOINT_MODEL_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings",
-                         "ffn_hidden_size", "layernorm_epsilon", "gelu", "make_vocab_size_divisible_by")
+                         "ffn_hidden_size", "layernorm_epsilon", "gelu", "make_vocab_size_divisible_by",
+                         "model_family", "normalization", "position_embedding_type", "rotary_base",
+                         "rotary_percent", "swiglu", "group_query_attention", "num_query_groups",
+                         "untie_embeddings_and_output_weights", "disable_bias_linear")
 LOSS_SCALE_FIELDS = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
 
 

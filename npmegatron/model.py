@@ -18,8 +18,8 @@ from .module import Module, ParamSpec, parameter
 from .recompute import recompute_segments, run_layers
 from .timers import NO_TIMERS, timed_layer
 from .tensor_parallel import (DEFAULT, MODEL_PARALLEL, ColumnParallelLinear, RNGTracker,
-                              RowParallelLinear, VocabParallelEmbedding, pad_vocab_size,
-                              vocab_parallel_cross_entropy)
+                              RowParallelLinear, VocabParallelEmbedding, column_parallel_linear,
+                              pad_vocab_size, vocab_parallel_cross_entropy)
 from .tensor_parallel.random import site_number
 
 
@@ -38,57 +38,128 @@ class LayerNorm(Module):
         return ag.layer_norm(x, self.weight, self.bias, self.eps)
 
 
+class RMSNorm(Module):
+    """The Llama family's normalisation: a gain and no bias, replicated like LayerNorm."""
+
+    def __init__(self, xp, dtype, size, eps, sequence_parallel=False):
+        self.weight = parameter(xp, (size,), dtype)
+        self.eps = eps
+        self.specs = {"weight": ParamSpec("ones", (size,), sp_partial=sequence_parallel)}
+
+    def forward(self, x):
+        return ag.rms_norm(x, self.weight, self.eps)
+
+
+def normalization(cfg, xp, dtype):
+    """The block's normalisation layer (--normalization), with this model's SP setting."""
+    kind = RMSNorm if cfg.normalization == "RMSNorm" else LayerNorm
+    return kind(xp, dtype, cfg.hidden_size, cfg.layernorm_epsilon, cfg.sequence_parallel)
+
+
+class RotaryTable:
+    """cos and sin of every position's rotary angles (max_position_embeddings, rotary / 2), made
+    once in float64 on the host and kept on the model's device in its dtype; shared by the layers."""
+
+    def __init__(self, cfg, xp, dtype):
+        angles = ag.rotary_angles(range(cfg.max_position_embeddings), cfg.rotary_dim, cfg.rotary_base)
+        self.cos = xp.asarray(numpy.cos(angles).astype(dtype))
+        self.sin = xp.asarray(numpy.sin(angles).astype(dtype))
+
+    def at(self, positions):
+        """(cos, sin) of these positions: a slice, or the rows of an index array."""
+        return self.cos[positions], self.sin[positions]
+
+
 class ParallelAttention(Module):
     """Causal self-attention with this rank's heads: fused QKV column-parallel, softmax local,
     output projection row-parallel; one all-reduce forward (g) and one backward (f). The QKV
-    columns are laid out head by head as (q, k, v), so a contiguous column shard is whole heads."""
+    columns are laid out group by group as (the group's query heads, its key head, its value head),
+    Megatron's layout, so a contiguous column shard is whole key/value groups: with one query head
+    per group (no grouped-query attention) that is GPT-2's (q, k, v) head by head."""
 
-    def __init__(self, cfg, xp, dtype, group, rng, layer):
-        h, sp = cfg.hidden_size, cfg.sequence_parallel
-        self.cfg = cfg
+    def __init__(self, cfg, xp, dtype, group, rng, layer, rotary=None):
+        h, sp, d = cfg.hidden_size, cfg.sequence_parallel, cfg.head_dim
+        self.cfg, self.rotary = cfg, rotary
+        if cfg.num_query_groups % group.size:
+            raise InputError(f"{cfg.num_query_groups} key/value groups (--num-query-groups) are not "
+                             f"divisible by tensor-parallel size {group.size}; each rank needs whole "
+                             "groups, so choose a TP size that divides them")
         # Inside the TP region each rank has different heads: a stream of its own (Appendix B.2).
         self.probs_dropout = rng.site(MODEL_PARALLEL, site_number(layer, 0))
         self.local_heads = cfg.num_attention_heads // group.size
-        self.qkv = ColumnParallelLinear(xp, dtype, h, 3 * h, cfg.init_method_std, group, sp)
+        self.local_groups = cfg.num_query_groups // group.size
+        width = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * d
+        self.qkv = ColumnParallelLinear(xp, dtype, h, width, cfg.init_method_std, group, sp,
+                                        bias=cfg.add_bias_linear)
         self.proj = RowParallelLinear(xp, dtype, h, h, cfg.init_method_std / math.sqrt(2 * cfg.num_layers),
-                                      group, sp, skip_bias_add=True)
+                                      group, sp, skip_bias_add=True, bias=cfg.add_bias_linear)
 
     def forward(self, x, cache=None):
         qkv = self.qkv(x)
         b, t, _ = qkv.shape
         heads, d = self.local_heads, self.cfg.head_dim
-        qkv = qkv.reshape(b, t, heads, 3, d)
         # Blockwise: the (t, t) probabilities are never kept. The dropout position is frozen
         # now, because backward draws the masks again.
         scale, p = 1.0 / math.sqrt(d), self.cfg.attention_dropout
         site = self.probs_dropout.frozen() if self.training and p > 0 else None
-        if cache is None:          # training: q, k, v stay packed, and so does their gradient
-            y = ag.causal_attention_packed(qkv, scale, p, site, self.training)
-        else:                      # generation: attend to every earlier position, computed once
-            q, k, v = (part.reshape(b, t, heads, d).transpose(0, 2, 1, 3) for part in ag.split(qkv, 3, axis=3))
-            k, v = cache.extend(k.data, v.data)
+        if cache is None and self.rotary is None and self.local_groups == heads:
+            # GPT-2: q, k, v stay packed, and so does their gradient
+            y = ag.causal_attention_packed(qkv.reshape(b, t, heads, 3, d), scale, p, site, self.training)
+        else:
+            q, k, v = self._heads(qkv, cache)
             y = ag.causal_attention(q, k, v, scale, p, site, self.training)
         y = y.transpose(0, 2, 1, 3).reshape(b, t, heads * d)
         return self.proj(y)                        # (output, bias): the block adds the bias
 
+    def _heads(self, qkv, cache):
+        """q (b, heads, t, d) and k, v with one head per query head, rotated when the model uses
+        rotary embeddings; a cache keeps each key/value group once, as computed."""
+        b, t, _ = qkv.shape
+        groups, per_group, d = self.local_groups, self.cfg.query_groups_size, self.cfg.head_dim
+        q, k, v = ag.split(qkv.reshape(b, t, groups, per_group + 2, d), [per_group, per_group + 1], axis=3)
+        q, k, v = q.reshape(b, t, groups * per_group, d), k.reshape(b, t, groups, d), v.reshape(b, t, groups, d)
+        if self.rotary is not None:
+            start = 0 if cache is None else cache.owner.length
+            cos, sin = self.rotary.at(slice(start, start + t))
+            q, k = ag.rotary(q, cos, sin), ag.rotary(k, cos, sin)
+        q, k, v = (part.transpose(0, 2, 1, 3) for part in (q, k, v))
+        if cache is not None:       # generation: attend to every earlier position, computed once
+            k, v = cache.extend(k.data, v.data)
+        return q, ag.repeat_heads(k, per_group), ag.repeat_heads(v, per_group)
+
 
 class ParallelMLP(Module):
     """Column-parallel h -> 4h, GeLU on each rank's columns (no communication: the point of
-    splitting the first GEMM by columns, paper §3), row-parallel 4h -> h."""
+    splitting the first GEMM by columns, paper §3), row-parallel 4h -> h. Under --swiglu the first
+    layer is a gate and an up projection, each split by columns, so every rank holds the matching
+    halves that silu(gate) * up multiplies; they enter the TP region as one GEMM (one f)."""
 
     def __init__(self, cfg, xp, dtype, group):
-        sp = cfg.sequence_parallel
+        sp, bias, h, f = cfg.sequence_parallel, cfg.add_bias_linear, cfg.hidden_size, cfg.ffn_hidden_size
         self.cfg = cfg
-        self.fc = ColumnParallelLinear(xp, dtype, cfg.hidden_size, cfg.ffn_hidden_size,
-                                       cfg.init_method_std, group, sp, skip_bias_add=True)
-        self.proj = RowParallelLinear(xp, dtype, cfg.ffn_hidden_size, cfg.hidden_size,
-                                      cfg.init_method_std / math.sqrt(2 * cfg.num_layers), group, sp,
-                                      skip_bias_add=True)
+        first = lambda: ColumnParallelLinear(xp, dtype, h, f, cfg.init_method_std, group, sp,
+                                             skip_bias_add=True, bias=bias)
+        if cfg.swiglu:
+            self.gate, self.up = first(), first()
+        else:
+            self.fc = first()
+        self.proj = RowParallelLinear(xp, dtype, f, h, cfg.init_method_std / math.sqrt(2 * cfg.num_layers),
+                                      group, sp, skip_bias_add=True, bias=bias)
 
     def forward(self, x):
-        h, bias = self.fc(x)
         # one fused chain each way; returns (output, bias): the block adds the bias
-        return self.proj(ag.bias_gelu(h, bias, self.cfg.gelu))
+        if self.cfg.swiglu:
+            return self.proj(self._swiglu(x))
+        h, bias = self.fc(x)
+        return self.proj(ag.gelu(h, self.cfg.gelu) if bias is None else ag.bias_gelu(h, bias, self.cfg.gelu))
+
+    def _swiglu(self, x):
+        pair = (self.gate, self.up)
+        weight = ag.concatenate([part.weight for part in pair], axis=1)
+        y = column_parallel_linear(x, weight, None, self.gate.group, self.gate.sequence_parallel)
+        if self.gate.bias is not None:
+            y = y + ag.concatenate([part.bias for part in pair], axis=0)
+        return ag.swiglu(y)
 
 
 class Block(Module):
@@ -98,14 +169,13 @@ class Block(Module):
     #: per-layer timers (--timing-log-level 2, set by the trainer); off by default
     layer_timers = NO_TIMERS
 
-    def __init__(self, cfg, xp, dtype, group, rng, layer):
-        sp = cfg.sequence_parallel
+    def __init__(self, cfg, xp, dtype, group, rng, layer, rotary=None):
         self.cfg, self.number = cfg, layer
         self.attn_dropout = rng.site(hidden_dropout_stream(cfg), site_number(layer, 1))
         self.mlp_dropout = rng.site(hidden_dropout_stream(cfg), site_number(layer, 2))
-        self.ln_1 = LayerNorm(xp, dtype, cfg.hidden_size, cfg.layernorm_epsilon, sp)
-        self.attn = ParallelAttention(cfg, xp, dtype, group, rng, layer)
-        self.ln_2 = LayerNorm(xp, dtype, cfg.hidden_size, cfg.layernorm_epsilon, sp)
+        self.ln_1 = normalization(cfg, xp, dtype)
+        self.attn = ParallelAttention(cfg, xp, dtype, group, rng, layer, rotary)
+        self.ln_2 = normalization(cfg, xp, dtype)
         self.mlp = ParallelMLP(cfg, xp, dtype, group)
 
     def forward(self, x, cache=None):
@@ -114,9 +184,14 @@ class Block(Module):
         return self._layer(x, cache)
 
     def _layer(self, x, cache=None):
+        x = self._branch_end(*self.attn(self.ln_1(x), cache), x, self.attn_dropout)
+        return self._branch_end(*self.mlp(self.ln_2(x)), x, self.mlp_dropout)
+
+    def _branch_end(self, y, bias, residual, site):
         p = self.cfg.hidden_dropout
-        x = ag.bias_dropout_add(*self.attn(self.ln_1(x), cache), x, p, self.attn_dropout, self.training)
-        return ag.bias_dropout_add(*self.mlp(self.ln_2(x)), x, p, self.mlp_dropout, self.training)
+        if bias is None:                # --disable-bias-linear
+            return ag.dropout_add(y, residual, p, site, self.training)
+        return ag.bias_dropout_add(y, bias, residual, p, site, self.training)
 
 
 def dropout_rng(cfg, grid, xp):
@@ -156,21 +231,32 @@ class GPT(Module):
         self.rng = rng or dropout_rng(cfg, self.grid, xp)
         self.padded_vocab_size = pad_vocab_size(cfg.vocab_size, group.size, cfg.make_vocab_size_divisible_by)
         self.specs = {}
-        if pre_process or post_process:
+        vocab_parallel = lambda: VocabParallelEmbedding(xp, dtype, cfg.vocab_size, self.padded_vocab_size,
+                                                        cfg.hidden_size, cfg.init_method_std, group, sp)
+        tied = not cfg.untie_embeddings_and_output_weights
+        if pre_process or (post_process and tied):
             # The last stage's copy of the word embedding (its output layer) is initialised from
             # the same master as the first stage's; `wte` shares one already on this rank.
-            self.wte = wte or VocabParallelEmbedding(xp, dtype, cfg.vocab_size, self.padded_vocab_size,
-                                                     cfg.hidden_size, cfg.init_method_std, group, sp)
-        if pre_process:
+            self.wte = wte or vocab_parallel()
+        if post_process and not tied:
+            self.output_layer = vocab_parallel()     # the same vocabulary-parallel layout, its own weight
+        if pre_process and cfg.position_embedding_type == "learned_absolute":
             self.wpe = parameter(xp, (cfg.max_position_embeddings, cfg.hidden_size), dtype)
             self.specs["wpe"] = ParamSpec(cfg.init_method_std, tuple(self.wpe.shape), sp_partial=sp)
+        self.rotary = RotaryTable(cfg, xp, dtype) if cfg.position_embedding_type == "rope" else None
         layers = range(cfg.num_layers) if layers is None else layers
-        self.blocks = {i: Block(cfg, xp, dtype, group, self.rng, i) for i in layers}
+        self.blocks = {i: Block(cfg, xp, dtype, group, self.rng, i, self.rotary) for i in layers}
         self.recompute_segments = recompute_segments(cfg, len(self.blocks))
         self.embedding_dropout = self.rng.site(hidden_dropout_stream(cfg), site_number())
         if post_process:
-            self.ln_f = LayerNorm(xp, dtype, cfg.hidden_size, cfg.layernorm_epsilon, sp)
+            self.ln_f = normalization(cfg, xp, dtype)
         self.initialize(cfg.seed, cfg.storage_format)
+
+    @property
+    def output(self):
+        """The vocabulary-parallel layer whose transpose gives the logits: the word embedding
+        (tied, GPT-2) or the output layer (--untie-embeddings-and-output-weights)."""
+        return getattr(self, "output_layer", None) or self.wte
 
     def _check(self, ids, offset=0):
         if ids.ndim != 2:
@@ -196,7 +282,9 @@ class GPT(Module):
         if self.cfg.sequence_parallel:
             block = t // self.tp_group.size
             start, stop = offset + self.tp_group.rank * block, offset + (self.tp_group.rank + 1) * block
-        x = self.wte(ids) + self.wpe[start:stop]      # positions are a slice: nothing to check
+        x = self.wte(ids)
+        if self.cfg.position_embedding_type == "learned_absolute":
+            x = x + self.wpe[start:stop]      # positions are a slice: nothing to check
         return ag.dropout(x, self.cfg.hidden_dropout, self.embedding_dropout, self.training)
 
     def forward(self, ids, targets=None, cache=None):
@@ -225,11 +313,11 @@ class GPT(Module):
                 x = block(x)
         if not self.post_process:
             return x, None
-        logits = self.wte.logits(self.ln_f(x))   # output layer tied to the token embedding
+        logits = self.output.logits(self.ln_f(x))
         loss = None
         if targets is not None:
             loss = vocab_parallel_cross_entropy(logits, targets, self.tp_group,
-                                                self.wte.vocab_start, self.cfg.vocab_size)
+                                                self.output.vocab_start, self.cfg.vocab_size)
         return logits, loss
 
     def full_logits(self, logits):
@@ -252,9 +340,16 @@ class GPT(Module):
 
 
 def gpt_num_parameters(cfg):
-    h, f = cfg.hidden_size, cfg.ffn_hidden_size
-    per_layer = 4 * h * h + 2 * h * f + f + 9 * h   # 2 LayerNorms, QKV, projection, MLP, biases
-    return (cfg.vocab_size + cfg.max_position_embeddings) * h + cfg.num_layers * per_layer + 2 * h
+    """Parameters of the whole model, unpadded: GPT-2's, or the Llama family's parts."""
+    h, f, d = cfg.hidden_size, cfg.ffn_hidden_size, cfg.head_dim
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * d
+    first = 2 * f if cfg.swiglu else f                       # SwiGLU: gate and up
+    norm = h if cfg.normalization == "RMSNorm" else 2 * h
+    biases = (qkv + h + first + h) if cfg.add_bias_linear else 0
+    per_layer = h * qkv + h * h + h * first + f * h + biases + 2 * norm
+    positions = cfg.max_position_embeddings * h if cfg.position_embedding_type == "learned_absolute" else 0
+    output = cfg.vocab_size * h if cfg.untie_embeddings_and_output_weights else 0
+    return cfg.vocab_size * h + positions + output + cfg.num_layers * per_layer + norm
 
 
 def model_flops(cfg, num_params, batch, seq):

@@ -26,9 +26,11 @@ class PipelineModel(Module):
             self.chunks.append(chunk)
         self.tp_group = grid.tp_group
         holds = lambda attr: any(getattr(s, attr) for s in self.stage_specs)
-        # The last stage's copy of the word embedding, when the first stage is another rank.
-        self.embedding_copy = wte if holds("post_process") and not holds("pre_process") else None
-        self.tied = wte if (holds("pre_process") or holds("post_process")) else None
+        # The last stage's copy of the word embedding, when the first stage is another rank; an
+        # untied output layer is no copy (--untie-embeddings-and-output-weights).
+        tied = not cfg.untie_embeddings_and_output_weights
+        self.embedding_copy = wte if tied and holds("post_process") and not holds("pre_process") else None
+        self.tied = wte if tied and (holds("pre_process") or holds("post_process")) else None
 
     def children(self):
         """The stages, unnamed: a parameter keeps its name in the serial model (`blocks.3.…`)

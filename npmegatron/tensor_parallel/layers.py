@@ -34,28 +34,35 @@ class ColumnParallelLinear(Module):
     sequence; the output stays split unless gathered."""
 
     def __init__(self, xp, dtype, in_features, out_features, std, group, sequence_parallel=False,
-                 gather_output=False, skip_bias_add=False):
+                 gather_output=False, skip_bias_add=False, bias=True):
         local = divide(out_features, group.size, "output size")
         cols = slice(group.rank * local, (group.rank + 1) * local)
         self.group, self.sequence_parallel, self.gather_output = group, sequence_parallel, gather_output
         self.skip_bias_add = skip_bias_add      # (x W, b) returned apart, for a fused bias + GeLU
         self.weight = parameter(xp, (in_features, local), dtype)
-        self.bias = parameter(xp, (local,), dtype)
-        self.specs = {"weight": ParamSpec(std, (in_features, out_features), (slice(None), cols), tp_axis=1),
-                      "bias": ParamSpec("zeros", (out_features,), (cols,), tp_axis=0)}
+        self.specs = {"weight": ParamSpec(std, (in_features, out_features), (slice(None), cols), tp_axis=1)}
+        self.bias = parameter(xp, (local,), dtype) if bias else None    # None: --disable-bias-linear
+        if bias:
+            self.specs["bias"] = ParamSpec("zeros", (out_features,), (cols,), tp_axis=0)
 
     def forward(self, x):
         bias = None if self.skip_bias_add else self.bias
-        if self.sequence_parallel:
-            y = ag.linear(gather_from_sp_region(x, self.group), self.weight, bias)
-        elif self.group.size > 1:
-            operands = (x, self.weight) if bias is None else (x, self.weight, bias)
-            y = _LinearWithAsyncGradAllReduce.apply(*operands, group=self.group)
-        else:
-            y = ag.linear(x, self.weight, bias)
+        y = column_parallel_linear(x, self.weight, bias, self.group, self.sequence_parallel)
         if self.skip_bias_add:
             return y, self.bias
         return gather_from_tp_region(y, self.group) if self.gather_output else y
+
+
+def column_parallel_linear(x, weight, bias, group, sequence_parallel):
+    """x W + b for a column shard W of a weight: x enters the TP region through f fused with the
+    GEMM, or through the sequence's all-gather under SP (ColumnParallelLinear's forward, also
+    for a weight made of several column-parallel parts, as SwiGLU's gate and up)."""
+    if sequence_parallel:
+        return ag.linear(gather_from_sp_region(x, group), weight, bias)
+    if group.size > 1:
+        operands = (x, weight) if bias is None else (x, weight, bias)
+        return _LinearWithAsyncGradAllReduce.apply(*operands, group=group)
+    return ag.linear(x, weight, bias)
 
 
 class _LinearWithAsyncGradAllReduce(Linear):
@@ -86,14 +93,15 @@ class RowParallelLinear(Module):
     skip_bias_add, (y, b) are returned apart for the block's fused bias + dropout + residual."""
 
     def __init__(self, xp, dtype, in_features, out_features, std, group, sequence_parallel=False,
-                 skip_bias_add=False):
+                 skip_bias_add=False, bias=True):
         local = divide(in_features, group.size, "input size")
         rows = slice(group.rank * local, (group.rank + 1) * local)
         self.group, self.sequence_parallel, self.skip_bias_add = group, sequence_parallel, skip_bias_add
         self.weight = parameter(xp, (local, out_features), dtype)
-        self.bias = parameter(xp, (out_features,), dtype)
-        self.specs = {"weight": ParamSpec(std, (in_features, out_features), (rows,), tp_axis=0),
-                      "bias": ParamSpec("zeros", (out_features,), sp_partial=sequence_parallel)}
+        self.specs = {"weight": ParamSpec(std, (in_features, out_features), (rows,), tp_axis=0)}
+        self.bias = parameter(xp, (out_features,), dtype) if bias else None    # None: --disable-bias-linear
+        if bias:
+            self.specs["bias"] = ParamSpec("zeros", (out_features,), sp_partial=sequence_parallel)
 
     def forward(self, x):
         partial = ag.linear(x, self.weight)
@@ -101,7 +109,9 @@ class RowParallelLinear(Module):
             y = reduce_scatter_to_sp_region(partial, self.group)
         else:
             y = reduce_from_tp_region(partial, self.group)
-        return (y, self.bias) if self.skip_bias_add else y + self.bias
+        if self.skip_bias_add:
+            return y, self.bias
+        return y if self.bias is None else y + self.bias
 
 
 class _ShardLookup(Function):

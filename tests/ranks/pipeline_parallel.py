@@ -5,7 +5,7 @@ against the serial model, and the schedules' memory.
         test_two_stages_every_schedule_layout_and_variable_lengths (N = 2),
         test_four_ranks_pp4_pp2xtp2_pp2xdp2 (N = 4), test_eight_ranks_pp4xtp2_and_pp2xtp2xdp2 (N = 8).
         A case is {"tp", "pp", "m", "schedule"} with optional "layers", "virtual", "layout",
-        "variable", "sp", "overlap" and "device" ("gpu": the pipeline on CuPy arrays, a real GPU's
+        "variable", "sp", "overlap", "family" ("llama") and "device" ("gpu": the pipeline on CuPy arrays, a real GPU's
         or the strict stand-in's, the serial reference on NumPy); every one must give the serial
         model's loss and every gradient to 1e-10 relative. Rank 0 prints "worst relative error
         <float>".
@@ -17,6 +17,11 @@ import dataclasses
 import json
 
 import numpy as np
+
+
+#: A case's "family": GPT-2, or the Llama family with 2 key/value groups of 2 query heads.
+FAMILIES = {"gpt2": {}, "llama": dict(model_family="llama", group_query_attention=True, num_query_groups=2,
+                                      ffn_hidden_size=24)}
 
 
 def check(cases):
@@ -35,7 +40,8 @@ def check(cases):
         layers = case.get("layers", 4)
         cfg = GPTConfig(num_layers=layers, hidden_size=16, num_attention_heads=4, vocab_size=50,
                         max_position_embeddings=12, dtype="float64", hidden_dropout=0.0,
-                        attention_dropout=0.0, sequence_parallel=case.get("sp", False))
+                        attention_dropout=0.0, sequence_parallel=case.get("sp", False),
+                        **FAMILIES[case.get("family", "gpt2")])
         m, dp = case["m"], world.size // (case["tp"] * case["pp"])
         rng = np.random.default_rng(7)
         lengths = [4 + 2 * (i % 4) if case.get("variable") else 12 for i in range(m * dp)]

@@ -28,6 +28,12 @@ from npmegatron import comm
 from npmegatron.model import GPT, GPTConfig
 
 
+#: The Llama family at test size: RMSNorm, rotary, SwiGLU, untied, no biases, and grouped-query
+#: attention with 4 key/value groups of 2 query heads (TP 4 holds one group per rank).
+LLAMA = dict(model_family="llama", hidden_size=32, num_attention_heads=8, group_query_attention=True,
+             num_query_groups=4, ffn_hidden_size=40)
+
+
 def config(**kw):
     base = dict(num_layers=2, hidden_size=16, num_attention_heads=4, vocab_size=50,
                 max_position_embeddings=8, dtype="float64", hidden_dropout=0.0, attention_dropout=0.0)
@@ -88,14 +94,14 @@ def adjoint(world, grid):
     print("adjoint ok")
 
 
-def equals_serial(world, grid):
+def equals_serial(world, grid, family=None):
     """Loss, logits, parameters and every gradient equal the serial model's, without and with
     sequence parallelism; rank 0 prints one JSON line for each."""
     for sp in (False, True):
-        model, worst = compare_with_serial(grid, batch(), sequence_parallel=sp)
+        model, worst = compare_with_serial(grid, batch(), sequence_parallel=sp, **(family or {}))
         if world.rank == 0:
             print(json.dumps({"tp": world.size, "sp": sp, "padded_vocab": model.padded_vocab_size,
-                              "max_rel_error": max(worst.values())}))
+                              "parameters": sorted(worst)[:4], "max_rel_error": max(worst.values())}))
 
 
 def equals_serial_through_shared_memory(world, grid):
@@ -133,11 +139,11 @@ def compare_with_serial(grid, ids_targets, **config_fields):
     return model, worst
 
 
-def counts(world, grid):
+def counts(world, grid, family=None):
     """TP collectives per layer, forward and backward, without and with sequence parallelism:
     rank 0 prints one JSON line for each."""
     def count(layers, sp):
-        model = GPT(config(num_layers=layers, sequence_parallel=sp), grid)
+        model = GPT(config(num_layers=layers, sequence_parallel=sp, **(family or {})), grid)
         ids, targets = batch()
         comm.reset_stats()
         _, loss = model(ids, targets)
@@ -243,6 +249,8 @@ def tape_bytes(world, grid):
 
 
 CASES = {"adjoint": adjoint, "equals-serial": equals_serial,
+         "equals-serial-llama": lambda world, grid: equals_serial(world, grid, LLAMA),
+         "counts-llama": lambda world, grid: counts(world, grid, LLAMA),
          "equals-serial-shared-memory": equals_serial_through_shared_memory, "counts": counts,
          "cross-entropy-volume": cross_entropy_volume, "megatron-cross-entropy": megatron_cross_entropy,
          "dropout-masks": dropout_masks, "tape-bytes": tape_bytes}
