@@ -1,7 +1,9 @@
-"""ProcessGrid(tp, pp, dp): every group built from one rank grid, as Megatron's parallel_state.
+"""ProcessGrid(tp, pp, dp, cp): every group built from one rank grid, as Megatron's parallel_state.
 
-TP varies fastest (rank = tp + TP * (dp + DP * pp)), so a tensor-parallel group is neighbouring
-ranks (one node on a cluster), then data parallel, then pipeline stages.
+TP varies fastest, then context parallelism, then data parallelism, then pipeline stages
+(rank = tp + TP * (cp + CP * (dp + DP * pp))), so a tensor-parallel group is neighbouring ranks
+(one node on a cluster), and a context-parallel group lies inside a data-parallel replica's
+ranks as in Megatron-LM, where gradients are averaged over DP and CP together.
 """
 from npmegatron.autograd.errors import InputError
 
@@ -10,28 +12,42 @@ from .group import Group
 from .runtime import init
 
 
-def grid_coordinates(rank, tp, dp):
-    """(tp_rank, dp_rank, pp_rank) of a global rank."""
-    return rank % tp, (rank // tp) % dp, rank // (tp * dp)
+def grid_coordinates(rank, tp, dp, cp=1):
+    """(tp_rank, dp_rank, pp_rank) of a global rank (its cp_rank is (rank // tp) % cp)."""
+    return rank % tp, (rank // (tp * cp)) % dp, rank // (tp * cp * dp)
 
 
-def grid_ranks(world_size, tp, pp, dp):
+def grid_ranks(world_size, tp, pp, dp, cp=1):
     """The rank lists of every group kind, computed without MPI (so 16-rank layouts are testable
-    in one process): tp, dp, pp, mp (model parallel: TP x PP, one per DP replica) and embd
-    (first and last pipeline stage, for the tied embedding)."""
-    for name, size in (("tensor", tp), ("pipeline", pp), ("data", dp)):
+    in one process): tp, cp, dp, dp_cp (the ranks gradients are averaged over), pp, mp (model
+    parallel: TP x PP, one per DP and CP position) and embd (first and last pipeline stage, for the
+    tied embedding)."""
+    for name, size in (("tensor", tp), ("pipeline", pp), ("data", dp), ("context", cp)):
         if size < 1:
             raise InputError(f"{name}-parallel size {size} must be a positive integer")
-    if tp * pp * dp != world_size:
-        raise InputError(f"world size {world_size} does not equal TP x PP x DP = {tp} x {pp} x {dp} "
-                         f"= {tp * pp * dp}; launch {tp * pp * dp} ranks or change the sizes")
-    rank = lambda t, d, p: t + tp * (d + dp * p)
+    if tp * pp * dp * cp != world_size:
+        sizes, names = (tp, pp, dp) + ((cp,) if cp > 1 else ()), "TP x PP x DP" + (" x CP" if cp > 1 else "")
+        raise InputError(f"world size {world_size} does not equal {names} = {' x '.join(map(str, sizes))} "
+                         f"= {tp * pp * dp * cp}; launch {tp * pp * dp * cp} ranks or change the sizes")
+    rank = lambda t, c, d, p: t + tp * (c + cp * (d + dp * p))
+    every = [(t, c, d, p) for p in range(pp) for d in range(dp) for c in range(cp) for t in range(tp)]
+
+    def groups(key, member):
+        """Ranks grouped by `key`, each group ordered by `member` (its rank in the group)."""
+        out = {}
+        for coords in every:
+            out.setdefault(key(*coords), []).append((member(*coords), rank(*coords)))
+        return [[r for _, r in sorted(members)] for _, members in sorted(out.items())]
+
     return {
-        "tp": [[rank(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)],
-        "dp": [[rank(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)],
-        "pp": [[rank(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)],
-        "mp": [sorted(rank(t, d, p) for p in range(pp) for t in range(tp)) for d in range(dp)],
-        "embd": [sorted({rank(t, d, 0), rank(t, d, pp - 1)}) for d in range(dp) for t in range(tp)],
+        "tp": groups(lambda t, c, d, p: (p, d, c), lambda t, c, d, p: t),
+        "cp": groups(lambda t, c, d, p: (p, d, t), lambda t, c, d, p: c),
+        "dp": groups(lambda t, c, d, p: (p, c, t), lambda t, c, d, p: d),
+        "dp_cp": groups(lambda t, c, d, p: (p, t), lambda t, c, d, p: (d, c)),
+        "pp": groups(lambda t, c, d, p: (d, c, t), lambda t, c, d, p: p),
+        "mp": groups(lambda t, c, d, p: (d, c), lambda t, c, d, p: (p, t)),
+        "embd": [sorted({rank(t, c, d, 0), rank(t, c, d, pp - 1)}) for d in range(dp) for c in range(cp)
+                 for t in range(tp)],
     }
 
 
@@ -47,22 +63,28 @@ def _split(world, name, lists):
 
 
 class ProcessGrid:
-    """Tensor x pipeline x data parallel groups over the world, with axis-prefixed attributes."""
+    """Tensor x context x data x pipeline parallel groups over the world, with axis-prefixed
+    attributes; `dp_cp_group` is DP and CP together, the group gradients are averaged over (the
+    DP group itself when CP is 1)."""
 
-    def __init__(self, tp=1, pp=1, dp=None, world=None, nccl=False):
+    def __init__(self, tp=1, pp=1, dp=None, world=None, nccl=False, cp=1):
         """nccl: the run computes on GPUs, so create every NCCL communicator now (connect_nccl)."""
         world = world or init()
         if dp is None:
-            if world.size % (tp * pp):
-                raise InputError(f"world size {world.size} is not divisible by TP x PP = {tp * pp}; "
-                                 "launch a multiple of TP x PP ranks (mpirun -n N)")
-            dp = world.size // (tp * pp)
-        layout = grid_ranks(world.size, tp, pp, dp)
+            if world.size % (tp * pp * cp):
+                what = "TP x PP" + (" x CP" if cp > 1 else "")
+                raise InputError(f"world size {world.size} is not divisible by {what} = {tp * pp * cp}; "
+                                 f"launch a multiple of {what} ranks (mpirun -n N)")
+            dp = world.size // (tp * pp * cp)
+        layout = grid_ranks(world.size, tp, pp, dp, cp)
         self.world, self.rank, self.world_size = world, world.rank, world.size
-        self.tp_size, self.pp_size, self.dp_size = tp, pp, dp
-        self.tp_rank, self.dp_rank, self.pp_rank = grid_coordinates(world.rank, tp, dp)
+        self.tp_size, self.pp_size, self.dp_size, self.cp_size = tp, pp, dp, cp
+        self.tp_rank, self.dp_rank, self.pp_rank = grid_coordinates(world.rank, tp, dp, cp)
+        self.cp_rank = (world.rank // tp) % cp
         self.tp_group = _split(world, "tp", layout["tp"])
+        self.cp_group = _split(world, "cp", layout["cp"])
         self.dp_group = _split(world, "dp", layout["dp"])
+        self.dp_cp_group = _split(world, "dp_cp", layout["dp_cp"]) if cp > 1 else self.dp_group
         self.pp_group = _split(world, "pp", layout["pp"])
         self.mp_group = _split(world, "mp", layout["mp"])
         self.embedding_group = _split(world, "embd", layout["embd"])
@@ -73,29 +95,34 @@ class ProcessGrid:
             self.connect_nccl()
 
     def connect_nccl(self):
-        """Every NCCL communicator this rank's collectives and pipeline messages will use, made
-        now in one order on every rank: TP, DP, PP, model-parallel and embedding groups, then the
-        pipeline's pairs (a no-op where NCCL does not serve the GPU arrays). Groups of one rank
-        have none: their collectives return at once. The world's collectives carry host arrays."""
-        groups = [self.tp_group, self.dp_group, self.pp_group, self.mp_group, self.embedding_group]
-        connect_nccl([g for g in groups if g is not None and g.size > 1],
-                     [self.pp_group] if self.pp_size > 1 else [])
+        """Every NCCL communicator this rank's collectives and point-to-point messages will use,
+        made now in one order on every rank: TP, CP, DP, DP x CP, PP, model-parallel and embedding
+        groups, then the pairs of the pipeline and of the context-parallel ring (a no-op where NCCL
+        does not serve the GPU arrays). Groups of one rank have none: their collectives return at
+        once. The world's collectives carry host arrays."""
+        groups = [self.tp_group, self.cp_group, self.dp_group, self.pp_group, self.mp_group, self.embedding_group]
+        if self.dp_cp_group is not self.dp_group:
+            groups.insert(3, self.dp_cp_group)
+        pairs = [g for g, size in ((self.pp_group, self.pp_size), (self.cp_group, self.cp_size)) if size > 1]
+        connect_nccl([g for g in groups if g is not None and g.size > 1], pairs)
 
     @classmethod
     def single(cls):
-        """The 1 x 1 x 1 grid of a serial run, without MPI."""
+        """The 1 x 1 x 1 x 1 grid of a serial run, without MPI."""
         grid = cls.__new__(cls)
         grid.world = Group.single("world")
         grid.rank, grid.world_size = 0, 1
-        grid.tp_size = grid.pp_size = grid.dp_size = 1
-        grid.tp_rank = grid.dp_rank = grid.pp_rank = 0
-        for name in ("tp", "dp", "pp", "mp"):
+        grid.tp_size = grid.pp_size = grid.dp_size = grid.cp_size = 1
+        grid.tp_rank = grid.dp_rank = grid.pp_rank = grid.cp_rank = 0
+        for name in ("tp", "cp", "dp", "pp", "mp"):
             setattr(grid, f"{name}_group", Group.single(name))
+        grid.dp_cp_group = grid.dp_group
         grid.embedding_group = Group.single("embd")
         grid.pp_next_rank = grid.pp_prev_rank = 0
         return grid
 
     def __str__(self):
-        return f"TP({self.tp_size})-PP({self.pp_size})-DP({self.dp_size})-Rank({self.rank})"
+        cp = f"-CP({self.cp_size})" if self.cp_size > 1 else ""
+        return f"TP({self.tp_size}){cp}-PP({self.pp_size})-DP({self.dp_size})-Rank({self.rank})"
 
     __repr__ = __str__

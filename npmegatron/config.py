@@ -16,6 +16,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Optional
 
 from .autograd import InputError
+from .context_parallel.split import check_divisible, check_no_dropout
 from .data import parse_split
 from .pipeline_layout import default_layout, parse_layout
 from .recompute import recompute_segments
@@ -211,11 +212,14 @@ class GPTConfig:
 
 @dataclass
 class ParallelConfig:
-    """How the ranks split the work: rank = tp + TP * (dp + DP * pp), DP = world / (TP * PP)."""
+    """How the ranks split the work: rank = tp + TP * (cp + CP * (dp + DP * pp)), DP = world / (TP * CP * PP)."""
     tensor_model_parallel_size: int = option(1, "Tensor-parallel ranks (launch with mpirun -n TP).",
                                              aliases=("--tp",), minimum=1)
-    pipeline_model_parallel_size: int = option(1, "Pipeline stages (ranks = TP x PP x DP).",
+    pipeline_model_parallel_size: int = option(1, "Pipeline stages (ranks = TP x CP x PP x DP).",
                                                aliases=("--pp",), minimum=1)
+    context_parallel_size: int = option(1, "Context-parallel ranks: each sample's sequence split over them "
+                                           "(two chunks each, balanced for causal attention), attention as "
+                                           "ring attention.", aliases=("--cp",), minimum=1)
     num_layers_per_virtual_pipeline_stage: Optional[int] = option(
         None, "Layers per virtual stage: interleaved schedule with num-layers / (PP x this) stages per rank.",
         minimum=1)
@@ -473,13 +477,19 @@ class RunPlan:
     def __init__(self, config, world_size):
         parallel = config.parallel
         self.tp, self.pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-        if world_size == 1 and self.tp * self.pp > 1:
-            raise InputError(f"--tp {self.tp} x --pp {self.pp} needs {self.tp * self.pp} ranks; launch "
-                             f"with mpirun -n {self.tp * self.pp} (or a multiple for data parallelism)")
-        if world_size % (self.tp * self.pp):
-            raise InputError(f"world size {world_size} is not divisible by TP x PP = {self.tp * self.pp}; "
-                             "launch a multiple of TP x PP ranks")
-        self.dp = world_size // (self.tp * self.pp)
+        self.cp = parallel.context_parallel_size
+        model_ranks = self.tp * self.pp * self.cp
+        flags = f"--tp {self.tp} x --pp {self.pp}" + (f" x --cp {self.cp}" if self.cp > 1 else "")
+        if world_size == 1 and model_ranks > 1:
+            raise InputError(f"{flags} needs {model_ranks} ranks; launch with mpirun -n {model_ranks} "
+                             "(or a multiple for data parallelism)")
+        if world_size % model_ranks:
+            raise InputError(f"world size {world_size} is not divisible by {flags} = {model_ranks}; "
+                             f"launch a multiple of {model_ranks} ranks")
+        self.dp = world_size // model_ranks
+        if self.cp > 1:
+            check_divisible(config.seq_length, self.cp)
+            check_no_dropout(config.model, self.cp)
         self.micro_batches = self._micro_batches(config)
         self.global_batch = config.micro_batch_size * self.micro_batches * self.dp
         self.layout = self._layout(config)

@@ -14,6 +14,8 @@ from .autograd.backend import array_module_for
 from .autograd.gemm import enable_tf32
 from .autograd.ops.nn import check_ids
 from .config import GPTConfig
+from .context_parallel import local_positions, ring_attention
+from .context_parallel.split import check_divisible, check_no_dropout
 from .module import Module, ParamSpec, parameter
 from .recompute import recompute_segments, run_layers
 from .timers import NO_TIMERS, timed_layer
@@ -77,9 +79,10 @@ class ParallelAttention(Module):
     Megatron's layout, so a contiguous column shard is whole key/value groups: with one query head
     per group (no grouped-query attention) that is GPT-2's (q, k, v) head by head."""
 
-    def __init__(self, cfg, xp, dtype, group, rng, layer, rotary=None):
+    def __init__(self, cfg, xp, dtype, group, rng, layer, rotary=None, cp_group=None):
         h, sp, d = cfg.hidden_size, cfg.sequence_parallel, cfg.head_dim
         self.cfg, self.rotary = cfg, rotary
+        self.cp_group = cp_group if cp_group is not None and cp_group.size > 1 else None
         if cfg.num_query_groups % group.size:
             raise InputError(f"{cfg.num_query_groups} key/value groups (--num-query-groups) are not "
                              f"divisible by tensor-parallel size {group.size}; each rank needs whole "
@@ -102,30 +105,35 @@ class ParallelAttention(Module):
         # now, because backward draws the masks again.
         scale, p = 1.0 / math.sqrt(d), self.cfg.attention_dropout
         site = self.probs_dropout.frozen() if self.training and p > 0 else None
-        if cache is None and self.rotary is None and self.local_groups == heads:
+        per_group = self.cfg.query_groups_size
+        if self.cp_group is not None:      # context parallelism: this rank's tokens, keys passed round
+            seq_length = t * self.cp_group.size
+            q, k, v = self._heads(qkv, local_positions(seq_length, self.cp_group.rank, self.cp_group.size))
+            y = ring_attention(q, k, v, scale, self.cp_group, seq_length)
+        elif cache is None and self.rotary is None and per_group == 1:
             # GPT-2: q, k, v stay packed, and so does their gradient
             y = ag.causal_attention_packed(qkv.reshape(b, t, heads, 3, d), scale, p, site, self.training)
         else:
-            q, k, v = self._heads(qkv, cache)
+            start = 0 if cache is None else cache.owner.length
+            q, k, v = self._heads(qkv, slice(start, start + t))
+            if cache is not None:       # generation: attend to every earlier position, computed once
+                k, v = cache.extend(k.data, v.data)        # each key/value group kept once
+            k, v = ag.repeat_heads(k, per_group), ag.repeat_heads(v, per_group)
             y = ag.causal_attention(q, k, v, scale, p, site, self.training)
         y = y.transpose(0, 2, 1, 3).reshape(b, t, heads * d)
         return self.proj(y)                        # (output, bias): the block adds the bias
 
-    def _heads(self, qkv, cache):
-        """q (b, heads, t, d) and k, v with one head per query head, rotated when the model uses
-        rotary embeddings; a cache keeps each key/value group once, as computed."""
+    def _heads(self, qkv, positions):
+        """q (b, heads, t, d) and k, v (b, groups, t, d) of the tokens at `positions` (a slice, or
+        context parallelism's index array), rotated when the model uses rotary embeddings."""
         b, t, _ = qkv.shape
         groups, per_group, d = self.local_groups, self.cfg.query_groups_size, self.cfg.head_dim
         q, k, v = ag.split(qkv.reshape(b, t, groups, per_group + 2, d), [per_group, per_group + 1], axis=3)
         q, k, v = q.reshape(b, t, groups * per_group, d), k.reshape(b, t, groups, d), v.reshape(b, t, groups, d)
         if self.rotary is not None:
-            start = 0 if cache is None else cache.owner.length
-            cos, sin = self.rotary.at(slice(start, start + t))
+            cos, sin = self.rotary.at(positions)
             q, k = ag.rotary(q, cos, sin), ag.rotary(k, cos, sin)
-        q, k, v = (part.transpose(0, 2, 1, 3) for part in (q, k, v))
-        if cache is not None:       # generation: attend to every earlier position, computed once
-            k, v = cache.extend(k.data, v.data)
-        return q, ag.repeat_heads(k, per_group), ag.repeat_heads(v, per_group)
+        return tuple(part.transpose(0, 2, 1, 3) for part in (q, k, v))
 
 
 class ParallelMLP(Module):
@@ -169,12 +177,12 @@ class Block(Module):
     #: per-layer timers (--timing-log-level 2, set by the trainer); off by default
     layer_timers = NO_TIMERS
 
-    def __init__(self, cfg, xp, dtype, group, rng, layer, rotary=None):
+    def __init__(self, cfg, xp, dtype, group, rng, layer, rotary=None, cp_group=None):
         self.cfg, self.number = cfg, layer
         self.attn_dropout = rng.site(hidden_dropout_stream(cfg), site_number(layer, 1))
         self.mlp_dropout = rng.site(hidden_dropout_stream(cfg), site_number(layer, 2))
         self.ln_1 = normalization(cfg, xp, dtype)
-        self.attn = ParallelAttention(cfg, xp, dtype, group, rng, layer, rotary)
+        self.attn = ParallelAttention(cfg, xp, dtype, group, rng, layer, rotary, cp_group)
         self.ln_2 = normalization(cfg, xp, dtype)
         self.mlp = ParallelMLP(cfg, xp, dtype, group)
 
@@ -219,6 +227,9 @@ class GPT(Module):
         self.grid = grid or comm.ProcessGrid.single()
         self.pre_process, self.post_process = pre_process, post_process
         group = self.tp_group = self.grid.tp_group
+        self.cp_group = getattr(self.grid, "cp_group", None)
+        if self.cp_size > 1:
+            check_no_dropout(cfg, self.cp_size)
         if cfg.num_attention_heads % group.size:
             raise InputError(f"{cfg.num_attention_heads} attention heads are not divisible by "
                              f"tensor-parallel size {group.size}; choose a TP size that divides the "
@@ -245,12 +256,23 @@ class GPT(Module):
             self.specs["wpe"] = ParamSpec(cfg.init_method_std, tuple(self.wpe.shape), sp_partial=sp)
         self.rotary = RotaryTable(cfg, xp, dtype) if cfg.position_embedding_type == "rope" else None
         layers = range(cfg.num_layers) if layers is None else layers
-        self.blocks = {i: Block(cfg, xp, dtype, group, self.rng, i, self.rotary) for i in layers}
+        self.blocks = {i: Block(cfg, xp, dtype, group, self.rng, i, self.rotary, self.cp_group) for i in layers}
         self.recompute_segments = recompute_segments(cfg, len(self.blocks))
         self.embedding_dropout = self.rng.site(hidden_dropout_stream(cfg), site_number())
         if post_process:
             self.ln_f = normalization(cfg, xp, dtype)
         self.initialize(cfg.seed, cfg.storage_format)
+
+    @property
+    def cp_size(self):
+        return self.cp_group.size if self.cp_group is not None else 1
+
+    def local_tokens(self, array):
+        """The columns of a (batch, seq) array that this context-parallel rank holds (all of them
+        without context parallelism): split.local_positions' balanced causal split."""
+        if self.cp_size == 1:
+            return array
+        return array[:, local_positions(array.shape[1], self.cp_group.rank, self.cp_size)]
 
     @property
     def output(self):
@@ -268,6 +290,9 @@ class GPT(Module):
                              "larger max_position_embeddings")
         check_ids(ids, self.cfg.vocab_size, "token id",
                   "tokenize with the model's vocabulary or build the model with a larger vocab_size")
+        if self.cp_size > 1:
+            check_divisible(t, self.cp_size)
+            t //= self.cp_size
         if self.cfg.sequence_parallel and t % self.tp_group.size:
             raise InputError(f"sequence length {t} is not divisible by the tensor-parallel size "
                              f"{self.tp_group.size}, as sequence parallelism needs; use a multiple of it")
@@ -276,16 +301,27 @@ class GPT(Module):
         # Token ids are checked while still on the host, where it costs no GPU synchronisation.
         ids = ids if hasattr(ids, "ndim") else numpy.asarray(ids)
         self._check(ids, offset)
-        ids = self.xp.asarray(ids)
-        t = ids.shape[1]
+        positions = self._positions(ids.shape[1], offset)
+        ids = self.xp.asarray(self.local_tokens(ids))
+        x = self.wte(ids)
+        if self.cfg.position_embedding_type == "learned_absolute":
+            x = x + self.wpe[positions]      # positions are in range: nothing to check
+        return ag.dropout(x, self.cfg.hidden_dropout, self.embedding_dropout, self.training)
+
+    def _positions(self, t, offset):
+        """The positions of the tokens whose embeddings this rank computes: a slice, or under
+        context parallelism an index array; under sequence parallelism this TP rank's share."""
+        if self.cp_size > 1:
+            positions = local_positions(t, self.cp_group.rank, self.cp_size)
+            if self.cfg.sequence_parallel:
+                block = len(positions) // self.tp_group.size
+                positions = positions[self.tp_group.rank * block:(self.tp_group.rank + 1) * block]
+            return positions
         start, stop = offset, offset + t
         if self.cfg.sequence_parallel:
             block = t // self.tp_group.size
             start, stop = offset + self.tp_group.rank * block, offset + (self.tp_group.rank + 1) * block
-        x = self.wte(ids)
-        if self.cfg.position_embedding_type == "learned_absolute":
-            x = x + self.wpe[start:stop]      # positions are a slice: nothing to check
-        return ag.dropout(x, self.cfg.hidden_dropout, self.embedding_dropout, self.training)
+        return slice(start, stop)
 
     def forward(self, ids, targets=None, cache=None):
         """ids (batch, seq) -> (this rank's vocabulary shard of the logits, mean loss or None).
@@ -293,9 +329,9 @@ class GPT(Module):
         continue the cached sequence: each new token costs one position, not the whole prefix.
         A stage without pre_process takes the previous stage's hidden states instead of ids;
         one without post_process returns (its hidden states, None)."""
-        if cache is not None and self.cfg.sequence_parallel:
-            raise InputError("a key/value cache needs sequence parallelism off (one new token cannot "
-                             "be split over ranks); build the model without it for generation")
+        if cache is not None and (self.cfg.sequence_parallel or self.cp_size > 1):
+            raise InputError("a key/value cache needs sequence and context parallelism off (one new token "
+                             "cannot be split over ranks); build the model without them for generation")
         with ag.precision.storage(self.cfg.storage_format):     # --fp16/--bf16: 16-bit values
             return self._forward(ids, targets, cache)
 
@@ -315,7 +351,8 @@ class GPT(Module):
             return x, None
         logits = self.output.logits(self.ln_f(x))
         loss = None
-        if targets is not None:
+        if targets is not None:    # under context parallelism: the mean over this rank's tokens
+            targets = self.local_tokens(targets if hasattr(targets, "ndim") else numpy.asarray(targets))
             loss = vocab_parallel_cross_entropy(logits, targets, self.tp_group,
                                                 self.output.vocab_start, self.cfg.vocab_size)
         return logits, loss

@@ -34,7 +34,7 @@ def assemble(config: TrainConfig, vocab_size=None, world_size=None):
     """The Run of `config` on the ranks mpirun started (`world_size` ranks; one without mpirun),
     with the model's vocabulary set to `vocab_size` when given (the training data's)."""
     plan = config.plan(comm.launch_size() if world_size is None else world_size)
-    grid = build_grid(plan.tp, plan.pp, nccl=config.model.device == "gpu")
+    grid = build_grid(plan.tp, plan.pp, nccl=config.model.device == "gpu", cp=plan.cp)
     cfg = config.model if vocab_size is None else dataclasses.replace(config.model, vocab_size=vocab_size)
     model = build_model(cfg, grid, plan.layout)
     schedule = config.parallel.pipeline_schedule or ("interleaved" if model.virtual_size > 1 else "1f1b")
@@ -44,13 +44,14 @@ def assemble(config: TrainConfig, vocab_size=None, world_size=None):
     return Run(config, plan, grid, cfg, model, schedule, exchange, params, buckets, optimizer, model.norm_skip())
 
 
-def build_grid(tp=1, pp=1, nccl=False):
-    """A grid of TP x PP x DP ranks under mpirun (DP = world / (TP x PP)); one rank without it.
-    `nccl`: a GPU run, whose NCCL communicators are all made here (ProcessGrid.connect_nccl)."""
+def build_grid(tp=1, pp=1, nccl=False, cp=1):
+    """A grid of TP x CP x PP x DP ranks under mpirun (DP = world / (TP x CP x PP)); one rank
+    without it. `nccl`: a GPU run, whose NCCL communicators are all made here
+    (ProcessGrid.connect_nccl)."""
     if not comm.launched_by_mpi():
         return comm.ProcessGrid.single()
     comm.init()
-    return comm.ProcessGrid(tp=tp, pp=pp, nccl=nccl)
+    return comm.ProcessGrid(tp=tp, pp=pp, nccl=nccl, cp=cp)
 
 
 def build_model(cfg, grid, layout=None):
@@ -68,9 +69,10 @@ def build_optimizer(model, params, grid, config):
     settings = {"lr": config.lr, "betas": (config.adam_beta1, config.adam_beta2), "eps": config.adam_eps,
                 "weight_decay": config.weight_decay, "storage": storage}
     if not config.parallel.use_distributed_optimizer:
-        buckets = GradientBuckets(params, grid.dp_group, bucket_size, storage=storage)
+        # averaged over DP and CP together: a CP rank's gradient is that of its tokens' mean loss
+        buckets = GradientBuckets(params, grid.dp_cp_group, bucket_size, storage=storage)
         return buckets, AdamW(params, layout=buckets.layout, **settings)
     tied = getattr(model, "tied", None)
-    buckets = ShardedGradientBuckets(params, grid.dp_group, bucket_size, alone=[tied.weight] if tied else [],
+    buckets = ShardedGradientBuckets(params, grid.dp_cp_group, bucket_size, alone=[tied.weight] if tied else [],
                                      storage=storage)
     return buckets, DistributedAdamW(buckets, **settings)

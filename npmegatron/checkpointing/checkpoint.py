@@ -113,7 +113,8 @@ def save(root, iteration, model, optimizer, grid, extra, files=None):
     _agree_or_clean(error, partial, world)
     if world.rank == 0:
         manifest = {"format": FORMAT, "iteration": iteration, "model": dict(vars(model.cfg)),
-                    "grid": {"tp": grid.tp_size, "pp": grid.pp_size, "dp": grid.dp_size},
+                    "grid": {"tp": grid.tp_size, "pp": grid.pp_size, "dp": grid.dp_size,
+                             **({"cp": grid.cp_size} if grid.cp_size > 1 else {})},
                     "optimizer": state["hyperparameters"],
                     "ranks": [{k: r[k] for k in ("rank", "tp", "pp", "dp", "rng")} for r in records],
                     "shards": {r["shard"]["file"]: {k: r["shard"][k] for k in ("bytes", "sha256", "places")}
@@ -125,11 +126,11 @@ def save(root, iteration, model, optimizer, grid, extra, files=None):
 
 
 def _serialize_shard(model, state, grid):
-    """(safetensors bytes or None, this rank's manifest record): DP rank 0 of each (TP, PP)
-    position writes the shard; data-parallel replicas hold the same state."""
+    """(safetensors bytes or None, this rank's manifest record): DP and CP rank 0 of each (TP, PP)
+    position writes the shard; data- and context-parallel replicas hold the same state."""
     record = {"rank": grid.rank, "tp": grid.tp_rank, "pp": grid.pp_rank, "dp": grid.dp_rank,
               "rng": model.rng.get_states()}
-    if grid.dp_rank != 0:
+    if grid.dp_rank != 0 or grid.cp_rank != 0:
         return None, record
     blob = to_safetensors(_state_tensors(model, state))
     record["shard"] = {"file": shard_name(grid.tp_rank, grid.pp_rank), "bytes": len(blob),

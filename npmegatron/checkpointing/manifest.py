@@ -103,8 +103,9 @@ def check(manifest, folder, path):
     _check_iteration(manifest["iteration"], folder, path)
     check_model(manifest["model"], path)
     grid = _mapping(manifest["grid"], path, "'grid'", ("tp", "pp", "dp"))
-    for axis in ("tp", "pp", "dp"):
-        _integer(grid[axis], path, f"grid {axis}", minimum=1, maximum=2 ** 16)
+    for axis in ("tp", "pp", "dp", "cp"):
+        if axis in grid:        # "cp": recorded by runs with context parallelism
+            _integer(grid[axis], path, f"grid {axis}", minimum=1, maximum=2 ** 16)
     _check_optimizer(manifest["optimizer"], path)
     _check_ranks(manifest["ranks"], grid, path)
     _check_shards(manifest["shards"], grid, folder, path)
@@ -165,7 +166,7 @@ def _check_optimizer(optimizer, path):
 
 
 def _check_ranks(ranks, grid, path):
-    world = grid["tp"] * grid["pp"] * grid["dp"]
+    world = grid["tp"] * grid["pp"] * grid["dp"] * grid.get("cp", 1)
     if not (isinstance(ranks, list) and len(ranks) == world):
         raise _lie(path, "'ranks'", ranks, f"a list of {world} records, one per rank of its grid")
     for i, record in enumerate(ranks):

@@ -111,8 +111,8 @@ class DistributedAdamW(AdamW):
         self.buckets.gather_parameters()
 
     def norm_groups(self, grid):
-        """This rank's blocks: the rest of each bucket is on the other DP ranks."""
-        return [grid.dp_group, grid.mp_group]
+        """This rank's blocks: the rest of each bucket is on the other DP (and CP) ranks."""
+        return [grid.dp_cp_group, grid.mp_group]
 
     def state_dict(self):
         """Collective over DP: the moments gathered whole, one array per parameter in the order of

@@ -293,6 +293,7 @@ def final_contributions(model, actions):
 def hidden_shape(model, ids):
     """The (micro-batch, local sequence, hidden) shape passed between stages."""
     b, t = ids.shape
+    t //= model.grid.cp_size                    # context parallelism: this rank's tokens
     if model.cfg.sequence_parallel:
         t //= model.grid.tp_size
     return (b, t, model.cfg.hidden_size)

@@ -129,7 +129,7 @@ def memory_note(trainer):
     the run's precision, optimizer and recomputation imply (perf/memory.py's formulas)."""
     cfg, grid, config = trainer.cfg, trainer.grid, trainer.config
     w = numpy.dtype(cfg.dtype).itemsize
-    shard = grid.dp_size if config.parallel.use_distributed_optimizer else 1
+    shard = grid.dp_size * grid.cp_size if config.parallel.use_distributed_optimizer else 1
     granularity = cfg.recompute_granularity or "none"
     layout = ParallelShape(tp=grid.tp_size, seq=config.seq_length, micro_batch=config.micro_batch_size,
                     sequence_parallel=cfg.sequence_parallel, recompute=granularity,

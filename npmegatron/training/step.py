@@ -50,10 +50,12 @@ def train_step(model, exchange, batches, buckets, schedule="1f1b", timers=None, 
 
 def sum_losses(model, loss_sum):
     """Losses summed on the last stage, then over the pipeline and the DP replicas: a float64
-    array of shape (1,), left on the device."""
+    array of shape (1,), left on the device. Under context parallelism each rank's loss is the mean
+    over its share of the tokens (equal shares), so a sample's is the mean over the CP group."""
     grid = model.grid
-    return comm.all_reduce(comm.all_reduce(model.xp.asarray(loss_sum).reshape(1), grid.pp_group),
-                           grid.dp_group)
+    total = comm.all_reduce(comm.all_reduce(model.xp.asarray(loss_sum).reshape(1), grid.pp_group),
+                            grid.dp_cp_group)
+    return total / grid.cp_size if grid.cp_size > 1 else total
 
 
 def clip_after_step(model, params, loss_sum, norm_skip, max_norm, optimizer=None, loss_scale=1.0):

@@ -38,3 +38,22 @@ def test_world_size_mismatch_is_one_clear_error():
         grid_ranks(6, 2, 2, 2)
     with pytest.raises(InputError, match="tensor-parallel size 0"):
         grid_ranks(4, 0, 2, 2)
+
+
+def test_context_parallel_lies_inside_each_data_parallel_replica():
+    """Megatron's order with CP: TP fastest, then CP, then DP, then PP; gradients are averaged
+    over DP x CP, the model-parallel group is TP x PP."""
+    layout = grid_ranks(16, tp=2, pp=2, dp=2, cp=2)
+    assert layout["tp"][:2] == [[0, 1], [2, 3]]
+    assert layout["cp"][:3] == [[0, 2], [1, 3], [4, 6]]
+    assert layout["dp"][:2] == [[0, 4], [1, 5]]
+    assert layout["dp_cp"][:2] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert layout["pp"][0] == [0, 8] and layout["mp"][0] == [0, 1, 8, 9]
+    for axis in ("tp", "cp", "dp", "dp_cp", "pp", "mp"):
+        assert sorted(r for group in layout[axis] for r in group) == list(range(16)), axis
+    for rank in range(16):
+        t, d, p = grid_coordinates(rank, 2, 2, cp=2)
+        assert rank == t + 2 * ((rank // 2) % 2 + 2 * (d + 2 * p))
+    assert grid_ranks(16, tp=2, pp=4, dp=2) == {**grid_ranks(16, tp=2, pp=4, dp=2, cp=1)}
+    with pytest.raises(InputError, match=r"TP x PP x DP x CP = 2 x 2 x 2 x 2 = 16"):
+        grid_ranks(8, 2, 2, 2, 2)

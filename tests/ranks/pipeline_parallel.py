@@ -5,7 +5,8 @@ against the serial model, and the schedules' memory.
         test_two_stages_every_schedule_layout_and_variable_lengths (N = 2),
         test_four_ranks_pp4_pp2xtp2_pp2xdp2 (N = 4), test_eight_ranks_pp4xtp2_and_pp2xtp2xdp2 (N = 8).
         A case is {"tp", "pp", "m", "schedule"} with optional "layers", "virtual", "layout",
-        "variable", "sp", "overlap", "family" ("llama") and "device" ("gpu": the pipeline on CuPy arrays, a real GPU's
+        "variable", "sp", "overlap", "family" ("llama"), "cp" (with "seq", the sequence length)
+        and "device" ("gpu": the pipeline on CuPy arrays, a real GPU's
         or the strict stand-in's, the serial reference on NumPy); every one must give the serial
         model's loss and every gradient to 1e-10 relative. Rank 0 prints "worst relative error
         <float>".
@@ -33,18 +34,20 @@ def check(cases):
     from npmegatron.pipeline import default_layout
     from npmegatron.run import assemble
     from npmegatron.training import train_step
+    from npmegatron.training.step import sum_losses
 
     world = comm.init()
     worst = 0.0
     for case in cases:
         layers = case.get("layers", 4)
+        seq, cp = case.get("seq", 12), case.get("cp", 1)
         cfg = GPTConfig(num_layers=layers, hidden_size=16, num_attention_heads=4, vocab_size=50,
-                        max_position_embeddings=12, dtype="float64", hidden_dropout=0.0,
+                        max_position_embeddings=seq, dtype="float64", hidden_dropout=0.0,
                         attention_dropout=0.0, sequence_parallel=case.get("sp", False),
                         **FAMILIES[case.get("family", "gpt2")])
-        m, dp = case["m"], world.size // (case["tp"] * case["pp"])
+        m, dp = case["m"], world.size // (case["tp"] * case["pp"] * cp)
         rng = np.random.default_rng(7)
-        lengths = [4 + 2 * (i % 4) if case.get("variable") else 12 for i in range(m * dp)]
+        lengths = [4 + 2 * (i % 4) if case.get("variable") else seq for i in range(m * dp)]
         batches = [(ids[:, :-1], ids[:, 1:]) for ids in (rng.integers(0, 50, (2, n + 1)) for n in lengths)]
 
         serial = GPT(cfg)
@@ -58,14 +61,14 @@ def check(cases):
         parallel = ParallelConfig(
             tensor_model_parallel_size=case["tp"], pipeline_model_parallel_size=case["pp"], num_micro_batches=m,
             pipeline_model_parallel_layout=case.get("layout") or default_layout(layers, case["pp"], case.get("virtual", 1)),
-            pipeline_schedule=case["schedule"], variable_seq_lengths=case.get("variable", False), ddp_bucket_size=3000)
+            pipeline_schedule=case["schedule"], variable_seq_lengths=case.get("variable", False), ddp_bucket_size=3000,
+            context_parallel_size=cp)
         run = assemble(TrainConfig(model=dataclasses.replace(cfg, device=case.get("device", "cpu")), parallel=parallel,
-                                   seq_length=12, micro_batch_size=2))
+                                   seq_length=seq, micro_batch_size=2))
         grid, model = run.grid, run.model
         mine = batches[grid.dp_rank * m:(grid.dp_rank + 1) * m]
         loss_sum = train_step(model, run.exchange, mine, run.buckets, run.schedule, overlap=case.get("overlap", True))
-        loss_sum = model.xp.asarray(loss_sum).reshape(1)
-        loss = to_numpy(comm.all_reduce(comm.all_reduce(loss_sum, grid.pp_group), grid.dp_group))[0] / (m * dp)
+        loss = to_numpy(sum_losses(model, loss_sum))[0] / (m * dp)     # over PP, DP and CP
         errors = [abs(loss - total / (m * dp)) / abs(total / (m * dp))]
         for name, param, spec in model.named_specs():
             grad = param.grad
