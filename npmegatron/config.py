@@ -16,7 +16,6 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Optional
 
 from .autograd import InputError
-from .context_parallel.split import check_divisible, check_no_dropout
 from .data import parse_split
 from .pipeline_layout import default_layout, parse_layout
 from .recompute import recompute_segments
@@ -208,6 +207,26 @@ class GPTConfig:
     @property
     def head_dim(self):
         return self.hidden_size // self.num_attention_heads
+
+
+# Context parallelism's conditions (context_parallel/split.py splits the sequence).
+
+def check_context_parallel_split(seq_length, cp_size):
+    if seq_length % (2 * cp_size):
+        raise InputError(f"sequence length {seq_length} is not divisible by 2 x context-parallel size "
+                         f"{cp_size} = {2 * cp_size}, as the balanced causal split needs; use a multiple "
+                         f"of {2 * cp_size}")
+
+
+def check_context_parallel_dropout(cfg, cp_size):
+    """Context parallelism runs without dropout: ring attention draws no masks, and the masks of
+    the other layers are keyed by their shape and place in the model, not by token positions, so
+    the CP ranks would drop the same entries of different tokens."""
+    for name in ("hidden_dropout", "attention_dropout"):
+        if getattr(cfg, name) > 0:
+            flag = "--" + name.replace("_", "-")
+            raise InputError(f"--cp {cp_size} runs without dropout, but {flag} is {getattr(cfg, name)}; "
+                             f"pass {flag} 0")
 
 
 @dataclass
@@ -488,8 +507,8 @@ class RunPlan:
                              f"launch a multiple of {model_ranks} ranks")
         self.dp = world_size // model_ranks
         if self.cp > 1:
-            check_divisible(config.seq_length, self.cp)
-            check_no_dropout(config.model, self.cp)
+            check_context_parallel_split(config.seq_length, self.cp)
+            check_context_parallel_dropout(config.model, self.cp)
         self.micro_batches = self._micro_batches(config)
         self.global_batch = config.micro_batch_size * self.micro_batches * self.dp
         self.layout = self._layout(config)

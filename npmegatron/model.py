@@ -13,9 +13,8 @@ from .autograd import InputError
 from .autograd.backend import array_module_for
 from .autograd.gemm import enable_tf32
 from .autograd.ops.nn import check_ids
-from .config import GPTConfig
+from .config import GPTConfig, check_context_parallel_split, check_context_parallel_dropout
 from .context_parallel import local_positions, ring_attention
-from .context_parallel.split import check_divisible, check_no_dropout
 from .module import Module, ParamSpec, parameter
 from .recompute import recompute_segments, run_layers
 from .timers import NO_TIMERS, timed_layer
@@ -229,7 +228,7 @@ class GPT(Module):
         group = self.tp_group = self.grid.tp_group
         self.cp_group = getattr(self.grid, "cp_group", None)
         if self.cp_size > 1:
-            check_no_dropout(cfg, self.cp_size)
+            check_context_parallel_dropout(cfg, self.cp_size)
         if cfg.num_attention_heads % group.size:
             raise InputError(f"{cfg.num_attention_heads} attention heads are not divisible by "
                              f"tensor-parallel size {group.size}; choose a TP size that divides the "
@@ -291,7 +290,7 @@ class GPT(Module):
         check_ids(ids, self.cfg.vocab_size, "token id",
                   "tokenize with the model's vocabulary or build the model with a larger vocab_size")
         if self.cp_size > 1:
-            check_divisible(t, self.cp_size)
+            check_context_parallel_split(t, self.cp_size)
             t //= self.cp_size
         if self.cfg.sequence_parallel and t % self.tp_group.size:
             raise InputError(f"sequence length {t} is not divisible by the tensor-parallel size "
@@ -392,5 +391,7 @@ def gpt_num_parameters(cfg):
 def model_flops(cfg, num_params, batch, seq):
     """FLOPs of one forward + backward: 6 * params * tokens for the GEMMs with weights, plus
     12 * layers * batch * seq^2 * hidden for the attention scores and their use (the paper's count
-    without its vocabulary term, which 6 * params already includes through the tied embedding)."""
-    return 6 * num_params * batch * seq + 12 * cfg.num_layers * batch * seq * seq * cfg.hidden_size
+    without its vocabulary term, which 6 * params already includes through the tied embedding).
+    An untied model's input embedding is a lookup, not a GEMM: its parameters are left out."""
+    lookup = cfg.vocab_size * cfg.hidden_size if cfg.untie_embeddings_and_output_weights else 0
+    return 6 * (num_params - lookup) * batch * seq + 12 * cfg.num_layers * batch * seq * seq * cfg.hidden_size

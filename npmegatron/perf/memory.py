@@ -64,6 +64,7 @@ class ParallelShape:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    cp: int = 1                      # context-parallel ranks: each holds seq / cp of every sample
     virtual: int = 1                 # virtual stages per pipeline rank
     micro_batch: int = 1
     global_batch: int = 1
@@ -79,7 +80,12 @@ class ParallelShape:
 
     @property
     def ranks(self):
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
+
+    @property
+    def local_seq(self):
+        """Tokens of each sample one rank holds: the sequence, split over CP."""
+        return self.seq // self.cp
 
     @property
     def micro_batches(self):
@@ -90,7 +96,8 @@ class ParallelShape:
         return self.schedule or ("interleaved" if self.virtual > 1 else "1f1b")
 
     def name(self):
-        return f"{self.tp}x{self.pp}x{self.dp}" + (f" v{self.virtual}" if self.virtual > 1 else "")
+        return (f"{self.tp}x{self.pp}x{self.dp}" + (f" cp{self.cp}" if self.cp > 1 else "")
+                + (f" v{self.virtual}" if self.virtual > 1 else ""))
 
 
 def check_shape(cfg, shape):
@@ -100,15 +107,18 @@ def check_shape(cfg, shape):
         raise InputError(f"recompute {shape.recompute!r} is unknown; use one of {', '.join(RECOMPUTE)}")
     if shape.recompute == "full":
         recompute_segments(_recompute_config(cfg, shape), cfg.num_layers // (p * v))
-    if cfg.num_attention_heads % t:
-        raise InputError(f"{cfg.num_attention_heads} attention heads are not divisible by TP {t}; "
-                         "choose a TP size that divides the number of heads")
+    if cfg.num_query_groups % t:
+        raise InputError(f"{cfg.num_query_groups} key/value groups are not divisible by TP {t}; "
+                         "choose a TP size that divides them")
+    if shape.cp > 1 and shape.seq % (2 * shape.cp):
+        raise InputError(f"sequence length {shape.seq} is not divisible by 2 x CP {shape.cp}, as the "
+                         "balanced causal split needs; use a multiple of it")
     if cfg.ffn_hidden_size % t:
         raise InputError(f"FFN size {cfg.ffn_hidden_size} is not divisible by TP {t}; choose another TP size")
     if cfg.num_layers % (p * v):
         raise InputError(f"{cfg.num_layers} layers do not split evenly over PP {p} x {v} virtual "
                          "stages; choose a PP size (and virtual stages) dividing the layers")
-    if shape.sequence_parallel and shape.seq % t:
+    if shape.sequence_parallel and shape.local_seq % t:
         raise InputError(f"sequence length {shape.seq} is not divisible by TP {t}, as sequence "
                          "parallelism needs; use a multiple of it")
     per_step = shape.micro_batch * shape.dp
@@ -133,26 +143,37 @@ def stages_of(cfg, shape):
 
 
 def layer_parameters(cfg, tp):
-    """Elements of one transformer layer on one TP rank: sharded QKV, projection, MLP weights and
-    column-parallel biases; replicated row-parallel biases (2 h) and LayerNorms (4 h)."""
+    """Elements of one transformer layer on one TP rank: sharded QKV, projection and MLP weights
+    and column-parallel biases; replicated row-parallel biases and normalisation weights."""
     h, f = cfg.hidden_size, cfg.ffn_hidden_size
-    return (4 * h * h + 2 * h * f + 3 * h + f) // tp + 6 * h
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * cfg.head_dim
+    first = 2 * f if cfg.swiglu else f
+    sharded = h * qkv + h * h + h * first + f * h + ((qkv + first) if cfg.add_bias_linear else 0)
+    replicated = (2 * h if cfg.add_bias_linear else 0) + 2 * _norm_size(cfg)
+    return sharded // tp + replicated
+
+
+def _norm_size(cfg):
+    """Elements of one normalisation layer: LayerNorm's gain and bias, RMSNorm's gain."""
+    return cfg.hidden_size if cfg.normalization == "RMSNorm" else 2 * cfg.hidden_size
 
 
 def rank_parameters(cfg, shape, pp_rank):
     """Elements this (TP rank, pipeline rank) allocates: its layers, the padded vocabulary shard
-    once if it holds the first or the last stage (one shared tensor when both), the position
-    table on the first stage and the final LayerNorm on the last."""
+    once if it holds the first or the last stage (one shared tensor when both, tied), or twice
+    where an untied output layer is on the same rank as the embedding; the position table (learned
+    positions) on the first stage and the final normalisation on the last."""
     stages = stages_of(cfg, shape)[pp_rank::shape.pp]
     h = cfg.hidden_size
     padded = pad_vocab_size(cfg.vocab_size, shape.tp, cfg.make_vocab_size_divisible_by)
     count = sum(len(s.layers) for s in stages) * layer_parameters(cfg, shape.tp)
-    if any(s.pre_process or s.post_process for s in stages):
-        count += padded // shape.tp * h
-    if any(s.pre_process for s in stages):
+    first, last = any(s.pre_process for s in stages), any(s.post_process for s in stages)
+    vocabulary_tables = (first + last) if cfg.untie_embeddings_and_output_weights else (first or last)
+    count += vocabulary_tables * (padded // shape.tp * h)
+    if first and cfg.position_embedding_type == "learned_absolute":
         count += cfg.max_position_embeddings * h
-    if any(s.post_process for s in stages):
-        count += 2 * h
+    if last:
+        count += _norm_size(cfg)
     return count
 
 
@@ -170,7 +191,7 @@ def in_flight_chunks(shape, pp_rank):
 def layer_activation_bytes(cfg, shape, w, recompute=None, accounting="project"):
     """Bytes one transformer layer keeps for backward for one micro-batch (module docstring):
     `accounting` "project" counts this project's autograd tape, "korthikanti" the paper's."""
-    s, b, h, a, t = shape.seq, shape.micro_batch, cfg.hidden_size, cfg.num_attention_heads, shape.tp
+    s, b, h, a, t = shape.local_seq, shape.micro_batch, cfg.hidden_size, cfg.num_attention_heads, shape.tp
     recompute = recompute or shape.recompute
     sp_div = t if shape.sequence_parallel else 1
     if recompute == "full":
@@ -178,7 +199,7 @@ def layer_activation_bytes(cfg, shape, w, recompute=None, accounting="project"):
     hidden_masks = 2 * shape.mask_bytes if cfg.hidden_dropout > 0 else 0
     if accounting != "korthikanti":
         log_sum_exp = a * s * b * w / t
-        per_head_share = (16 if _gelu_keeps_tanh(cfg, shape, w) else 12) * w / t
+        per_head_share = (_attention_widths(cfg, shape) + _mlp_widths(cfg, shape, w)) * w / t
         return s * b * h * ((2 * w + hidden_masks) / sp_div + 2 * w + per_head_share) + log_sum_exp
     per_sbh = (4 * w + hidden_masks) / sp_div + 12 * w / t
     attn_dropout = cfg.attention_dropout > 0
@@ -189,9 +210,27 @@ def layer_activation_bytes(cfg, shape, w, recompute=None, accounting="project"):
     return total
 
 
+def _attention_widths(cfg, shape):
+    """What attention keeps per token, in units of h: q, k, v and the output (GPT-2's packed QKV;
+    under grouped-query attention k and v repeated to every query head); under context parallelism
+    ring attention keeps k and v with their groups' heads only."""
+    if shape.cp == 1:
+        return 4
+    return 2 + 2 * cfg.num_query_groups / cfg.num_attention_heads
+
+
+def _mlp_widths(cfg, shape, w):
+    """What the MLP keeps per token, in units of h: the first layer's output (SwiGLU: gate and up;
+    GeLU: its input, and tanh unless the CPU kernel recomputes it) and the second layer's input."""
+    f = cfg.ffn_hidden_size / cfg.hidden_size
+    if cfg.swiglu:
+        return 3 * f
+    return (3 if _gelu_keeps_tanh(cfg, shape, w) else 2) * f
+
+
 def _gelu_keeps_tanh(cfg, shape, w):
     """Whether bias-GeLU keeps tanh for backward: the chains do; the float32 CPU kernel does not."""
-    elements = shape.seq * shape.micro_batch * cfg.ffn_hidden_size // shape.tp
+    elements = shape.local_seq * shape.micro_batch * cfg.ffn_hidden_size // shape.tp
     return not (w == 4 and compiled_gelu(cfg.gelu, cfg.dtype, elements, cfg.device == "cpu"))
 
 
@@ -234,14 +273,14 @@ def rank_memory(cfg, shape, pp_rank):
     result = {
         "pp_rank": pp_rank, "layers": sum(len(s.layers) for s in stages),
         "parameter_count": params, "parameters": params * w, "gradients": params * grad_w,
-        # 1/DP of the optimizer state with the distributed optimizer
-        "optimizer": params * optimizer_w / (shape.dp if shape.distributed_optimizer else 1),
+        # 1/(DP x CP) of the optimizer state with the distributed optimizer
+        "optimizer": params * optimizer_w / (shape.dp * shape.cp if shape.distributed_optimizer else 1),
         "chunks_in_flight": chunks, "activations": activations,
     }
     result["total"] = result["parameters"] + result["gradients"] + result["optimizer"] + activations
     # 16-bit parameter and gradient (4 B), fp32 master weights, m and v (12 B, sharded over DP by
     # the distributed optimizer)
-    shard = shape.dp if shape.distributed_optimizer else 1
+    shard = shape.dp * shape.cp if shape.distributed_optimizer else 1
     result["mixed_precision_states"] = params * (4 + (MIXED_PRECISION_BYTES_PER_PARAM - 4) / shard)
     result["mixed_precision_total"] = result["mixed_precision_states"] + activations * 2 / w
     return result

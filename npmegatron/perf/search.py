@@ -11,7 +11,7 @@ from .time_model import step_time
 
 def plan(cfg, shape, profile, device_memory=None):
     device_memory = profile["device_memory_bytes"] if device_memory is None else device_memory
-    return {"layout": shape.name(), "tp": shape.tp, "pp": shape.pp, "dp": shape.dp,
+    return {"layout": shape.name(), "tp": shape.tp, "pp": shape.pp, "dp": shape.dp, "cp": shape.cp,
             "virtual": shape.virtual, "micro_batches": shape.micro_batches,
             "memory": memory_plan(cfg, shape, device_memory), "time": step_time(cfg, shape, profile)}
 
@@ -22,10 +22,10 @@ def shapes_of(n):
 
 
 def search(cfg, base, profile, n, device_memory=None):
-    """Every TP x PP x DP = n the model can run on, fastest first (layouts that do not fit the
-    device memory after those that do); InputError when none is valid."""
+    """Every TP x PP x DP = n / CP (base.cp) the model can run on, fastest first (layouts that do
+    not fit the device memory after those that do); InputError when none is valid."""
     plans, reasons = [], []
-    for t, p, d in shapes_of(n):
+    for t, p, d in shapes_of(n // base.cp):
         shape = replace(base, tp=t, pp=p, dp=d)
         try:
             check_shape(cfg, shape)

@@ -12,6 +12,8 @@ A step on one rank, M micro-batches, V virtual stages, L layers on the rank:
   2 backward; 6 with full recomputation), or with SP as many all-gathers plus reduce-scatters;
   plus the embedding's and the output layer's all-reduce, 2 per micro-batch spread over the PP
   ranks;
+- CP comm (CP > 1): the ring's key/value blocks (context_parallel_time), exposed; every other
+  term counts a rank's seq / CP tokens, and gradients are averaged over DP x CP;
 - PP comm (PP > 1): per micro-batch and virtual stage one activation sent forward and one
   gradient back, s*b*h elements (/TP with SP: the sequence shard), counted as exposed;
 - bubble = (PP-1)/(M V) x (compute + TP comm + PP comm);
@@ -61,11 +63,16 @@ def group_links(profile, op, span, members_per_node):
 
 
 def placement(shape, profile):
-    """Span and members per node of the TP group, the DP group and pipeline neighbours."""
-    dpn, t, d, p = profile["devices_per_node"], shape.tp, shape.dp, shape.pp
-    return {"tp": (t, min(t, dpn)),
-            "dp": (t * (d - 1) + 1, 1 if t >= dpn else max(1, min(d, dpn // t))),
-            "pp": (t * d * p if p > 1 else 1, 1)}
+    """Span and members per node of the TP group, the CP ring, the DP x CP group and pipeline
+    neighbours (ranks ordered TP, CP, DP, PP)."""
+    dpn, t, c, d, p = profile["devices_per_node"], shape.tp, shape.cp, shape.dp, shape.pp
+
+    def strided(count, stride):
+        """`count` members `stride` ranks apart."""
+        return stride * (count - 1) + 1, 1 if stride >= dpn else max(1, min(count, dpn // stride))
+
+    return {"tp": (t, min(t, dpn)), "cp": strided(c, t), "dp": strided(d * c, t),
+            "pp": (t * c * d * p if p > 1 else 1, 1)}
 
 
 def rank_flops(profile, shape):
@@ -91,14 +98,28 @@ def recomputed_share(cfg, shape):
     return sum(stop - first for first, stop, again in segments if again) / layers
 
 
+def context_parallel_time(cfg, shape, profile, w, again, place):
+    """The CP ring's messages in one step, counted as exposed: per layer and micro-batch each rank
+    sends CP - 1 key/value blocks forward (again for a recomputed layer) and 2 CP - 1 backward (the
+    blocks and their gradients), a block being k and v of the local tokens' key/value groups on
+    this TP rank."""
+    c = shape.cp
+    if c == 1:
+        return 0.0
+    block = 2 * shape.micro_batch * shape.local_seq * cfg.num_query_groups * cfg.head_dim // shape.tp * w
+    messages = (c - 1) * (1 + again) + (2 * c - 1)
+    one = p2p_time(block, *group_links(profile, "sendrecv", *place["cp"]))
+    return shape.micro_batches * cfg.num_layers // shape.pp * messages * one
+
+
 def step_time(cfg, shape, profile):
     """{'compute', 'tp_comm', 'pp_comm', 'bubble', 'dp_comm_exposed', 'total', ...} in seconds."""
     check_shape(cfg, shape)
     w = element_bytes(cfg, shape)
     t, p, d, v, m = shape.tp, shape.pp, shape.dp, shape.virtual, shape.micro_batches
-    s, b, h = shape.seq, shape.micro_batch, cfg.hidden_size
+    s, b, h = shape.local_seq, shape.micro_batch, cfg.hidden_size
     place = placement(shape, profile)
-    flops = model_flops(cfg, gpt_num_parameters(cfg), shape.global_batch, s)
+    flops = model_flops(cfg, gpt_num_parameters(cfg), shape.global_batch, shape.seq)
     again = recomputed_share(cfg, shape)
     factor = (1 + (RECOMPUTE_COST["full"] - 1) * again) / RECOMPUTE_COST[profile["flops_recompute"]]
     compute = flops / shape.ranks / rank_flops(profile, shape) * factor
@@ -120,17 +141,18 @@ def step_time(cfg, shape, profile):
         nbytes = sbh / (t if shape.sequence_parallel else 1)
         pp_comm = 2 * m * v * p2p_time(nbytes, *group_links(profile, "sendrecv", *place["pp"]))
 
-    ideal = compute + tp_comm + pp_comm
+    cp_comm = context_parallel_time(cfg, shape, profile, w, again, place)
+    ideal = compute + tp_comm + pp_comm + cp_comm
     bubble = (p - 1) / (m * v) * ideal
 
     grad_bytes = max(rank_parameters(cfg, shape, r) for r in range(p)) * w
     dp_total = dp_exposed = 0.0
-    if d > 1:
+    if d * shape.cp > 1:             # gradients are averaged over DP and CP together
         links = group_links(profile, "all_reduce", *place["dp"])
-        dp_total = all_reduce_time(d, grad_bytes, *links)
+        dp_total = all_reduce_time(d * shape.cp, grad_bytes, *links)
         bucket = min(grad_bytes, getattr(shape, "bucket_elements", 2 ** 20) * w)
         last_backward = compute * 2 / 3 / m
-        dp_exposed = max(all_reduce_time(d, bucket, *links),
+        dp_exposed = max(all_reduce_time(d * shape.cp, bucket, *links),
                          dp_total - profile["dp_overlap"] * last_backward)
     embedding = 0.0
     if p > 1:
@@ -138,7 +160,7 @@ def step_time(cfg, shape, profile):
         embedding = all_reduce_time(2, padded // t * h * w,
                                     *group_links(profile, "all_reduce", place["pp"][0], 1))
     total = ideal + bubble + dp_exposed + embedding
-    return {"compute": compute, "tp_comm": tp_comm, "pp_comm": pp_comm, "bubble": bubble,
+    return {"compute": compute, "tp_comm": tp_comm, "pp_comm": pp_comm, "cp_comm": cp_comm, "bubble": bubble,
             "dp_comm": dp_total, "dp_comm_exposed": dp_exposed, "embedding_comm": embedding,
             "total": total, "model_flops": flops,
             "flops_per_device": flops / total / shape.ranks,

@@ -247,3 +247,51 @@ def test_plan_takes_trains_defaults_and_a_cpu_runs_memory_is_this_machines():
     assert f"this machine's {machine / 1e9:.1f} GB over 1 rank(s)" in result.output, result.output
     gpu = json.loads(runner.invoke(main, ["plan", "--device", "gpu", "--json"]).output)
     assert gpu["memory"]["device_memory"] == pytest.approx(32 * 2 ** 30)       # the dgx2h profile's V100
+
+
+LLAMA = dict(SMALL, model_family="llama", num_attention_heads=8, group_query_attention=True, num_query_groups=4,
+             ffn_hidden_size=96)
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (4, 1), (2, 2), (1, 4)])
+def test_llama_states_equal_allocated_bytes(tp, pp):
+    """The Llama family's parameters (grouped QKV, gate and up, gains only, an untied output layer
+    on the last stage, no position table) as the model allocates them, shard by shard."""
+    cfg = GPTConfig(**LLAMA)
+    for pp_rank in range(pp):
+        counts = [allocated(build_model(cfg, fake_grid(tp, r, pp, pp_rank))) for r in range(tp)]
+        assert len(set(counts)) == 1
+        assert rank_parameters(cfg, ParallelShape(tp=tp, pp=pp), pp_rank) * 4 == counts[0]
+    model = build_model(cfg, ProcessGrid.single())
+    assert sum(int(numpy.prod(spec.shape)) for _, _, spec in model.named_specs()) == gpt_num_parameters(cfg)
+
+
+def test_llama_accounting_is_the_autograd_tape_of_one_layer():
+    """As for GPT-2: one more Llama layer (RMSNorm, rotary, grouped-query attention with its keys
+    and values repeated per query head, SwiGLU) adds the plan's per-layer bytes to the tape."""
+    from npmegatron.autograd.memory import saved_bytes_by_function
+    from npmegatron.model import GPT
+    from npmegatron.perf.memory import layer_parameters
+    kw = dict(LLAMA, vocab_size=64, hidden_dropout=0.0, attention_dropout=0.0)
+    ids = numpy.random.default_rng(0).integers(0, 64, (2, 33))
+    kept = []
+    for layers in (1, 2):
+        _, loss = GPT(GPTConfig(**{**kw, "num_layers": layers}))(ids[:, :-1], ids[:, 1:])
+        kept.append(sum(saved_bytes_by_function([loss]).values()))
+    cfg = GPTConfig(**{**kw, "num_layers": 1})
+    per_layer = layer_activation_bytes(cfg, ParallelShape(seq=32, micro_batch=2), 4)
+    assert kept[1] - kept[0] - layer_parameters(cfg, 1) * 4 == pytest.approx(per_layer, rel=0.01)
+
+
+def test_context_parallelism_divides_the_tokens_and_adds_the_ring():
+    """Each CP rank keeps 1/CP of the activations (keys and values by group under ring attention),
+    the same parameters, and the step gains the ring's messages."""
+    from npmegatron.perf import load_profile
+    from npmegatron.perf.time_model import step_time
+    cfg = GPTConfig(**dict(LLAMA, max_position_embeddings=64))
+    base = dict(tp=1, pp=1, micro_batch=2, global_batch=2, seq=64)
+    one, two = (memory_plan(cfg, ParallelShape(**base, cp=c))["ranks"][0] for c in (1, 2))
+    assert one["parameters"] == two["parameters"]
+    assert two["activations"] < one["activations"] / 2
+    timing = step_time(cfg, ParallelShape(**base, cp=2), load_profile("dgx2h"))
+    assert timing["cp_comm"] > 0

@@ -12,7 +12,9 @@ from ...perf.search import paper_weak_scaling, plan, search
 from .calibrate import calibrate
 
 MODEL_FIELDS = {"num_layers", "hidden_size", "num_attention_heads", "vocab_size", "dtype", "fp16", "bf16",
-                "sequence_parallel", "hidden_dropout", "attention_dropout"}
+                "sequence_parallel", "hidden_dropout", "attention_dropout", "ffn_hidden_size", "model_family",
+                "normalization", "position_embedding_type", "swiglu", "group_query_attention", "num_query_groups",
+                "untie_embeddings_and_output_weights", "disable_bias_linear"}
 GB = 1e9
 
 
@@ -47,7 +49,9 @@ def format_plan(result, cfg, profile):
                  f"{gb(mem['device_memory'] or 0)}: {fits}")
     t = result["time"]
     lines.append(f"predicted step time {t['total'] * 1e3:.2f} ms = compute {t['compute'] * 1e3:.2f} + TP comm "
-                 f"{t['tp_comm'] * 1e3:.2f} + PP comm {t['pp_comm'] * 1e3:.2f} + bubble {t['bubble'] * 1e3:.2f}"
+                 f"{t['tp_comm'] * 1e3:.2f} + PP comm {t['pp_comm'] * 1e3:.2f}"
+                 + (f" + CP ring {t['cp_comm'] * 1e3:.2f}" if t["cp_comm"] else "")
+                 + f" + bubble {t['bubble'] * 1e3:.2f}"
                  f" + DP comm exposed {t['dp_comm_exposed'] * 1e3:.2f} (of {t['dp_comm'] * 1e3:.2f})"
                  f" + embedding all-reduce {t['embedding_comm'] * 1e3:.2f} ms; "
                  f"{t['flops_per_device'] / 1e9:.2f} GFLOP/s per rank")
@@ -80,7 +84,8 @@ def format_weak(rows):
 @click.group("plan", cls=Group, invoke_without_command=True)
 @config_options(GPTConfig, only=MODEL_FIELDS, defaults=TRAIN_MODEL_DEFAULTS)      # train's defaults
 @config_options(TrainConfig, only={"seq_length", "micro_batch_size", "global_batch_size"})
-@config_options(ParallelConfig, only={"num_layers_per_virtual_pipeline_stage", "pipeline_schedule"})
+@config_options(ParallelConfig, only={"num_layers_per_virtual_pipeline_stage", "pipeline_schedule",
+                                      "context_parallel_size"})
 @click.option("--layout", default="1x1x1", show_default=True, help="TPxPPxDP, e.g. 2x1x4.")
 @click.option("--recompute", type=click.Choice(["none", "selective", "full"]), default="none",
               show_default=True, help="Activation recomputation (training's --recompute-granularity).")
@@ -122,31 +127,34 @@ def plan_command(ctx, layout, recompute, recompute_method, recompute_num_layers,
     global_batch = options.pop("global_batch_size")
     per_virtual = options.pop("num_layers_per_virtual_pipeline_stage")
     schedule = options.pop("pipeline_schedule")
+    cp = options.pop("context_parallel_size")
     cfg = GPTConfig(**options, max_position_embeddings=seq)
     t, p, d = parse_grid_shape(layout)
     if search_ranks is not None and layout != "1x1x1":
-        if t * p * d != search_ranks:
-            raise InputError(f"--layout {layout} has {t * p * d} ranks but --search asks for {search_ranks}; "
+        if t * p * d * cp != search_ranks:
+            raise InputError(f"--layout {layout} has {t * p * d * cp} ranks but --search asks for {search_ranks}; "
                              "give one of the two")
     if search_ranks is not None:
-        p, d = 1, search_ranks
+        if search_ranks % cp:
+            raise InputError(f"--search {search_ranks} ranks are not divisible by --cp {cp}; give a multiple")
+        p, d = 1, search_ranks // cp
     virtual = 1
     if per_virtual is not None:
         if cfg.num_layers % (p * per_virtual):
             raise InputError(f"--num-layers-per-virtual-pipeline-stage {per_virtual} does not split "
                              f"{cfg.num_layers} layers over PP {p}; choose a divisor of num-layers / PP")
         virtual = cfg.num_layers // (p * per_virtual)
-    base = ParallelShape(tp=t, pp=p, dp=d, virtual=virtual, micro_batch=micro_batch,
+    base = ParallelShape(tp=t, pp=p, dp=d, cp=cp, virtual=virtual, micro_batch=micro_batch,
                   global_batch=global_batch or micro_batch * d, seq=seq,
                   sequence_parallel=cfg.sequence_parallel, recompute=recompute, schedule=schedule,
                   recompute_method=recompute_method, recompute_num_layers=recompute_num_layers,
                   distributed_optimizer=distributed_optimizer)
-    ranks = search_ranks or t * p * d
+    ranks = search_ranks or t * p * d * cp
     if memory is None and device == "cpu":
         memory = machine_memory_bytes() / ranks         # the ranks of a CPU run share this machine
     if search_ranks is not None:
         if global_batch is None:
-            base.global_batch = micro_batch * search_ranks
+            base.global_batch = micro_batch * search_ranks // cp
         results = search(cfg, base, machine, search_ranks, memory)
         click.echo(json.dumps(results) if as_json else format_search(results))
         return
