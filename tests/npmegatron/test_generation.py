@@ -14,8 +14,13 @@ CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, max_position_emb
            hidden_dropout=0.0, attention_dropout=0.0, dtype="float64")
 
 
-def test_cached_logits_equal_the_full_forward():
-    model = GPT(GPTConfig(**CFG)).eval()
+LLAMA = dict(model_family="llama", num_attention_heads=8, group_query_attention=True, num_query_groups=2)
+
+
+@pytest.mark.parametrize("family", [{}, LLAMA], ids=["gpt2", "llama"])
+def test_cached_logits_equal_the_full_forward(family):
+    """For the Llama family the cache keeps each key/value group once, rotated at its position."""
+    model = GPT(GPTConfig(**{**CFG, **family})).eval()
     ids = np.random.default_rng(0).integers(0, 256, (2, 20))
     with ag.no_grad():
         full, _ = model(ids)
@@ -25,6 +30,8 @@ def test_cached_logits_equal_the_full_forward():
             parts.append(model(ids[:, t:t + 1], cache=cache)[0].data)
     np.testing.assert_allclose(np.concatenate(parts, axis=1), full.data, rtol=0, atol=1e-12)
     assert cache.length == 20
+    cfg = GPTConfig(**{**CFG, **family})
+    assert cache.layers[0].k.shape == (2, cfg.num_query_groups, 24, cfg.head_dim)
 
 
 def test_each_new_token_feeds_one_position():
