@@ -65,10 +65,11 @@ class RotaryTable:
         angles = ag.rotary_angles(range(cfg.max_position_embeddings), cfg.rotary_dim, cfg.rotary_base)
         self.cos = xp.asarray(numpy.cos(angles).astype(dtype))
         self.sin = xp.asarray(numpy.sin(angles).astype(dtype))
+        self.minus_sin = -self.sin                       # backward's, made once
 
     def at(self, positions):
-        """(cos, sin) of these positions: a slice, or the rows of an index array."""
-        return self.cos[positions], self.sin[positions]
+        """(cos, sin, -sin) of these positions: a slice, or the rows of an index array."""
+        return self.cos[positions], self.sin[positions], self.minus_sin[positions]
 
 
 class ParallelAttention(Module):
@@ -130,8 +131,8 @@ class ParallelAttention(Module):
         q, k, v = ag.split(qkv.reshape(b, t, groups, per_group + 2, d), [per_group, per_group + 1], axis=3)
         q, k, v = q.reshape(b, t, groups * per_group, d), k.reshape(b, t, groups, d), v.reshape(b, t, groups, d)
         if self.rotary is not None:
-            cos, sin = self.rotary.at(positions)
-            q, k = ag.rotary(q, cos, sin), ag.rotary(k, cos, sin)
+            angles = self.rotary.at(positions)
+            q, k = ag.rotary(q, *angles), ag.rotary(k, *angles)
         return tuple(part.transpose(0, 2, 1, 3) for part in (q, k, v))
 
 

@@ -5,6 +5,7 @@ and transposes, the copies CuPy makes inside calls, host synchronisations and de
     python scripts/count_gpu_work.py                     # GPT-2 124M's layer shapes, float32
     python scripts/count_gpu_work.py --tf32 --hidden-dropout 0.1 --attention-dropout 0.1
     python scripts/count_gpu_work.py --bf16 --json out.json
+    python scripts/count_gpu_work.py --model-family llama --num-query-groups 4
 
 Per layer is the difference between a model of two layers and one of one layer, so it holds
 for any depth; each count is of the third step (the first two allocate what later steps reuse).
@@ -178,6 +179,9 @@ def main(argv=None):
     parser.add_argument("--hidden-dropout", type=float, default=0.0)
     parser.add_argument("--attention-dropout", type=float, default=0.0)
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    parser.add_argument("--model-family", choices=("gpt2", "llama"), default="gpt2")
+    parser.add_argument("--num-query-groups", type=int, default=None,
+                        help="grouped-query attention's key/value heads (default: one per query head)")
     for flag in ("--tf32", "--fp16", "--bf16"):
         parser.add_argument(flag, action="store_true")
     parser.add_argument("--blockwise-attention", action="store_true", help="count the blockwise attention "
@@ -191,7 +195,9 @@ def main(argv=None):
     cfg = GPTConfig(num_layers=1, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
                     vocab_size=args.vocab_size, max_position_embeddings=args.seq_length, dtype=args.dtype,
                     hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-                    tf32=args.tf32, fp16=args.fp16, bf16=args.bf16, device="gpu")
+                    tf32=args.tf32, fp16=args.fp16, bf16=args.bf16, device="gpu", model_family=args.model_family,
+                    group_query_attention=args.num_query_groups is not None,
+                    num_query_groups=args.num_query_groups)
     result = measure(cfg, args.micro_batch_size, args.seq_length, args.check_depth)
     print(format_report(result))
     if args.json:

@@ -43,6 +43,31 @@ def test_gpt_on_gpu_equals_cpu_in_float64():
         np.testing.assert_allclose(cupy.asnumpy(b.grad), a.grad, rtol=1e-9, atol=1e-12, err_msg=name)
 
 
+def test_llama_on_gpu_equals_cpu_in_float64():
+    """RMSNorm, rotary embeddings, SwiGLU and grouped-query attention: their chains compiled by
+    cupy.fuse, the rest on CuPy arrays."""
+    kw = dict(model_family="llama", num_layers=2, hidden_size=16, num_attention_heads=4, group_query_attention=True,
+              num_query_groups=2, ffn_hidden_size=24, vocab_size=32, max_position_embeddings=8, dtype="float64",
+              hidden_dropout=0.0, attention_dropout=0.0)
+    cpu, gpu = GPT(GPTConfig(**kw)), GPT(GPTConfig(**kw, device="gpu"))
+    ids = np.random.default_rng(0).integers(0, 32, (2, 9))
+    _, loss_cpu = cpu(ids[:, :-1], ids[:, 1:])
+    _, loss_gpu = gpu(ids[:, :-1], ids[:, 1:])
+    loss_cpu.backward()
+    loss_gpu.backward()
+    assert loss_gpu.item() == pytest.approx(loss_cpu.item(), rel=1e-12)
+    for (name, a), (_, b) in zip(cpu.named_parameters(), gpu.named_parameters()):
+        np.testing.assert_allclose(cupy.asnumpy(b.grad), a.grad, rtol=1e-9, atol=1e-12, err_msg=name)
+
+
+def test_context_parallel_ring_on_gpu_equals_the_serial_model(mpirun):
+    """The CP ring's key/value blocks as NCCL point-to-point messages (matched in posting order),
+    both model families, CP 4 and CP 2 x TP 2."""
+    cases = [dict(tp=tp, pp=1, m=2, schedule="1f1b", cp=cp, seq=16, family=family, device="gpu")
+             for family in ("gpt2", "llama") for tp, cp in ((1, 4), (2, 2))]
+    check_pipeline(mpirun, 4, cases)
+
+
 def check_pipeline(mpirun, n, cases):
     result = mpirun(n, "ranks/pipeline_parallel.py", args=["check", json.dumps(cases)], timeout=600)
     worst = float(result.stdout.split("worst relative error")[1].split()[0])

@@ -231,3 +231,25 @@ def test_under_16_bit_storage_the_linears_run_16_bit_tensor_cores(flags):
         linears = {key for key in gemms if key.startswith("gemmEx ")}
         assert linears and all(f"gemmEx {sixteen}x{sixteen}->float32 compute 32F " in key for key in linears), gemms
         assert all("float32xfloat32->float32 compute 32F " in key for key in set(gemms) - linears), gemms
+
+
+#: Launches per Llama-family layer (forward + backward) outside attention's core (measured: 41 at
+#: hidden 64, 4 heads in 2 key/value groups, seq 256: GPT-2's 27 plus RMSNorm's extra row kernel,
+#: the rotary chains of q and k each way, the grouped keys' and values' repetition and its sum, the
+#: gate and up weights joined for one GEMM, and the residual adds that GPT-2 fuses with its biases).
+LLAMA_LAYER_BUDGET = 45
+
+
+def test_llama_layer_budget_one_kernel_per_chain_and_every_gemm_through_cublas():
+    result = count("--model-family", "llama", "--num-query-groups", "2", "--check-depth")
+    assert result["third_layer_adds_the_same_launches"] is True
+    layer = result["layer_without_attention_core"]
+    assert layer["launches"] <= LLAMA_LAYER_BUDGET, layer
+    by_op = result["layer"]["by_op"]
+    # one kernel each way per rotation (q and k), SwiGLU's chain (+ nothing) forward and backward,
+    # RMSNorm's two kernels forward and three backward (two norms a layer)
+    assert (by_op["Rotary.forward"], by_op["Rotary.backward"]) == (2, 2)
+    assert (by_op["SwiGLU.forward"], by_op["SwiGLU.backward"]) == (1, 1)
+    assert (by_op["RMSNorm.forward"], by_op["RMSNorm.backward"]) == (4, 6)
+    step = result["step_two_layers"]
+    assert step["hidden_copies"] == 0 and step["gemms_through_cupy_matmul"] == 0

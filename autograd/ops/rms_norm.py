@@ -27,6 +27,12 @@ def rms_norm_row_sums(xp, g, weight, xhat):
     return xp.sum(g * weight * xhat, axis=-1)
 
 
+@fused_reduction
+def rms_norm_weight_grad(xp, g, xhat):
+    """sum(g * xhat) over rows: the gain's gradient in one kernel."""
+    return xp.sum(g * xhat, axis=0)
+
+
 @fused
 def rms_norm_backward_(xp, g, weight, xhat, row_sum, squares, n, eps, gx):
     """gx = rstd (gh - xhat mean(gh xhat)), gh = g * weight: xhat's rows are x scaled by rstd,
@@ -57,7 +63,7 @@ class RMSNorm(Function):
         g2 = g.reshape(xhat.shape)
         gx = gw = None
         if need_w:
-            gw = (g2 * xhat).sum(axis=0)
+            gw = rms_norm_weight_grad(g2, xhat)
             ctx.mark_fresh(1)
         if need_x:
             row_sum = rms_norm_row_sums(g2, weight, xhat).reshape(-1, 1)

@@ -19,42 +19,45 @@ def rotary_angles(positions, rotary, base):
 
 
 @fused
-def rotate_pairs(xp, first, second, cos, sin):
-    """(first cos - second sin, second cos + first sin): each pair turned by its angle."""
-    turned_first = first * cos
+def rotate_pairs_(xp, first, second, cos, sin, turned_first, turned_second):
+    """turned_first, turned_second = (first cos - second sin, second cos + first sin): each pair
+    turned by its angle, written into the output's two halves (views) in one kernel."""
+    xp.multiply(first, cos, out=turned_first)
     turned_first -= second * sin
-    turned_second = second * cos
+    xp.multiply(second, cos, out=turned_second)
     turned_second += first * sin
-    return turned_first, turned_second
 
 
 class Rotary(Function):
     """x (b, t, heads, d) with its first 2 * cos.shape[1] channels of each head rotated; cos and
-    sin (t, rotary / 2) are the angles' of the tokens x holds, in order."""
+    sin (t, rotary / 2) are the angles' of the tokens x holds, in order, and minus_sin is -sin
+    (backward's rotation by minus the angle, kept with the table rather than negated each step)."""
 
     @staticmethod
-    def forward(ctx, x, cos, sin):
-        ctx.cos, ctx.sin = cos, sin
+    def forward(ctx, x, cos, sin, minus_sin):
+        ctx.cos, ctx.minus_sin = cos, minus_sin
         return _rotate(x, cos, sin)
 
     @staticmethod
     def backward(ctx, g):
-        return _rotate(g, ctx.cos, -ctx.sin)      # the transpose of a rotation is its inverse
+        return _rotate(g, ctx.cos, ctx.minus_sin)      # the transpose of a rotation is its inverse
 
 
 def _rotate(x, cos, sin):
     half = cos.shape[1]
     out = get_array_module(x).empty_like(x)
     cos, sin = cos[:, None, :], sin[:, None, :]      # broadcast over heads
-    out[..., :half], out[..., half:2 * half] = rotate_pairs(x[..., :half], x[..., half:2 * half], cos, sin)
-    out[..., 2 * half:] = x[..., 2 * half:]          # --rotary-percent below 1: the rest passes
+    rotate_pairs_(x[..., :half], x[..., half:2 * half], cos, sin, out[..., :half], out[..., half:2 * half])
+    if 2 * half < x.shape[-1]:                       # --rotary-percent below 1: the rest passes
+        out[..., 2 * half:] = x[..., 2 * half:]
     return out
 
 
-def rotary(x, cos, sin):
+def rotary(x, cos, sin, minus_sin=None):
     """Rotary position embedding of x (b, t, heads, d) at the angles cos, sin (t, rotary / 2),
-    e.g. numpy.cos(rotary_angles(positions, rotary, base)) in x's dtype."""
+    e.g. numpy.cos(rotary_angles(positions, rotary, base)) in x's dtype; minus_sin: -sin, if the
+    caller keeps it."""
     if x.ndim != 4 or cos.shape != sin.shape or cos.shape[0] != x.shape[1] or 2 * cos.shape[1] > x.shape[3]:
         raise InputError(f"rotary embedding needs x (b, t, heads, d) and angles (t, r/2) with r <= d, got "
                          f"{tuple(x.shape)} and {tuple(cos.shape)}")
-    return Rotary.apply(x, cos, sin)
+    return Rotary.apply(x, cos, sin, -sin if minus_sin is None else minus_sin)

@@ -18,19 +18,18 @@ def swiglu_forward(xp, gate, up):
 
 
 @fused
-def swiglu_backward(xp, g, gate, up):
-    """(g up s (1 + gate (1 - s)), g gate s), s = sigmoid(gate): silu's derivative is
-    s + gate s (1 - s)."""
+def swiglu_backward_(xp, g, gate, up, d_gate, d_up):
+    """d_gate, d_up = (g up s (1 + gate (1 - s)), g gate s), s = sigmoid(gate), written into the
+    gradient's two halves (views): silu's derivative is s + gate s (1 - s)."""
     s = xp.exp(-gate)
     s += 1
     s = 1.0 / s
     silu = gate * s
-    d_gate = silu - silu * s
+    xp.subtract(silu, silu * s, out=d_gate)
     d_gate += s
     d_gate *= up
     d_gate *= g
-    d_up = g * silu
-    return d_gate, d_up
+    xp.multiply(g, silu, out=d_up)
 
 
 class SwiGLU(Function):
@@ -48,7 +47,7 @@ class SwiGLU(Function):
         (y,) = ctx.saved
         half = y.shape[-1] // 2
         grad = get_array_module(g).empty_like(y)
-        grad[..., :half], grad[..., half:] = swiglu_backward(g, y[..., :half], y[..., half:])
+        swiglu_backward_(g, y[..., :half], y[..., half:], grad[..., :half], grad[..., half:])
         ctx.mark_fresh(0)
         return grad
 
