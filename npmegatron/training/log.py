@@ -166,12 +166,25 @@ def header(trainer):
     cfg, grid, plan, model, data = trainer.cfg, trainer.grid, trainer.plan, trainer.model, trainer.data
     pipeline = f", layout {plan.layout!r} ({trainer.schedule})" if grid.pp_size > 1 else ""
     return (f"GPT: {model.num_parameters():,} parameters, {cfg.num_layers} layers, hidden "
-            f"{cfg.hidden_size}, {cfg.num_attention_heads} heads, {precision_note(cfg)} on {cfg.device}, {grid}"
+            f"{cfg.hidden_size}, {cfg.num_attention_heads} heads{parts_note(cfg)}, {precision_note(cfg)} on "
+            f"{cfg.device}, {grid}"
             f"{' sequence-parallel' if cfg.sequence_parallel else ''}{pipeline}{recompute_note(cfg)}; global batch "
             f"{plan.global_batch} = {trainer.config.micro_batch_size} x {plan.micro_batches} accumulation x "
             f"{grid.dp_size} DP; data {data.description}: {len(data.train):,} training / "
             f"{len(data.valid):,} validation tokens ({held_out_share(data):.1f} % held out: {data.held_out})\n"
             f"{memory_note(trainer)}{attention_note(trainer)}")
+
+
+def parts_note(cfg):
+    """The block's parts where they are not GPT-2's (--model-family llama, or a part's own flag)."""
+    parts = [cfg.normalization if cfg.normalization != "LayerNorm" else None,
+             "rotary positions" if cfg.position_embedding_type == "rope" else None,
+             "SwiGLU" if cfg.swiglu else None,
+             f"{cfg.num_query_groups} key/value groups" if cfg.group_query_attention else None,
+             "untied output layer" if cfg.untie_embeddings_and_output_weights else None,
+             "no biases" if cfg.disable_bias_linear else None]
+    chosen = [p for p in parts if p]
+    return f" ({', '.join(chosen)})" if chosen else ""
 
 
 def held_out_share(data):
