@@ -5,6 +5,8 @@ each token runs the sequence through the stages (see _generate_pipelined).
 Under tensor parallelism every rank holds its heads' keys and values; the logits are gathered,
 and all ranks draw the same token from identically seeded generators on identical logits.
 """
+import copy
+import dataclasses
 import math
 
 import numpy
@@ -74,11 +76,15 @@ def sample_token(logits, rng, temperature, top_k, top_p=1.0):
     return int(rng.choice(logits.size, p=probs))
 
 
-def without_sequence_parallel(model):
-    """The same weights (shared, not copied) in a model with sequence parallelism off: one new
-    token cannot be split over the TP ranks, and the weights' layout does not depend on SP."""
-    import dataclasses
-    twin = GPT(dataclasses.replace(model.cfg, sequence_parallel=False), model.grid)
+def for_generation(model):
+    """The same weights (shared, not copied) in a model with sequence and context parallelism
+    off: one new token cannot be split over ranks, and the weights' layout depends on neither.
+    Every CP rank holds all the weights, so each generates the same tokens on its own."""
+    grid = model.grid
+    if grid.cp_size > 1:
+        grid = copy.copy(grid)
+        grid.cp_group, grid.cp_size, grid.cp_rank = comm.Group.single("cp"), 1, 0
+    twin = GPT(dataclasses.replace(model.cfg, sequence_parallel=False), grid)
     mine = dict(model.named_parameters())
     for name, param in twin.named_parameters():
         param.data = mine[name].data
@@ -119,8 +125,8 @@ def _generate_cached(model, ids, max_new_tokens, draw):
     """One stage: the prompt once, then one position per token through the key/value cache; once
     the table is full, each token runs the last `capacity` positions afresh (the positions shift,
     so the cached keys and values no longer hold), as the pipelined path does."""
-    if model.cfg.sequence_parallel:
-        model = without_sequence_parallel(model)
+    if model.cfg.sequence_parallel or model.cp_size > 1:
+        model = for_generation(model)
     capacity, cache, out = model.cfg.max_position_embeddings, KVCache(model), list(ids)
     logits, _ = model(numpy.array([ids]), cache=cache)
     while True:
@@ -138,9 +144,9 @@ def _generate_pipelined(model, ids, max_new_tokens, draw):
     """Several pipeline stages: each token runs the whole sequence through the stages (no key/
     value cache crosses stages here, so a token costs the prefix again), the last stage draws it,
     and the last pipeline rank broadcasts it to the others."""
-    if model.cfg.sequence_parallel:
-        raise InputError("generation over pipeline stages needs sequence parallelism off (one new "
-                         "token cannot be split over ranks); build the model without it")
+    if model.cfg.sequence_parallel or model.grid.cp_size > 1:
+        raise InputError("generation over pipeline stages needs sequence and context parallelism off (one "
+                         "new token cannot be split over ranks); build the model without them")
     grid, capacity, out = model.grid, model.cfg.max_position_embeddings, list(ids)
     exchange = StageExchange(grid, model.cfg.dtype, model.xp, 1, variable_seq_lengths=True)
     last_stage = model.chunks[-1] if model.stage_specs[-1].post_process else None

@@ -2,7 +2,7 @@
 every file treated as input (issue 26): config.json and the shard index are checked JSON objects,
 weight files are plain .safetensors names inside the folder (nothing outside it is opened), each
 safetensors header is checked before its file is loaded, and a folder that already holds weights
-is not written over unless asked. What the tensors mean is convert.py's.
+is not written over unless asked. What the tensors mean is convert.py's (and hf_convert/'s).
 """
 import json
 import os
@@ -40,7 +40,7 @@ def read_hf_folder(path):
         raise InputError(f"{path} is not a folder; give the folder that save_pretrained wrote")
     config_path = inside_folder(path, "config.json")
     if not os.path.isfile(config_path):
-        raise InputError(f"{config_path} does not exist; a Hugging Face GPT-2 folder holds config.json "
+        raise InputError(f"{config_path} does not exist; a Hugging Face model folder holds config.json "
                          "and model.safetensors, as save_pretrained writes them")
     hf_config, tensors = read_json_object(config_path), {}
     for name, listed in _weight_files(path).items():

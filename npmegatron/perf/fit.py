@@ -48,7 +48,7 @@ def refuse_unless_fits(cfg, shape):
 def run_shape(config, plan):
     """The ParallelShape of a TrainConfig on its RunPlan, as memory.py estimates it."""
     model, parallel = config.model, config.parallel
-    return ParallelShape(tp=plan.tp, pp=plan.pp, dp=plan.dp, virtual=max(1, len(parse_layout(plan.layout)) // plan.pp),
+    return ParallelShape(tp=plan.tp, pp=plan.pp, dp=plan.dp, cp=plan.cp, virtual=max(1, len(parse_layout(plan.layout)) // plan.pp),
                          micro_batch=config.micro_batch_size, global_batch=plan.global_batch,
                          seq=config.seq_length, sequence_parallel=model.sequence_parallel,
                          recompute=model.recompute_granularity or "none",

@@ -131,7 +131,7 @@ def memory_note(trainer):
     w = numpy.dtype(cfg.dtype).itemsize
     shard = grid.dp_size * grid.cp_size if config.parallel.use_distributed_optimizer else 1
     granularity = cfg.recompute_granularity or "none"
-    layout = ParallelShape(tp=grid.tp_size, seq=config.seq_length, micro_batch=config.micro_batch_size,
+    layout = ParallelShape(tp=grid.tp_size, cp=grid.cp_size, seq=config.seq_length, micro_batch=config.micro_batch_size,
                     sequence_parallel=cfg.sequence_parallel, recompute=granularity,
                     recompute_method=cfg.recompute_method or "uniform",
                     recompute_num_layers=cfg.recompute_num_layers or 1)

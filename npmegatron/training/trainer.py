@@ -282,8 +282,8 @@ class Trainer:
     def sample(self):
         """Text generated from the first validation tokens, 32 or as many as the model's positions
         (over the pipeline stages when PP > 1)."""
-        if self.model.whole is None and self.cfg.sequence_parallel:
-            return "no sample: generation over pipeline stages needs sequence parallelism off"
+        if self.model.whole is None and (self.cfg.sequence_parallel or self.grid.cp_size > 1):
+            return "no sample: generation over pipeline stages needs sequence and context parallelism off"
         prompt = [int(t) for t in self.valid_sampler.tokens[:min(32, self.cfg.max_position_embeddings)]]
         ids = generate(self.model, prompt, self.config.sample_tokens, temperature=0.8, top_k=40,
                        seed=self.cfg.seed)

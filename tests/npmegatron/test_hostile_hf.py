@@ -189,7 +189,7 @@ def _recast(dtype):
 
 
 LIES = [
-    pytest.param(_remove("config.json"), "config.json does not exist; a Hugging Face GPT-2 folder holds",
+    pytest.param(_remove("config.json"), "config.json does not exist; a Hugging Face model folder holds",
                  id="hf-config-missing"),
     pytest.param(_config_text(b"{not json"), "config.json is not valid JSON", id="hf-config-not-json"),
     pytest.param(_config_text(b"\xff\xfe{}"), "config.json is not valid JSON", id="hf-config-not-utf8"),

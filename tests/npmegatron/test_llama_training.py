@@ -38,7 +38,8 @@ def test_every_layout_follows_the_serial_trajectory(tmp_path):
 
 
 def test_checkpoint_resumes_at_another_context_parallel_size_and_generates(tmp_path):
-    straight, _ = train(tmp_path, "straight", 2, ["--cp", "2"])
+    straight, run = train(tmp_path, "straight", 2, ["--cp", "2", "--sample-tokens", "8"])
+    assert "sample (the first 32 validation tokens" in run.stdout     # each CP rank holds every weight
     first, _ = train(tmp_path, "first", 2, ["--cp", "2", "--save", str(tmp_path / "ck"), "--exit-interval", "6"])
     second, run = train(tmp_path, "second", 2, ["--tp", "2", "--load", str(tmp_path / "ck")])
     assert "resumed from" in run.stdout and "at iteration 6" in run.stdout

@@ -1,8 +1,8 @@
-"""Rank program for tests/npmegatron/test_convert.py: a checkpoint converted from a Hugging Face
-GPT-2 (TP = 1, one shard) loaded at TP = 2 x PP = 2 (4 ranks, resharded on load), one forward and
-backward of fixed tokens through the pipeline schedule. Each rank writes RANK.npz into OUT: its
-gradients with their places in the master tensors, and on the last stage the gathered logits and
-the loss.
+"""Rank program for tests/npmegatron/test_convert.py and test_convert_llama.py: a checkpoint converted
+from a Hugging Face GPT-2 or Llama folder (TP = 1, one shard) loaded at TP = 2 x PP = 2 (4 ranks,
+resharded on load), one forward and backward of fixed tokens through the pipeline schedule. Each
+rank writes RANK.npz into OUT: its gradients with their places in the master tensors, and on the
+last stage the gathered logits and the loss.
 
     mpiexec -n 4 python tests/ranks/converted_gpt2.py CHECKPOINT TOKENS.npy OUT
 """
