@@ -131,13 +131,13 @@ class GPTConfig:
         if self.num_query_groups is None or not self.group_query_attention:
             self.num_query_groups = self.num_attention_heads if self.num_query_groups is None else self.num_query_groups
         check_minimums(self)
-        self._check_family_parts()
         if self.ffn_hidden_size < 1:
             raise InputError(f"ffn_hidden_size is {self.ffn_hidden_size}; it must be a positive integer")
         if self.hidden_size % self.num_attention_heads:
             raise InputError(f"hidden size {self.hidden_size} is not divisible by "
                              f"{self.num_attention_heads} attention heads; choose a hidden size that "
                              "is a multiple of the number of heads")
+        self._check_family_parts()
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise InputError(f"{name} is {getattr(self, name)}; it must be in [0, 1)")
@@ -503,8 +503,9 @@ class RunPlan:
             raise InputError(f"{flags} needs {model_ranks} ranks; launch with mpirun -n {model_ranks} "
                              "(or a multiple for data parallelism)")
         if world_size % model_ranks:
-            raise InputError(f"world size {world_size} is not divisible by {flags} = {model_ranks}; "
-                             f"launch a multiple of {model_ranks} ranks")
+            what = "TP x PP" + (" x CP" if self.cp > 1 else "")
+            raise InputError(f"world size {world_size} is not divisible by {what} = {model_ranks}; "
+                             f"launch a multiple of {what} ranks")
         self.dp = world_size // model_ranks
         if self.cp > 1:
             check_context_parallel_split(config.seq_length, self.cp)
