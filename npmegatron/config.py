@@ -454,6 +454,8 @@ class TrainConfig:
             (model.device != "gpu", f"it captures GPU work, but the device is {model.device}; add --device gpu"),
             (parallel.pipeline_model_parallel_size > 1,
              "pipeline parallelism's schedule waits on messages between stages; use --pp 1"),
+            (parallel.context_parallel_size > 1,
+             "context parallelism's ring of point-to-point messages has not been captured and checked; use --cp 1"),
             (parallel.variable_seq_lengths, "--variable-seq-lengths exchanges shapes on the host; drop it"),
             (model.fp16 or self.loss_scale is not None,
              "loss scaling skips an overflowing step, which the host decides after the graph has run; "

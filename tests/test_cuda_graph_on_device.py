@@ -163,6 +163,7 @@ def test_ranks_sharing_a_gpu_are_refused(mpirun):
     ({"fp16": True, "loss_scale": 128.0}, "loss scaling"),
     ({"bf16": True, "loss_scale": 128.0}, "loss scaling"),
     ({"pipeline_model_parallel_size": 2}, "use --pp 1"),
+    ({"context_parallel_size": 2}, "use --cp 1"),
 ])
 def test_what_a_graph_cannot_hold_is_refused_in_one_sentence(options, why):
     with pytest.raises(InputError, match=f"--cuda-graph cannot be used here: .*{why}"):
