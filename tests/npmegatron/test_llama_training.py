@@ -37,6 +37,7 @@ def test_every_layout_follows_the_serial_trajectory(tmp_path):
         assert curve == pytest.approx(serial, rel=1e-9, abs=0), name
 
 
+@pytest.mark.slow
 def test_checkpoint_resumes_at_another_context_parallel_size_and_generates(tmp_path):
     straight, run = train(tmp_path, "straight", 2, ["--cp", "2", "--sample-tokens", "8"])
     assert "sample (the first 32 validation tokens" in run.stdout     # each CP rank holds every weight
