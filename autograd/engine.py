@@ -84,7 +84,7 @@ def backward(tensors, grad_tensors=None):
             results, summed = node.run(grads, adopt=all(mine)), ()
         else:
             function = getattr(node, "function", None)
-            pending = _pending(buffers, node) if getattr(function, "adds_pending_grads", False) else None
+            pending = _pending(buffers, node, owned) if getattr(function, "adds_pending_grads", False) else None
             destinations = (_destinations(buffers, node, consumers) if getattr(function, "writes_grad_destinations", False)
                             else None)
             results = node.run(grads, pending, destinations) if pending or destinations else node.run(grads)
@@ -92,6 +92,8 @@ def backward(tensors, grad_tensors=None):
             if destinations:
                 summed.update(i for i, (d, g) in enumerate(zip(destinations, results))
                               if d is not None and g is d[0])
+        # a view of an incoming gradient this walk alone held is this walk's alone too (Transpose)
+        passed_on = getattr(getattr(node, "function", None), "passes_gradient_views", False) and all(mine)
         for position, (edge, g) in enumerate(zip(node.edges, results)):
             if edge is None:
                 continue
@@ -99,7 +101,8 @@ def backward(tensors, grad_tensors=None):
             if g is not None and position in summed:
                 _replace(buffers, child, index, g, owned)
             elif g is not None:
-                _accumulate(buffers, child, index, g, owned, position in getattr(node, "fresh_grads", ()))
+                fresh = passed_on or position in getattr(node, "fresh_grads", ())
+                _accumulate(buffers, child, index, g, owned, fresh)
             consumers[child] -= 1
             if consumers[child] == 0:
                 if child in buffers:
@@ -128,13 +131,14 @@ def _make_accumulator(t):
     return edge_of(t)[0]
 
 
-def _pending(buffers, node):
-    """Per input of `node`, the gradient its producer has accumulated so far, or None."""
+def _pending(buffers, node, owned):
+    """(per input of `node`, the gradient its producer has accumulated so far, or None; per
+    input, whether this walk alone holds that gradient, so backward may add to it in place)."""
     pending = []
     for edge in node.edges:
         slots = buffers.get(edge[0]) if edge is not None else None
         pending.append(slots[edge[1]] if slots is not None else None)
-    return tuple(pending)
+    return tuple(pending), tuple(g is not None and id(g) in owned for g in pending)
 
 
 def _destinations(buffers, node, consumers):
@@ -182,6 +186,10 @@ def _accumulate(buffers, node, index, g, owned=None, fresh=False):
         slots[index] = g
     elif isinstance(node, AccumulateGrad) and slots[index] is node.leaf.main_grad:
         slots[index] += g       # a Function wrote there (_destinations): it keeps the whole sum
+        return
+    elif owned is not None and id(slots[index]) in owned and slots[index].shape == g.shape \
+            and slots[index].dtype == g.dtype:
+        slots[index] += g       # the slot's array is this walk's alone: no new array, no copy
         return
     else:
         if owned is not None:

@@ -25,6 +25,7 @@ class Context:
         self.in_16_bit = ()             # indices of `kept` held in 16 bits
         self.fresh_grads = ()
         self.pending_grads = None
+        self.pending_owned = ()     # per input: whether its pending gradient is the walk's alone
         self.summed_pending = ()
         self.grad_destinations = None
 
@@ -63,6 +64,13 @@ class Context:
         the leaf's main_grad, to be overwritten (accumulate False) or added to (engine.py).
         Backward then returns that array as the gradient."""
         return self.grad_destinations[index] if self.grad_destinations else None
+
+    def owned_pending(self, index):
+        """Input `index`'s pending gradient when no one but the backward walk holds it: backward
+        may add its own gradient into that array in place and return it (with sum_pending)."""
+        if self.pending_grads and index < len(self.pending_owned) and self.pending_owned[index]:
+            return self.pending_grads[index]
+        return None
 
     def sum_pending(self, *indices):
         """Backward's gradients for these inputs already include `pending_grads` (the gradient
@@ -145,14 +153,15 @@ class Node:
         self.summed_pending = ()    # the last run's ctx.summed_pending
 
     def run(self, grads, pending=None, destinations=None):
-        """Backward on the output gradients; `pending` (engine.py): the inputs' gradients so far,
-        given only where no 16-bit rounding of the results follows (it would round their sum);
+        """Backward on the output gradients; `pending` (engine.py): the inputs' gradients so far
+        and whether the walk alone holds each, given only where no 16-bit rounding of the results
+        follows (it would round their sum);
         `destinations`: per input, where backward may write the gradient (Context.destination)."""
         if self.ctx is None:
             raise RuntimeError(f"backward through {self.name} a second time: its saved arrays were "
                                "freed after the first backward; run the forward again")
         if self.storage is None:
-            self.ctx.pending_grads = pending
+            self.ctx.pending_grads, self.ctx.pending_owned = pending or (None, ())
             self.ctx.grad_destinations = destinations
         elif destinations:
             # the results are rounded in place below: a gradient written into main_grad may be

@@ -135,13 +135,23 @@ def bias_grad(g):
     return g2.sum(axis=0)
 
 
-def _weight_grad(x, g, grid=None, destination=None):
+def _weight_grad(x, g, grid=None, destination=None, weight=None):
     """x^T g summed over all leading dimensions in one GEMM (no per-batch temporaries); written
-    into or added to `destination` (Context.destination) by the GEMM itself when given."""
+    into or added to `destination` (Context.destination) by the GEMM itself when given. A weight
+    that is a transposed view (the output layer's, the embedding's transpose) gets its gradient in
+    the same memory order, (g^T x)^T: its leaf's gradient is then C-ordered, and adds to the
+    embedding's own without a strided pass over the vocabulary."""
+    if destination is None and weight is not None and weight.ndim == 2 and _transposed(weight):
+        return gemm.matmul(gemm.rows(g).T, gemm.rows(x), grid=grid).T
     if destination is None:
         return gemm.matmul(gemm.rows(x).T, gemm.rows(g), grid=grid)
     out, accumulate = destination
     return gemm.matmul(gemm.rows(x).T, gemm.rows(g), out=out, accumulate=accumulate, grid=grid)
+
+
+def _transposed(a):
+    """Whether a 2-D array is the transpose of a C-ordered one (F- but not C-contiguous)."""
+    return a.flags.f_contiguous and not a.flags.c_contiguous
 
 
 def bias_grad_to(g, destination=None):
@@ -237,7 +247,7 @@ class Linear(Function):
         need = ctx.needs_input_grad
         gw, gb = None, None
         if need[1] and precision.format_of(w.dtype) is None:
-            gw = _weight_grad(x, Linear._wide(g), ctx.grid, ctx.destination(1))
+            gw = _weight_grad(x, Linear._wide(g), ctx.grid, ctx.destination(1), w)
         elif need[1]:
             into = ctx.destination(1) or (_float32(g, w.shape), False)
             gw = _weight_grad(x, Linear._sixteen_bit_grad(ctx, g, w), None, into)

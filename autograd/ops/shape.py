@@ -7,6 +7,8 @@ from ..tensor import Tensor
 
 
 class Reshape(Function):
+    passes_gradient_views = True    # backward's result is a view of its incoming gradient (engine.py)
+
     @staticmethod
     def forward(ctx, x, shape):
         ctx.in_shape = x.shape
@@ -22,6 +24,8 @@ class Reshape(Function):
 
 
 class Transpose(Function):
+    passes_gradient_views = True
+
     @staticmethod
     def forward(ctx, x, axes):
         ctx.axes = axes

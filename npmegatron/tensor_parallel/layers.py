@@ -117,7 +117,11 @@ class RowParallelLinear(Module):
 class _ShardLookup(Function):
     """Rows of this rank's vocabulary shard; tokens outside [start, start + rows) read zeros and
     send no gradient (another rank owns them). Masks multiply rather than index: a boolean index
-    would need the count of its true elements on the host (a GPU synchronisation)."""
+    would need the count of its true elements on the host (a GPU synchronisation). Backward adds
+    its rows straight into the weight's gradient so far when the backward walk alone holds it
+    (the tied output layer's, computed first): no vocabulary-sized zeros, no vocabulary-sized add."""
+
+    adds_pending_grads = True
 
     @staticmethod
     def forward(ctx, ids, weight, start, whole=False):
@@ -136,8 +140,13 @@ class _ShardLookup(Function):
     @staticmethod
     def backward(ctx, g):
         xp = get_array_module(g)
-        gw = xp.zeros(ctx.shape, ag.precision.master_dtype(ctx.dtype))     # float32 for 16-bit weights
-        ctx.mark_fresh(1)
+        dtype = ag.precision.master_dtype(ctx.dtype)            # float32 for 16-bit weights
+        gw = ctx.owned_pending(1)
+        if gw is not None and gw.shape == ctx.shape and gw.dtype == dtype and gw.flags.c_contiguous:
+            ctx.sum_pending(1)
+        else:
+            gw = xp.zeros(ctx.shape, dtype)
+            ctx.mark_fresh(1)
         rows = g.reshape(-1, ctx.shape[1])
         if ctx.inside is not None:
             rows = rows * ctx.inside.reshape(-1, 1)      # outside rows add zeros to row 0
