@@ -33,8 +33,9 @@ def cross_entropy_grad_(xp, logits, shift, sum_exp, target, columns, scale, out)
 class _VocabParallelCrossEntropy(Function):
     """On a GPU the logits (batch x seq x vocabulary, the largest activation) are never copied:
     forward reads them in a max and one fused exp-sum, backward recomputes the softmax from them
-    (they stay alive as the head's output anyway). On the CPU the softmax is made in place in one
-    copy and kept, and backward reuses it (one exp pass instead of two)."""
+    (they stay alive as the head's output anyway). On the CPU the exponentials are made in one
+    copy and kept, and backward turns them into the gradient in place (one exp pass instead of
+    two): by blocks of rows in threads for large logits (_cross_entropy_cpu.py), at once for small ones."""
     float32_output = True       # the loss stays in float32 under --fp16/--bf16, as Megatron's
 
     @staticmethod
@@ -46,13 +47,21 @@ class _VocabParallelCrossEntropy(Function):
         # Checked before the copy to the device: host targets cost no GPU synchronisation.
         check_ids(targets, vocab_size, "target id", "targets must be token ids of the model's vocabulary")
         local_t, mine = _local_targets(xp, xp.asarray(targets).reshape(-1), vocab_start, real, group)
-        local_max = flat[:, :real].max(axis=-1) if real else xp.full(flat.shape[0], -xp.inf, flat.dtype)
+        ctx.compiled = _compiled(flat, real)
+        if ctx.compiled:
+            from . import _cross_entropy_cpu
+            local_max = _cross_entropy_cpu.row_max(flat, real)
+        else:
+            local_max = flat[:, :real].max(axis=-1) if real else xp.full(flat.shape[0], -xp.inf, flat.dtype)
         global_max = comm.all_reduce(local_max, group, "max")[:, None]
         target_z = xp.take_along_axis(flat, local_t[:, None], axis=1) - global_max
         if mine is not None:
             target_z = xp.where(mine[:, None], target_z, 0)
         target_z = comm.all_reduce(target_z, group)
-        if xp is numpy:
+        if ctx.compiled:        # the exponentials kept unnormalised: backward divides in its pass
+            kept, sums = _cross_entropy_cpu.exp_shifted(flat, real, global_max[:, 0])
+            sum_exp = comm.all_reduce(sums[:, None], group)
+        elif xp is numpy:
             kept = flat[:, :real] - global_max
             xp.exp(kept, out=kept)
             sum_exp = comm.all_reduce(kept.sum(axis=-1, keepdims=True), group)
@@ -74,7 +83,15 @@ class _VocabParallelCrossEntropy(Function):
         kept, global_max, sum_exp, local_t, mine = ctx.saved
         xp, real, width = get_array_module(kept), ctx.real, ctx.shape[-1]
         scale = g.reshape(-1, 1) if ctx.reduction == "none" else g / local_t.size
-        if xp is numpy:        # the kept softmax is ours alone and freed right after: reuse it
+        if ctx.compiled:       # the kept exponentials become the gradient in one pass
+            from . import _cross_entropy_cpu
+            rows = numpy.ascontiguousarray(numpy.broadcast_to(scale, (local_t.size, 1))[:, 0], kept.dtype)
+            owned = numpy.ones(local_t.size, bool) if mine is None else mine
+            _cross_entropy_cpu.softmax_minus_one_hot_(kept, sum_exp[:, 0], local_t, owned, rows)
+            grad = kept if real == width else xp.zeros((local_t.size, width), kept.dtype)
+            if grad is not kept:
+                grad[:, :real] = kept
+        elif xp is numpy:      # the kept softmax is ours alone and freed right after: reuse it
             grad = kept if real == width else xp.zeros((local_t.size, width), kept.dtype)
             if grad is not kept:
                 grad[:, :real] = kept
@@ -88,6 +105,18 @@ class _VocabParallelCrossEntropy(Function):
             cross_entropy_grad_(kept[:, :real], global_max, sum_exp, target[:, None],
                                 xp.arange(real)[None, :], scale, grad[:, :real])
         return grad.reshape(ctx.shape), None
+
+
+#: Logits with at least this many elements take the threaded CPU passes (_cross_entropy_cpu.py);
+#: below that, handing blocks to threads costs more than it saves.
+COMPILED_CROSS_ENTROPY_SIZE = 1 << 18
+
+
+def _compiled(flat, real):
+    """Whether the loss's passes over these logits run by blocks of rows in threads: large
+    C-ordered host logits with a real column."""
+    return (get_array_module(flat) is numpy and flat.size >= COMPILED_CROSS_ENTROPY_SIZE and real > 0
+            and flat.flags.c_contiguous and flat.dtype in (numpy.float32, numpy.float64))
 
 
 def _local_targets(xp, t, vocab_start, real, group):

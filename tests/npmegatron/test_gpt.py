@@ -140,3 +140,27 @@ def test_bad_model_input_is_one_clear_sentence():
     with pytest.raises(InputError, match="sequence length 7 is longer than the position table .*"
                        "larger max_position_embeddings$"):
         model(np.zeros((1, 7), int))
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_compiled_cross_entropy_equals_the_numpy_passes_in_float64(padded, monkeypatch):
+    """Logits large enough for the numba passes (_cross_entropy_cpu.py) give NumPy's loss and
+    gradient to round-off; with a padded vocabulary the padding columns get no gradient."""
+    import npmegatron.tensor_parallel.cross_entropy as ce
+    from npmegatron.comm import Group
+    rows, width = 96, 4096
+    vocab = width - 100 if padded else width
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((1, rows, width)) * 3
+    targets = rng.integers(0, vocab, (1, rows))
+    results = []
+    for threshold in (1, 1 << 60):           # compiled, then NumPy's passes
+        monkeypatch.setattr(ce, "COMPILED_CROSS_ENTROPY_SIZE", threshold)
+        x = ag.Tensor(logits.copy(), requires_grad=True)
+        loss = ce.vocab_parallel_cross_entropy(x, targets, Group.single("tp"), 0, vocab)
+        loss.backward()
+        results.append((loss.item(), x.grad))
+    (loss_c, grad_c), (loss_n, grad_n) = results
+    assert loss_c == pytest.approx(loss_n, rel=1e-13)
+    np.testing.assert_allclose(grad_c, grad_n, rtol=1e-11, atol=1e-16)
+    assert not grad_c[..., vocab:].any()

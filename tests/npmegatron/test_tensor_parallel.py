@@ -21,6 +21,12 @@ def test_tensor_parallel_equals_serial(mpirun, tp):
     assert reports[0]["padded_vocab"] == 128 * tp
 
 
+def test_tensor_parallel_with_the_compiled_loss_equals_serial(mpirun):
+    result = mpirun(2, RANKS, args=["equals-serial-compiled-loss"], timeout=180)
+    reports = [json.loads(l) for l in result.stdout.splitlines() if l.startswith("{")]
+    assert [r["sp"] for r in reports] == [False, True]
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tensor_parallel_through_shared_memory_equals_serial(mpirun, tp):
     """Activations of 64 KiB take comm's shared-memory all-reduce (comm/shared_memory.py)."""

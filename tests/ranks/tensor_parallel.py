@@ -139,6 +139,14 @@ def compare_with_serial(grid, ids_targets, **config_fields):
     return model, worst
 
 
+def equals_serial_compiled_loss(world, grid):
+    """equals-serial with the loss's compiled CPU passes (_cross_entropy_cpu.py) on every shard,
+    the targets of other ranks' shards included."""
+    import npmegatron.tensor_parallel.cross_entropy as ce
+    ce.COMPILED_CROSS_ENTROPY_SIZE = 1
+    equals_serial(world, grid)
+
+
 def counts(world, grid, family=None):
     """TP collectives per layer, forward and backward, without and with sequence parallelism:
     rank 0 prints one JSON line for each."""
@@ -251,6 +259,7 @@ def tape_bytes(world, grid):
 CASES = {"adjoint": adjoint, "equals-serial": equals_serial,
          "equals-serial-llama": lambda world, grid: equals_serial(world, grid, LLAMA),
          "counts-llama": lambda world, grid: counts(world, grid, LLAMA),
+         "equals-serial-compiled-loss": lambda world, grid: equals_serial_compiled_loss(world, grid),
          "equals-serial-shared-memory": equals_serial_through_shared_memory, "counts": counts,
          "cross-entropy-volume": cross_entropy_volume, "megatron-cross-entropy": megatron_cross_entropy,
          "dropout-masks": dropout_masks, "tape-bytes": tape_bytes}
