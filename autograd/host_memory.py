@@ -5,7 +5,14 @@ lies free, and serves large arrays with fresh mmaps: every training step then fa
 activations again, page by page, and the kernel zeroes each page. With arrays up to 32 MiB served
 from the heap, the heap grown 256 MiB at a time and trimmed only above 2 GiB free, a step reuses
 the pages of the last one. Measured on the reference model (`bench step`, 2 cores): minor page
-faults per run 240,000 -> 77,000, system time 3.3-3.5 -> 2.3-2.6 s, step 2.09-2.20 -> 1.99-2.07 s."""
+faults per run 240,000 -> 77,000, system time 3.3-3.5 -> 2.3-2.6 s, step 2.09-2.20 -> 1.99-2.07 s.
+
+Arrays above 32 MiB are still fresh mmaps, and NumPy asks the kernel for transparent huge pages on
+them (madvise). Where the kernel's THP defrag setting is "madvise", such a fault compacts memory
+on the spot, and a step's vocabulary-sized arrays (GPT-2 124M's logits, 206 MB) then wait for it:
+the loss's first pass over a fresh 206 MB array took 180-360 ms instead of about 100 ms with
+plain pages (2 cores, GPT-2 124M, micro-batch 1), and the step 4.21-4.28 s instead of 3.91-4.08 s.
+So there NumPy is told not to ask."""
 import ctypes
 import ctypes.util
 
@@ -23,3 +30,24 @@ def keep_freed_memory():
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     return all(mallopt(option, value) == 1 for option, value in (
         (_M_MMAP_THRESHOLD, 32 << 20), (_M_TOP_PAD, 256 << 20), (_M_TRIM_THRESHOLD, (1 << 31) - 1)))
+
+
+THP_DEFRAG = "/sys/kernel/mm/transparent_hugepage/defrag"
+
+
+def no_stalling_huge_pages():
+    """Turn off NumPy's huge-page advice where the kernel would compact memory synchronously to
+    honour it (THP defrag "[madvise]"); True when turned off."""
+    try:
+        with open(THP_DEFRAG) as f:
+            if "[madvise]" not in f.read():
+                return False
+    except OSError:
+        return False
+    import numpy
+    core = getattr(numpy, "_core", None) or numpy.core
+    setter = getattr(core.multiarray, "_set_madvise_hugepage", None)
+    if setter is None:
+        return False
+    setter(False)
+    return True
