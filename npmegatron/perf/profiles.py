@@ -9,6 +9,7 @@
       "devices_per_node": 16,
       "device_memory_bytes": 34359738368,
       "dp_overlap": 1.0,                     # optional: share of backward that hides DP all-reduce
+      "memory_bandwidth_bytes_per_s": 9e11,  # optional: a device's memory bandwidth (the optimizer)
       "ranks_share_flops": false,            # optional: true for a CPU, whose ranks split it:
       "flops_by_threads": {"1": ..., "2": ...},  # optional: the rate per BLAS thread count
       "intra": {"alpha_s": 2e-6, "beta_s_per_byte": 6.67e-12},     # one pair for every collective
@@ -102,6 +103,8 @@ def normalise(raw, path="<profile>"):
     if profile["dp_overlap"] > 1:
         raise InputError(f"profile {path} has 'dp_overlap' = {raw['dp_overlap']!r}; it is a share of "
                          "backward, from 0 to 1")
+    if "memory_bandwidth_bytes_per_s" in raw:
+        profile["memory_bandwidth_bytes_per_s"] = _number(raw, "memory_bandwidth_bytes_per_s", path)
     profile["flops_recompute"] = raw.get("flops_recompute", "none")
     if profile["flops_recompute"] not in ("none", "selective", "full"):
         raise InputError(f"profile {path} has flops_recompute {profile['flops_recompute']!r}; use none, "

@@ -47,14 +47,17 @@ PAPER_MODELS = [  # hidden, heads, layers, TP (Shoeybi et al. 2019, Table 1)
 def paper_weak_scaling(profile):
     """Predicted weak-scaling efficiency: per-GPU model FLOP/s relative to the 1-GPU model, for
     the model-parallel runs (micro-batch 8, seq 1024, vocab 51,200, fp16, every layer
-    recomputed, dropout 0.1) and the same x 64-way DP at global batch 512."""
+    recomputed, dropout 0.1) and the same x 64-way DP at global batch 512. Gradients are
+    all-reduced after backward, not during it, as the 2019 implementation did (its
+    DistributedDataParallel's backward hooks are commented out; the training step calls
+    allreduce_params after backward)."""
     rows, base = [], None
     for dp, global_batch in ((1, 8), (64, 512)):
         for h, a, layers, t in PAPER_MODELS:
             cfg = GPTConfig(num_layers=layers, hidden_size=h, num_attention_heads=a, vocab_size=51200,
                             max_position_embeddings=1024, hidden_dropout=0.1, attention_dropout=0.1)
             shape = ParallelShape(tp=t, pp=1, dp=dp, micro_batch=8, global_batch=global_batch, seq=1024,
-                            recompute="full", element_bytes=2)
+                            recompute="full", element_bytes=2, overlap_grad_reduce=False)
             timing = step_time(cfg, shape, profile)
             memory = memory_plan(cfg, shape, profile["device_memory_bytes"])
             if base is None:

@@ -20,9 +20,13 @@ A step on one rank, M micro-batches, V virtual stages, L layers on the rank:
 - DP comm exposed = max(all-reduce of the last bucket, all-reduce of this rank's gradients -
   dp_overlap x the last micro-batch's backward (2/3 of its compute)): gradients are reduced once
   per step, overlapped with the backward of the last micro-batch, and the last bucket starts only
-  when that backward ends; plus, with PP > 1, the tied embedding's all-reduce between the first
-  and last stage, exposed.
-The optimizer update (memory bound) is not modelled.
+  when that backward ends; the whole all-reduce without overlap_grad_reduce (Megatron's
+  --no-overlap-grad-reduce, and what the 2019 implementation did); plus, with PP > 1, the tied
+  embedding's all-reduce between the first and last stage, exposed;
+- optimizer = the bytes AdamW reads and writes per parameter this rank updates / the profile's
+  memory_bandwidth_bytes_per_s (memory bound; 0 for a profile without one): float32 reads the
+  parameter, gradient and two moments and writes three (28 B); under --fp16/--bf16 the float32
+  master, gradient and moments and the 16-bit parameter written back (30 B).
 
 Which link parameters a group uses: ranks are ordered TP fastest, then DP, then PP
 (comm/grid.py), filling nodes of `devices_per_node`. A group within one node uses "intra". A
@@ -112,6 +116,17 @@ def context_parallel_time(cfg, shape, profile, w, again, place):
     return shape.micro_batches * cfg.num_layers // shape.pp * messages * one
 
 
+def optimizer_time(cfg, shape, profile):
+    """AdamW's update on the rank with the most parameters, memory bound (module docstring)."""
+    bandwidth = profile.get("memory_bandwidth_bytes_per_s")
+    if not bandwidth:
+        return 0.0
+    per_parameter = 30 if cfg.storage_format or shape.element_bytes == 2 else 28
+    params = max(rank_parameters(cfg, shape, r) for r in range(shape.pp))
+    shard = shape.dp * shape.cp if shape.distributed_optimizer else 1
+    return params / shard * per_parameter / bandwidth
+
+
 def step_time(cfg, shape, profile):
     """{'compute', 'tp_comm', 'pp_comm', 'bubble', 'dp_comm_exposed', 'total', ...} in seconds."""
     check_shape(cfg, shape)
@@ -154,13 +169,17 @@ def step_time(cfg, shape, profile):
         last_backward = compute * 2 / 3 / m
         dp_exposed = max(all_reduce_time(d * shape.cp, bucket, *links),
                          dp_total - profile["dp_overlap"] * last_backward)
+        if not shape.overlap_grad_reduce:
+            dp_exposed = dp_total
     embedding = 0.0
     if p > 1:
         padded = pad_vocab_size(cfg.vocab_size, t, cfg.make_vocab_size_divisible_by)
         embedding = all_reduce_time(2, padded // t * h * w,
                                     *group_links(profile, "all_reduce", place["pp"][0], 1))
-    total = ideal + bubble + dp_exposed + embedding
+    optimizer = optimizer_time(cfg, shape, profile)
+    total = ideal + bubble + dp_exposed + embedding + optimizer
     return {"compute": compute, "tp_comm": tp_comm, "pp_comm": pp_comm, "cp_comm": cp_comm, "bubble": bubble,
+            "optimizer": optimizer,
             "dp_comm": dp_total, "dp_comm_exposed": dp_exposed, "embedding_comm": embedding,
             "total": total, "model_flops": flops,
             "flops_per_device": flops / total / shape.ranks,

@@ -48,14 +48,21 @@ def format_plan(result, cfg, profile):
     lines.append(f"peak {gb(mem['peak'])} on pipeline rank {mem['peak_pp_rank']} vs device memory "
                  f"{gb(mem['device_memory'] or 0)}: {fits}")
     t = result["time"]
-    lines.append(f"predicted step time {t['total'] * 1e3:.2f} ms = compute {t['compute'] * 1e3:.2f} + TP comm "
-                 f"{t['tp_comm'] * 1e3:.2f} + PP comm {t['pp_comm'] * 1e3:.2f}"
-                 + (f" + CP ring {t['cp_comm'] * 1e3:.2f}" if t["cp_comm"] else "")
-                 + f" + bubble {t['bubble'] * 1e3:.2f}"
-                 f" + DP comm exposed {t['dp_comm_exposed'] * 1e3:.2f} (of {t['dp_comm'] * 1e3:.2f})"
-                 f" + embedding all-reduce {t['embedding_comm'] * 1e3:.2f} ms; "
-                 f"{t['flops_per_device'] / 1e9:.2f} GFLOP/s per rank")
+    lines.append(f"predicted step time {t['total'] * 1e3:.2f} ms, {t['flops_per_device'] / 1e9:.2f} GFLOP/s "
+                 "per rank:")
+    for key, name in TIME_TERMS:
+        if key in ("compute", "dp_comm_exposed") or t[key]:
+            share = t[key] / t["total"] * 100 if t["total"] else 0.0
+            extra = f" (of {t['dp_comm'] * 1e3:.2f} ms)" if key == "dp_comm_exposed" else ""
+            lines.append(f"  {name:<34}{t[key] * 1e3:>11.2f} ms {share:>6.1f} %{extra}")
     return "\n".join(lines)
+
+
+#: The step time's terms in plan's output, in the order of a step (time_model.step_time's keys).
+TIME_TERMS = (("compute", "compute"), ("tp_comm", "TP communication"), ("cp_comm", "CP ring"),
+              ("pp_comm", "pipeline sends"), ("bubble", "pipeline bubble"),
+              ("dp_comm_exposed", "DP all-reduce not hidden"), ("embedding_comm", "tied embedding all-reduce"),
+              ("optimizer", "optimizer"))
 
 
 def format_search(results):
@@ -95,6 +102,10 @@ def format_weak(rows):
               help="With --recompute full: as training's --recompute-num-layers.")
 @click.option("--use-distributed-optimizer", "distributed_optimizer", is_flag=True,
               help="Optimizer state sharded over the DP ranks, as training's flag.")
+@click.option("--overlap-grad-reduce/--no-overlap-grad-reduce", default=True, show_default=True,
+              help="The DP gradient all-reduce hidden behind backward, as this project's training does it "
+                   "(Megatron-LM's flag); without it the whole all-reduce follows backward, as the 2019 "
+                   "implementation did.")
 @click.option("--profile", default="dgx2h", show_default=True,
               help="Profile JSON file, or a shipped profile's name (dgx2h).")
 @click.option("--device", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True,
@@ -109,8 +120,8 @@ def format_weak(rows):
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
 @user_errors
-def plan_command(ctx, layout, recompute, recompute_method, recompute_num_layers, distributed_optimizer, profile,
-                 device, device_memory, search_ranks, weak_scaling, as_json, **options):
+def plan_command(ctx, layout, recompute, recompute_method, recompute_num_layers, distributed_optimizer,
+                 overlap_grad_reduce, profile, device, device_memory, search_ranks, weak_scaling, as_json, **options):
     """Predict memory per rank and step time of a model on a layout from a machine profile."""
     if ctx.invoked_subcommand is not None:
         return
@@ -148,7 +159,7 @@ def plan_command(ctx, layout, recompute, recompute_method, recompute_num_layers,
                   global_batch=global_batch or micro_batch * d, seq=seq,
                   sequence_parallel=cfg.sequence_parallel, recompute=recompute, schedule=schedule,
                   recompute_method=recompute_method, recompute_num_layers=recompute_num_layers,
-                  distributed_optimizer=distributed_optimizer)
+                  distributed_optimizer=distributed_optimizer, overlap_grad_reduce=overlap_grad_reduce)
     ranks = search_ranks or t * p * d * cp
     if memory is None and device == "cpu":
         memory = machine_memory_bytes() / ranks         # the ranks of a CPU run share this machine
