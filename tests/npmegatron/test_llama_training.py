@@ -27,6 +27,7 @@ def train(tmp_path, name, ranks, extra=()):
     return losses(log), run
 
 
+@pytest.mark.slow      # 5 s; the quick selection keeps test_context_parallel.py's equalities
 def test_every_layout_follows_the_serial_trajectory(tmp_path):
     serial, _ = train(tmp_path, "serial", 0)
     assert len(serial) == 12 and serial[-1] < serial[0] - 0.5
