@@ -188,8 +188,11 @@ def _accumulate(buffers, node, index, g, owned=None, fresh=False):
         slots[index] += g       # a Function wrote there (_destinations): it keeps the whole sum
         return
     elif owned is not None and id(slots[index]) in owned and slots[index].shape == g.shape \
-            and slots[index].dtype == g.dtype:
-        slots[index] += g       # the slot's array is this walk's alone: no new array, no copy
+            and slots[index].dtype == g.dtype and getattr(node, "storage", None) is None:
+        # the slot's array is this walk's alone: no new array, no copy. Not where the gradient
+        # flows into a 16-bit Function: its producer may have kept a 16-bit copy of the array
+        # (function.py), which an in-place sum would leave stale.
+        slots[index] += g
         return
     else:
         if owned is not None:

@@ -483,6 +483,11 @@ class TrainConfig:
         (--use-checkpoint-args: `--load DIR` alone resumes)."""
         saved = manifest["model"]
         shape = {name: saved[name] for name in CHECKPOINT_MODEL_ARGS if name in saved}
+        # A checkpoint from before the model families is GPT-2's: its parts are the defaults, and
+        # without grouped-query attention the key/value groups follow the saved heads.
+        shape.update({name: field_default(GPTConfig, name) for name in FAMILY_ARGS if name not in saved})
+        if not shape["group_query_attention"]:
+            shape["num_query_groups"] = None
         seq_length = manifest.get("args", {}).get("seq_length", self.seq_length)
         return dataclasses.replace(self, model=dataclasses.replace(self.model, **shape), seq_length=seq_length)
 
@@ -554,11 +559,11 @@ class RunPlan:
 
 # What --use-checkpoint-args takes from a checkpoint: the model's shape and numerics (Megatron
 # takes the same from its saved arguments); parallel layout and training settings stay this run's.
+FAMILY_ARGS = ("model_family", "normalization", "position_embedding_type", "rotary_base", "rotary_percent",
+               "swiglu", "group_query_attention", "num_query_groups", "untie_embeddings_and_output_weights",
+               "disable_bias_linear")
 CHECKPOINT_MODEL_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings",
-                         "ffn_hidden_size", "layernorm_epsilon", "gelu", "make_vocab_size_divisible_by",
-                         "model_family", "normalization", "position_embedding_type", "rotary_base",
-                         "rotary_percent", "swiglu", "group_query_attention", "num_query_groups",
-                         "untie_embeddings_and_output_weights", "disable_bias_linear")
+                         "ffn_hidden_size", "layernorm_epsilon", "gelu", "make_vocab_size_divisible_by") + FAMILY_ARGS
 LOSS_SCALE_FIELDS = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
 
 

@@ -290,12 +290,16 @@ class GPT(Module):
                              "larger max_position_embeddings")
         check_ids(ids, self.cfg.vocab_size, "token id",
                   "tokenize with the model's vocabulary or build the model with a larger vocab_size")
-        if self.cp_size > 1:
-            check_context_parallel_split(t, self.cp_size)
-            t //= self.cp_size
-        if self.cfg.sequence_parallel and t % self.tp_group.size:
+        if self.cp_size == 1 and self.cfg.sequence_parallel and t % self.tp_group.size:
             raise InputError(f"sequence length {t} is not divisible by the tensor-parallel size "
                              f"{self.tp_group.size}, as sequence parallelism needs; use a multiple of it")
+        if self.cp_size > 1:
+            check_context_parallel_split(t, self.cp_size)
+            if self.cfg.sequence_parallel and t // self.cp_size % self.tp_group.size:
+                multiple = 2 * self.cp_size * self.tp_group.size
+                raise InputError(f"each context-parallel rank's {t // self.cp_size} tokens are not divisible by "
+                                 f"the tensor-parallel size {self.tp_group.size}, as sequence parallelism needs; "
+                                 f"use a sequence length that is a multiple of {multiple}")
 
     def embed(self, ids, offset=0):
         # Token ids are checked while still on the host, where it costs no GPU synchronisation.

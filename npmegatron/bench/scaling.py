@@ -120,7 +120,9 @@ def plan_runs(cfg, layouts, mode, micro_batch, seq, global_batch=None, sequence_
             heads = -(-cfg.num_attention_heads // tp) * tp
             hidden = max(heads, round(cfg.hidden_size * math.sqrt(tp) / heads) * heads)
             layout_cfg = dataclasses.replace(cfg, hidden_size=hidden, num_attention_heads=heads,
-                                             num_layers=cfg.num_layers * pp, ffn_hidden_size=None)
+                                             num_layers=cfg.num_layers * pp, ffn_hidden_size=None,
+                                             num_query_groups=cfg.num_query_groups if cfg.group_query_attention
+                                             else None)
             batch = global_batch * dp
         if layout_cfg.num_attention_heads % tp:
             raise InputError(f"layout {name}: {layout_cfg.num_attention_heads} attention heads are not "

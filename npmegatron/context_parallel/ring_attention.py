@@ -12,6 +12,8 @@ and each group's query heads meet their one key/value head by broadcasting.
 Every rank posts the same sequence of sends to its next rank and receives from its previous one,
 so the messages of each pair match in posting order, as NCCL (which has no tags) requires.
 """
+import functools
+
 from .. import comm
 from ..autograd import Function, InputError
 from ..autograd.backend import get_array_module
@@ -117,9 +119,15 @@ def _grouped(q, groups):
 
 def _visibility(xp, group, seq_length):
     """[rank r's mask]: which of rank r's key positions each of this rank's queries may see."""
-    mine = local_positions(seq_length, group.rank, group.size)
-    return [xp.asarray(mine[:, None] >= local_positions(seq_length, r, group.size)[None, :])
-            for r in range(group.size)]
+    return _masks(xp, seq_length, group.rank, group.size)
+
+
+@functools.lru_cache(maxsize=8)
+def _masks(xp, seq_length, rank, size):
+    """The masks of one (sequence length, CP rank, CP size), made once on the host and copied to
+    the device once: every layer and micro-batch shares them (C masks of (seq/C)^2 bytes)."""
+    mine = local_positions(seq_length, rank, size)
+    return tuple(xp.asarray(mine[:, None] >= local_positions(seq_length, r, size)[None, :]) for r in range(size))
 
 
 def _scores(xp, q5, keys, scale, mask):

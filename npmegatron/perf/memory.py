@@ -120,8 +120,12 @@ def check_shape(cfg, shape):
         raise InputError(f"{cfg.num_layers} layers do not split evenly over PP {p} x {v} virtual "
                          "stages; choose a PP size (and virtual stages) dividing the layers")
     if shape.sequence_parallel and shape.local_seq % t:
-        raise InputError(f"sequence length {shape.seq} is not divisible by TP {t}, as sequence "
-                         "parallelism needs; use a multiple of it")
+        if shape.cp == 1:
+            raise InputError(f"sequence length {shape.seq} is not divisible by TP {t}, as sequence "
+                             "parallelism needs; use a multiple of it")
+        raise InputError(f"each context-parallel rank's {shape.local_seq} tokens are not divisible by TP {t}, "
+                         f"as sequence parallelism needs; use a sequence length that is a multiple of "
+                         f"{2 * shape.cp * t}")
     per_step = shape.micro_batch * shape.dp
     if shape.global_batch % per_step:
         raise InputError(f"global batch {shape.global_batch} is not divisible by micro-batch x DP = "

@@ -28,7 +28,7 @@ A step on one rank, M micro-batches, V virtual stages, L layers on the rank:
   parameter, gradient and two moments and writes three (28 B); under --fp16/--bf16 the float32
   master, gradient and moments and the 16-bit parameter written back (30 B).
 
-Which link parameters a group uses: ranks are ordered TP fastest, then DP, then PP
+Which link parameters a group uses: ranks are ordered TP fastest, then CP, then DP, then PP
 (comm/grid.py), filling nodes of `devices_per_node`. A group within one node uses "intra". A
 group spanning nodes uses "inter", whose beta is one device's share of the node's network; k
 members of a ring on one node cross the node boundary once between them, so their ring runs at
@@ -172,7 +172,7 @@ def step_time(cfg, shape, profile):
         if not shape.overlap_grad_reduce:
             dp_exposed = dp_total
     embedding = 0.0
-    if p > 1:
+    if p > 1 and not cfg.untie_embeddings_and_output_weights:     # the tied embedding's two copies
         padded = pad_vocab_size(cfg.vocab_size, t, cfg.make_vocab_size_divisible_by)
         embedding = all_reduce_time(2, padded // t * h * w,
                                     *group_links(profile, "all_reduce", place["pp"][0], 1))

@@ -125,3 +125,16 @@ def test_saving_an_iteration_again_keeps_the_old_copy_until_the_new_is_in_place(
     assert train(small(tmp_path, train_iters=2, load=str(tmp_path / "ck")), echo=lambda *a: None) == []
     train(small(tmp_path, train_iters=2, save=str(tmp_path / "ck")), echo=lambda *a: None)
     assert sorted(os.listdir(tmp_path / "ck")) == [".npmegatron.lock", "iter_0000002", "latest"]
+
+
+def test_checkpoint_args_of_a_manifest_from_before_the_model_families():
+    """A manifest without the Llama-family fields is GPT-2's: --use-checkpoint-args takes its heads,
+    and the key/value groups follow them (they are not this run's resolved default)."""
+    from npmegatron.config import TrainConfig
+    config = TrainConfig.from_flat(load="ck", use_checkpoint_args=True)
+    old = {"model": {"num_layers": 2, "hidden_size": 768, "num_attention_heads": 12, "vocab_size": 256,
+                     "max_position_embeddings": 128, "ffn_hidden_size": 3072}, "args": {"seq_length": 128}}
+    model = config.with_checkpoint_args(old).model
+    assert (model.num_attention_heads, model.num_query_groups, model.normalization) == (12, 12, "LayerNorm")
+    llama = TrainConfig.from_flat(load="ck", use_checkpoint_args=True, model_family="llama")
+    assert llama.with_checkpoint_args(old).model.normalization == "LayerNorm"     # the checkpoint's model

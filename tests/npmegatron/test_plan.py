@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from npmegatron.autograd import InputError
 from npmegatron.perf import ParallelShape, load_profile, memory_plan, step_time
 from npmegatron.bench.plan import calibrate as calibrate_module
-from npmegatron.perf.memory import layer_activation_bytes, rank_parameters
+from npmegatron.perf.memory import check_shape, layer_activation_bytes, rank_parameters
 from npmegatron.perf.search import paper_weak_scaling, search
 from npmegatron.perf.time_model import all_gather_time, all_reduce_time, p2p_time, rank_flops
 from npmegatron.run import build_model
@@ -320,3 +320,14 @@ def test_no_overlap_grad_reduce_exposes_the_whole_all_reduce():
     result = CliRunner().invoke(main, ["plan", "--layout", "1x1x4", "--device", "gpu", "--no-overlap-grad-reduce"])
     assert result.exit_code == 0 and "DP all-reduce not hidden" in result.output, result.output
     assert "optimizer" in result.output and " %" in result.output
+
+
+def test_an_untied_output_layer_has_no_embedding_all_reduce_and_sp_under_cp_names_the_local_tokens():
+    profile = load_profile("dgx2h")
+    cfg = GPTConfig(**dict(LLAMA, max_position_embeddings=64))
+    timing = step_time(cfg, ParallelShape(pp=2, seq=64, micro_batch=2, global_batch=8), profile)
+    assert timing["embedding_comm"] == 0 and timing["pp_comm"] > 0
+    with pytest.raises(InputError, match="each context-parallel rank's 12 tokens are not divisible by TP 8, .* "
+                                         "multiple of 32$"):
+        check_shape(GPTConfig(**dict(LLAMA, num_query_groups=8, max_position_embeddings=64)),
+                    ParallelShape(tp=8, cp=2, seq=24, sequence_parallel=True))
