@@ -86,6 +86,17 @@ def launch(n, args, timeout=180):
                           env=rank_environment())
 
 
+def generate_from(folder, ranks=0, layout=(), max_tokens=12):
+    """`npmegatron generate --load folder` greedily from the prompt "def main(", under `mpiexec -n
+    ranks` (0: one process) with the layout flags given; its output, after checking it succeeded."""
+    command = ([mpiexec_path(), "-n", str(ranks)] if ranks else []) + [
+        sys.executable, "-m", "npmegatron.cli", "generate", "--load", str(folder),
+        "--prompt", "def main(", "--max-tokens", str(max_tokens), "--temperature", "0"] + list(layout)
+    run = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT, env=rank_environment())
+    assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
 def launch_logged(n, args, log, timeout=300):
     """launch() with --log-file `log`; the records it wrote (one per logged iteration), after
     checking the run succeeded (its output shown otherwise)."""

@@ -29,26 +29,17 @@ STRICT = hasattr(cupy, "_strict")
 HOST_SYNCS_PER_STEP = 1     # the loss and the gradient norm, read together (Trainer.train_step)
 
 
-def test_gpt_on_gpu_equals_cpu_in_float64():
-    kw = dict(num_layers=2, hidden_size=16, num_attention_heads=2, vocab_size=32,
-              max_position_embeddings=8, dtype="float64", hidden_dropout=0.1, attention_dropout=0.1)
-    cpu, gpu = GPT(GPTConfig(**kw)), GPT(GPTConfig(**kw, device="gpu"))
-    ids = np.random.default_rng(0).integers(0, 32, (2, 9))
-    _, loss_cpu = cpu(ids[:, :-1], ids[:, 1:])
-    _, loss_gpu = gpu(ids[:, :-1], ids[:, 1:])
-    loss_cpu.backward()
-    loss_gpu.backward()
-    assert loss_gpu.item() == pytest.approx(loss_cpu.item(), rel=1e-12)
-    for (name, a), (_, b) in zip(cpu.named_parameters(), gpu.named_parameters()):
-        np.testing.assert_allclose(cupy.asnumpy(b.grad), a.grad, rtol=1e-9, atol=1e-12, err_msg=name)
+GPT2_SMALL = dict(num_layers=2, hidden_size=16, num_attention_heads=2, vocab_size=32, max_position_embeddings=8,
+                  dtype="float64", hidden_dropout=0.1, attention_dropout=0.1)
+#: RMSNorm, rotary embeddings, SwiGLU and grouped-query attention: their chains compiled by
+#: cupy.fuse, the rest on CuPy arrays
+LLAMA_SMALL = dict(model_family="llama", num_layers=2, hidden_size=16, num_attention_heads=4,
+                   group_query_attention=True, num_query_groups=2, ffn_hidden_size=24, vocab_size=32,
+                   max_position_embeddings=8, dtype="float64", hidden_dropout=0.0, attention_dropout=0.0)
 
 
-def test_llama_on_gpu_equals_cpu_in_float64():
-    """RMSNorm, rotary embeddings, SwiGLU and grouped-query attention: their chains compiled by
-    cupy.fuse, the rest on CuPy arrays."""
-    kw = dict(model_family="llama", num_layers=2, hidden_size=16, num_attention_heads=4, group_query_attention=True,
-              num_query_groups=2, ffn_hidden_size=24, vocab_size=32, max_position_embeddings=8, dtype="float64",
-              hidden_dropout=0.0, attention_dropout=0.0)
+@pytest.mark.parametrize("kw", [GPT2_SMALL, LLAMA_SMALL], ids=["gpt", "llama"])
+def test_gpt_on_gpu_equals_cpu_in_float64(kw):
     cpu, gpu = GPT(GPTConfig(**kw)), GPT(GPTConfig(**kw, device="gpu"))
     ids = np.random.default_rng(0).integers(0, 32, (2, 9))
     _, loss_cpu = cpu(ids[:, :-1], ids[:, 1:])

@@ -30,7 +30,8 @@ class RingAttention(Function):
         q5 = _grouped(q, k.shape[1])
         ctx.visible = _visibility(xp, group, seq_length)
         row_max = row_sum = total = None
-        blocks = _Ring(xp.stack([k, v]), group)                  # one message per step: k and v
+        own = xp.stack([k, v])              # one message per step: k and v, kept for backward too
+        blocks = _Ring(own, group)
         for keys, values, mask in blocks.each(ctx.visible):
             scores = _scores(xp, q5, keys, scale, mask)
             block_max = scores.max(axis=-1, keepdims=True)
@@ -46,17 +47,17 @@ class RingAttention(Function):
             row_max = new_max
         out = total / row_sum
         ctx.scale, ctx.group = scale, group
-        ctx.save_for_backward(q5, k, v, out, row_max + xp.log(row_sum))
+        ctx.save_for_backward(q5, own, out, row_max + xp.log(row_sum))
         return out.reshape(q.shape)
 
     @staticmethod
     def backward(ctx, g):
-        q5, k, v, out, lse = ctx.saved
+        q5, own, out, lse = ctx.saved
         xp = get_array_module(g)
         g5 = g.reshape(q5.shape)
         row_dot = (g5 * out).sum(axis=-1, keepdims=True)        # <dO, O> = <dP, P> per query
         dq = xp.zeros_like(q5)
-        blocks = _Ring(xp.stack([k, v]), ctx.group, carried=xp.zeros((2,) + k.shape, k.dtype))
+        blocks = _Ring(own, ctx.group, carried=xp.zeros_like(own))
         for keys, values, mask in blocks.each(ctx.visible):
             probabilities = xp.exp(_scores(xp, q5, keys, ctx.scale, mask) - lse)      # masked: 0
             d_values = xp.matmul(probabilities.swapaxes(-1, -2), g5).sum(axis=2)

@@ -2,13 +2,11 @@
 trajectory, gradients reduce in buckets while backward runs, resume is bitwise, and a run killed
 while saving resumes from the previous checkpoint."""
 import json
-import subprocess
-import sys
 
 import pytest
 from safetensors.numpy import load_file
 
-from helpers import ROOT, launch, mpiexec_path, rank_environment
+from helpers import generate_from, launch
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "20", "--log-interval",
@@ -92,14 +90,6 @@ def test_generate_from_a_tensor_parallel_checkpoint_at_any_layout(tmp_path):
     checkpoint resharded on load): the same greedy text, printed once."""
     run = launch(2, TINY + ["--tp", "2", "--train-iters", "4", "--save", str(tmp_path / "ck")])
     assert run.returncode == 0, run.stderr
-    texts = []
-    for ranks, layout in ((2, []), (0, []), (2, ["--pp", "2"])):
-        command = ([mpiexec_path(), "-n", str(ranks)] if ranks else []) + [
-            sys.executable, "-m", "npmegatron.cli", "generate", "--load", str(tmp_path / "ck"),
-            "--prompt", "def main(", "--max-tokens", "12", "--temperature", "0"] + layout
-        gen = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT,
-                             env=rank_environment())
-        assert gen.returncode == 0, gen.stderr
-        assert gen.stdout.count("def main(") == 1             # printed once, by rank 0
-        texts.append(gen.stdout)
+    texts = [generate_from(tmp_path / "ck", ranks, layout) for ranks, layout in ((2, []), (0, []), (2, ["--pp", "2"]))]
+    assert all(text.count("def main(") == 1 for text in texts)      # printed once, by rank 0
     assert texts[0] == texts[1] == texts[2]

@@ -2,12 +2,10 @@
 every layout follows the serial trajectory (TP x CP, CP x DP, the distributed optimizer over
 DP x CP), a checkpoint saved at one CP size resumes at another, and the result generates."""
 import json
-import subprocess
-import sys
 
 import pytest
 
-from helpers import ROOT, launch, mpiexec_path, rank_environment
+from helpers import generate_from, launch
 
 RUN = ["--model-family", "llama", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
        "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "64", "--seq-length", "32",
@@ -46,13 +44,6 @@ def test_checkpoint_resumes_at_another_context_parallel_size_and_generates(tmp_p
     second, run = train(tmp_path, "second", 2, ["--tp", "2", "--load", str(tmp_path / "ck")])
     assert "resumed from" in run.stdout and "at iteration 6" in run.stdout
     assert first + second == pytest.approx(straight, rel=1e-9, abs=0)
-    texts = []
-    for ranks, layout in ((0, []), (2, ["--tp", "2"])):       # grouped keys and values in the cache
-        command = ([mpiexec_path(), "-n", str(ranks)] if ranks else []) + [
-            sys.executable, "-m", "npmegatron.cli", "generate", "--load", str(tmp_path / "ck"),
-            "--prompt", "def main(", "--max-tokens", "12", "--temperature", "0"] + layout
-        gen = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT,
-                             env=rank_environment())
-        assert gen.returncode == 0, gen.stderr
-        texts.append(gen.stdout)
+    # grouped keys and values in the cache, in one process and at TP 2
+    texts = [generate_from(tmp_path / "ck", ranks, layout) for ranks, layout in ((0, []), (2, ["--tp", "2"]))]
     assert texts[0] == texts[1] and texts[0].count("def main(") == 1
