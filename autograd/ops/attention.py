@@ -57,7 +57,7 @@ def dropout_softmax_backward_(xp, g, y, keep, dot, dropout_scale, scale):
     g *= scale
 
 
-def _blocks(t_q, t_k, block_size):
+def query_blocks(t_q, t_k, block_size):
     """(first query row, end row, keys seen) per block: queries are the last t_q of t_k positions,
     so rows [a, e) see keys [0, t_k - t_q + e); keys after that are never touched."""
     return [(a, min(a + block_size, t_q), t_k - t_q + min(a + block_size, t_q))
@@ -102,7 +102,7 @@ def _forward_share(xp, q, k, v, out, lse, scale, p, draw, block_size, compiled):
     """Forward of some heads: out and lse (views of the whole op's arrays) filled in place."""
     t_q, t_k = q.shape[2], k.shape[2]
     dropout_scale, biases = 1.0 / (1.0 - p), None if compiled else {}
-    for a, e, seen in _blocks(t_q, t_k, block_size):
+    for a, e, seen in query_blocks(t_q, t_k, block_size):
         z, zmax, total = _probabilities(xp, q[..., a:e, :] * q.dtype.type(scale), k[..., :seen, :], None, biases)
         lse[..., a:e] = (zmax + xp.log(total))[..., 0]
         if draw is not None and compiled:
@@ -122,7 +122,7 @@ def _backward_share(xp, g, q, k, v, out, lse, dq, dk, dv, scale, p, draw, block_
     t_q, t_k = q.shape[2], k.shape[2]
     dot = (g * out).sum(axis=-1, keepdims=True)       # <dO, O> = <dP, P> per query row
     dropout_scale, biases = 1.0 / (1.0 - p), None if compiled else {}
-    for a, e, seen in _blocks(t_q, t_k, block_size):
+    for a, e, seen in query_blocks(t_q, t_k, block_size):
         q_blk, g_blk = q[..., a:e, :], g[..., a:e, :]
         k_seen, v_seen = k[..., :seen, :], v[..., :seen, :]
         # Per-row values copied contiguous (tiny), so the CPU engine can cut chains by rows.

@@ -120,7 +120,8 @@ def run_child(spec):
     record.update({
         "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
         "num_attention_heads": cfg.num_attention_heads, "vocab_size": cfg.vocab_size, "dtype": cfg.dtype,
-        "device": cfg.device, "schedule": "1f1b", "warmup": spec["warmup"], "iters": spec["iters"],
+        "sequence_parallel": cfg.sequence_parallel, "hidden_dropout": cfg.hidden_dropout,
+        "attention_dropout": cfg.attention_dropout, "device": cfg.device, "schedule": "1f1b", "warmup": spec["warmup"], "iters": spec["iters"],
         "step_s": step_s, "step_min_s": float(min(slowest)), "step_max_s": float(max(slowest)),
         "step_times_s": [float(t) for t in slowest],
         "tokens_per_s": spec["global_batch"] * seq / step_s,

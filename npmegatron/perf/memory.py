@@ -78,6 +78,7 @@ class ParallelShape:
     schedule: str = None             # default: 1f1b, interleaved when virtual > 1
     element_bytes: int = None        # default: the model's dtype; 2 for the paper's fp16
     mask_bytes: int = 1
+    threads_per_rank: int = None     # a CPU rank's threads (default: the cores shared among the ranks)
 
     @property
     def ranks(self):

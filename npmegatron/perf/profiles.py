@@ -12,6 +12,12 @@
       "memory_bandwidth_bytes_per_s": 9e11,  # optional: a device's memory bandwidth (the optimizer)
       "ranks_share_flops": false,            # optional: true for a CPU, whose ranks split it:
       "flops_by_threads": {"1": ..., "2": ...},  # optional: the rate per BLAS thread count
+      "measured": {"threads": {"1": {...}, "2": {...}}},  # optional: this machine's rates by kind
+        # of work (`plan calibrate` on a CPU; perf/work.py): per thread count "gemm" {"dims",
+        # "flops" [rows][cols][inner]}, "attention" {"seqs", "head_dims", "none_forward",
+        # "none_backward", "dropout_forward", "dropout_backward" [seq][head size], seconds per
+        # score}, "bandwidth" {kind: {"elements", "bytes_per_s"}} ("stream" and any of work.PASSES's
+        # kinds), "bandwidth_bytes_per_s", "layer_overhead_s", "micro_batch_overhead_s"
       "intra": {"alpha_s": 2e-6, "beta_s_per_byte": 6.67e-12},     # one pair for every collective
       "inter": {"all_reduce": {"alpha_s": ..., "beta_s_per_byte": ...},   # or one per collective:
                 "all_gather": {...}, "reduce_scatter": {...}, "sendrecv": {...}}
@@ -115,6 +121,8 @@ def normalise(raw, path="<profile>"):
                          "must be true or false")
     if "flops_by_threads" in raw:
         profile["flops_by_threads"] = _rates_by_threads(raw["flops_by_threads"], path)
+    if "measured" in raw:
+        profile["measured"] = _measured(raw["measured"], path)
     profile["intra"] = _links(raw, path, "intra")
     profile["inter"] = _links(raw, path, "inter")
     return profile
@@ -143,3 +151,65 @@ def _rates_by_threads(rates, path):
         if out[threads] <= 0:
             raise InputError(f"profile {path} gives flops_by_threads.{threads} = 0; it must be positive")
     return out
+
+
+ATTENTION_TABLES = ("none_forward", "none_backward", "dropout_forward", "dropout_backward")
+
+
+def _measured(raw, path):
+    """The "measured" section, checked: every thread count's tables the shape of their axes,
+    every rate positive (perf/work.py divides by them)."""
+    where = "measured.threads"
+    threads = raw.get("threads") if isinstance(raw, dict) else None
+    if not isinstance(threads, dict) or not threads:
+        raise InputError(f"profile {path} has no '{where}' object of thread counts; run "
+                         "`npmegatron plan calibrate --output FILE` again")
+    for count, entry in threads.items():
+        if not (count.isascii() and count.isdigit() and 1 <= int(count) <= 2 ** 20):
+            raise InputError(f"profile {path} has {where} key {count!r}; keys are thread counts, positive integers")
+        at = f"{where}.{count}."
+        if not isinstance(entry, dict):
+            raise InputError(f"profile {path} has '{at[:-1]}' = {entry!r}; it must be an object")
+        gemm, attention = entry.get("gemm"), entry.get("attention")
+        dims = _axis(gemm, "dims", path, at + "gemm.")
+        _grid(gemm.get("flops"), [len(dims)] * 3, path, at + "gemm.flops")
+        axes = [len(_axis(attention, key, path, at + "attention.")) for key in ("seqs", "head_dims")]
+        for key in ATTENTION_TABLES:
+            _grid(attention.get(key), axes, path, f"{at}attention.{key}")
+        tables = entry.get("bandwidth")
+        if not isinstance(tables, dict) or "stream" not in tables:
+            raise InputError(f"profile {path} lacks '{at}bandwidth.stream'; run `npmegatron plan calibrate` again")
+        for kind, table in tables.items():
+            _grid(table.get("bytes_per_s") if isinstance(table, dict) else None,
+                  [len(_axis(table, "elements", path, f"{at}bandwidth.{kind}."))], path,
+                  f"{at}bandwidth.{kind}.bytes_per_s")
+        if _number(entry, "bandwidth_bytes_per_s", path, at) <= 0:
+            raise InputError(f"profile {path} gives {at}bandwidth_bytes_per_s = 0; it must be positive")
+        _number(entry, "layer_overhead_s", path, at)
+        _number(entry, "micro_batch_overhead_s", path, at)
+    return raw
+
+
+def _axis(section, key, path, where):
+    """A grid axis: increasing positive numbers."""
+    values = section.get(key) if isinstance(section, dict) else None
+    if not (isinstance(values, list) and values and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf") for v in values)
+            and values == sorted(set(values))):
+        raise InputError(f"profile {path} has '{where}{key}' = {values!r}; it must be a list of increasing "
+                         "positive numbers (run `npmegatron plan calibrate` again)")
+    return values
+
+
+def _grid(values, lengths, path, where):
+    """Nested lists of the given lengths whose leaves are positive finite numbers."""
+    if not lengths:
+        if isinstance(values, bool) or not isinstance(values, (int, float)) or not 0 < values < float("inf"):
+            raise InputError(f"profile {path} has a value {values!r} in '{where}'; every entry must be a "
+                             "positive finite number")
+        return
+    if not isinstance(values, list) or len(values) != lengths[0]:
+        raise InputError(f"profile {path} has '{where}' not shaped as its axes ({' x '.join(map(str, lengths))}); "
+                         "run `npmegatron plan calibrate` again")
+    for value in values:
+        _grid(value, lengths[1:], path, where)

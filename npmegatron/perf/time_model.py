@@ -5,7 +5,9 @@ sends):  all-reduce 2(n-1) alpha + 2(n-1)/n S beta;  all-gather / reduce-scatter
 buffer) (n-1) alpha + (n-1)/n S beta;  point-to-point alpha + S beta.
 
 A step on one rank, M micro-batches, V virtual stages, L layers on the rank:
-- compute = model_flops(global batch) / (TP PP DP) / one rank's FLOP/s (the profile's, or on a
+- compute, for a profile with this machine's measured rates ("measured", from `plan calibrate`):
+  the busiest stage's GEMMs, attention, memory-bound bytes and engine overhead (work.py);
+  otherwise model_flops(global batch) / (TP PP DP) / one rank's FLOP/s (the profile's, or on a
   CPU profile its share of the machine: rank_flops), times 4/3 for full
   recomputation (one more forward) unless the profile's rate was measured with it;
 - TP comm (TP > 1): per layer and micro-batch 4 all-reduces of s*b*h elements (2 forward,
@@ -16,7 +18,9 @@ A step on one rank, M micro-batches, V virtual stages, L layers on the rank:
   term counts a rank's seq / CP tokens, and gradients are averaged over DP x CP;
 - PP comm (PP > 1): per micro-batch and virtual stage one activation sent forward and one
   gradient back, s*b*h elements (/TP with SP: the sequence shard), counted as exposed;
-- bubble = (PP-1)/(M V) x (compute + TP comm + PP comm);
+- bubble = (PP-1)/(M V) x (compute + TP comm + PP comm); with measured rates the compute's part
+  is each other stage's micro-batch once (work.measured_compute), which is the same for equal
+  stages and less where the busiest stage is the last's output layer;
 - DP comm exposed = max(all-reduce of the last bucket, all-reduce of this rank's gradients -
   dp_overlap x the last micro-batch's backward (2/3 of its compute)): gradients are reduced once
   per step, overlapped with the backward of the last micro-batch, and the last bucket starts only
@@ -38,6 +42,7 @@ from ..model import gpt_num_parameters, model_flops
 from ..recompute import recompute_segments
 from ..tensor_parallel import pad_vocab_size
 from .memory import _recompute_config, check_shape, element_bytes, rank_parameters
+from .work import measured_compute, measured_rates
 
 RECOMPUTE_COST = {"none": 1.0, "selective": 1.0, "full": 4.0 / 3.0}
 
@@ -119,6 +124,8 @@ def context_parallel_time(cfg, shape, profile, w, again, place):
 def optimizer_time(cfg, shape, profile):
     """AdamW's update on the rank with the most parameters, memory bound (module docstring)."""
     bandwidth = profile.get("memory_bandwidth_bytes_per_s")
+    if "measured" in profile:
+        bandwidth = measured_rates(profile, shape)[0]["bandwidth_bytes_per_s"]
     if not bandwidth:
         return 0.0
     per_parameter = 30 if cfg.storage_format or shape.element_bytes == 2 else 28
@@ -136,8 +143,13 @@ def step_time(cfg, shape, profile):
     place = placement(shape, profile)
     flops = model_flops(cfg, gpt_num_parameters(cfg), shape.global_batch, shape.seq)
     again = recomputed_share(cfg, shape)
-    factor = (1 + (RECOMPUTE_COST["full"] - 1) * again) / RECOMPUTE_COST[profile["flops_recompute"]]
-    compute = flops / shape.ranks / rank_flops(profile, shape) * factor
+    if "measured" in profile:        # this machine's rates by kind of work (work.py)
+        compute, compute_bubble, parts = measured_compute(cfg, shape, profile, again, w)
+    else:
+        factor = (1 + (RECOMPUTE_COST["full"] - 1) * again) / RECOMPUTE_COST[profile["flops_recompute"]]
+        compute = flops / shape.ranks / rank_flops(profile, shape) * factor
+        compute_bubble = (p - 1) / (m * v) * compute
+        parts = {}
 
     sbh = s * b * h * w
     tp_comm = 0.0
@@ -158,7 +170,7 @@ def step_time(cfg, shape, profile):
 
     cp_comm = context_parallel_time(cfg, shape, profile, w, again, place)
     ideal = compute + tp_comm + pp_comm + cp_comm
-    bubble = (p - 1) / (m * v) * ideal
+    bubble = compute_bubble + (p - 1) / (m * v) * (tp_comm + pp_comm + cp_comm)
 
     grad_bytes = max(rank_parameters(cfg, shape, r) for r in range(p)) * w
     dp_total = dp_exposed = 0.0
@@ -181,6 +193,6 @@ def step_time(cfg, shape, profile):
     return {"compute": compute, "tp_comm": tp_comm, "pp_comm": pp_comm, "cp_comm": cp_comm, "bubble": bubble,
             "optimizer": optimizer,
             "dp_comm": dp_total, "dp_comm_exposed": dp_exposed, "embedding_comm": embedding,
-            "total": total, "model_flops": flops,
+            "total": total, "model_flops": flops, "compute_parts": parts,
             "flops_per_device": flops / total / shape.ranks,
             "samples_per_s": shape.global_batch / total}

@@ -224,6 +224,7 @@ def fake_bench(args, threads=None):
 
 def test_calibrate_with_a_fake_bench(tmp_path, monkeypatch):
     monkeypatch.setattr(calibrate_module, "run_bench", fake_bench)
+    monkeypatch.setattr(calibrate_module, "measure", lambda threads, dtype: None)      # test_plan_work.py's
     output = tmp_path / "here.json"
     result = CliRunner().invoke(main, ["plan", "calibrate", "--output", str(output)])
     assert result.exit_code == 0, result.output

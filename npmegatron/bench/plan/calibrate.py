@@ -6,6 +6,8 @@ message sizes fitted by least squares to t = A + B S (relative error, bench comm
 turned into the ring model's per-step parameters: all-reduce alpha = A / (2(p-1)), beta =
 B p / (2(p-1)); all-gather and reduce-scatter alpha = A / (p-1), beta = B p / (p-1); send/recv
 alpha = A, beta = B. One machine has no network: "inter" repeats "intra".
+On a CPU, "measured" holds the rates of plan's work model (measure.py) with one thread and
+with every core: GEMMs by shape, attention per score, memory bandwidth and the engine's cost.
 Both benchmarks run as subprocesses (bench comm relaunches itself under mpiexec) and are parsed
 from the JSON line they print last.
 """
@@ -17,6 +19,7 @@ import sys
 from ... import comm
 from ...autograd import InputError
 from ..comm import alpha_beta_fit
+from .measure import measure
 
 
 def run_bench(args, threads=None):
@@ -56,6 +59,7 @@ def calibrate(model_args, ranks=2, min_bytes=1024, max_bytes=2 ** 20, device="cp
     by_threads = {str(cores): step["model_flops_per_s"]}
     if cores > 1:
         by_threads["1"] = runner(["step"] + list(model_args), threads=1)["model_flops_per_s"]
+    measured = {str(n): measure(n, step["dtype"]) for n in sorted({1, cores})} if device == "cpu" else {}
     comm = runner(["comm", "--ranks", ranks, "--min-bytes", min_bytes, "--max-bytes", max_bytes,
                    "--device", device])
     p = comm["ranks"]
@@ -80,4 +84,4 @@ def calibrate(model_args, ranks=2, min_bytes=1024, max_bytes=2 ** 20, device="cp
         "flops_by_threads": by_threads,
         "device_memory_bytes": physical_memory(),
         "dp_overlap": 1.0, "intra": links, "inter": links,
-    }
+    } | ({"measured": {"threads": measured}} if all(measured.values()) and measured else {})

@@ -9,6 +9,7 @@ from ...cli_support import Group, config_options, user_errors
 from ...config import TRAIN_MODEL_DEFAULTS, GPTConfig, ParallelConfig, TrainConfig
 from ...perf import ParallelShape, load_profile
 from ...perf.search import paper_weak_scaling, plan, search
+from .against import format_against, predicted_against_measured, read_records
 from .calibrate import calibrate
 
 MODEL_FIELDS = {"num_layers", "hidden_size", "num_attention_heads", "vocab_size", "dtype", "fp16", "bf16",
@@ -55,7 +56,16 @@ def format_plan(result, cfg, profile):
             share = t[key] / t["total"] * 100 if t["total"] else 0.0
             extra = f" (of {t['dp_comm'] * 1e3:.2f} ms)" if key == "dp_comm_exposed" else ""
             lines.append(f"  {name:<34}{t[key] * 1e3:>11.2f} ms {share:>6.1f} %{extra}")
+            if key == "compute":
+                for part, seconds in t["compute_parts"].items():
+                    lines.append(f"    {COMPUTE_PART_NAMES[part]:<32}{seconds * 1e3:>11.2f} ms "
+                                 f"{seconds / t['total'] * 100 if t['total'] else 0.0:>6.1f} %")
     return "\n".join(lines)
+
+
+#: The parts of compute a profile with measured rates splits it into (perf/work.py).
+COMPUTE_PART_NAMES = {"gemm": "GEMMs", "attention": "attention core", "memory_bound": "memory-bound ops",
+                      "engine": "engine (Python, autograd)"}
 
 
 #: The step time's terms in plan's output, in the order of a step (time_model.step_time's keys).
@@ -117,15 +127,23 @@ def format_weak(rows):
               help="Rank every TPxPPxDP layout of N ranks valid for the model by predicted step time.")
 @click.option("--weak-scaling", type=click.Choice(["paper"]), default=None,
               help="Predict the paper's weak-scaling runs on the profile (default dgx2h).")
+@click.option("--against", "against", default=None, metavar="RESULTS_JSONL",
+              help="Predict every run a `npmegatron bench scaling` results.jsonl records, beside its measured "
+                   "step time (use a profile from `npmegatron plan calibrate` on the same machine).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
 @user_errors
 def plan_command(ctx, layout, recompute, recompute_method, recompute_num_layers, distributed_optimizer,
-                 overlap_grad_reduce, profile, device, device_memory, search_ranks, weak_scaling, as_json, **options):
+                 overlap_grad_reduce, profile, device, device_memory, search_ranks, weak_scaling, against, as_json,
+                 **options):
     """Predict memory per rank and step time of a model on a layout from a machine profile."""
     if ctx.invoked_subcommand is not None:
         return
     machine = load_profile(profile)
+    if against:
+        rows = predicted_against_measured(read_records(against), machine)
+        click.echo(json.dumps(rows) if as_json else format_against(rows))
+        return
     if weak_scaling:
         rows = paper_weak_scaling(machine)
         click.echo(json.dumps(rows) if as_json else format_weak(rows))

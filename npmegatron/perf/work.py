@@ -1,0 +1,215 @@
+"""A rank's compute time from the work it does, for a profile that measured this machine's rates
+(`npmegatron plan calibrate`, the "measured" section of profiles.py):
+
+- GEMMs at their per-rank shapes, each at the FLOP/s the calibration table gives for that shape
+  (interpolated in log space between the measured shapes, clamped at the table's edges): a
+  layer's QKV, projection and two MLP GEMMs, the output layer's on the last stage; forward
+  (rows, inner, cols), backward the input gradient (rows, cols, inner) and the weight gradient
+  (inner, rows, cols);
+- attention's core at the measured seconds per score of the blockwise kernel forward and
+  backward, by sequence length and head size (with and without its dropout);
+- memory-bound work as bytes / bandwidth: what each op reads and writes (PASSES, layer_traffic
+  below), on the full hidden size at every TP rank unless sequence parallelism shards it, at the
+  bandwidth the engine's op of that kind achieved on arrays of that size;
+- the engine's own cost, measured on a tiny model: seconds per layer and per micro-batch.
+
+Each rank of a CPU layout gets max(1, cores // ranks) threads unless the shape says otherwise
+(the tables measured with the nearest thread count), and the whole is slowed by ranks x threads /
+cores where they outnumber the cores.
+"""
+import math
+
+from ..autograd.ops.attention import BLOCK_SIZE as ATTENTION_BLOCK_ROWS, query_blocks
+from ..tensor_parallel import pad_vocab_size
+from .memory import rank_parameters, stages_of
+
+def log_interpolate(grid_axes, values, point):
+    """Values measured on a grid (nested lists, one axis per entry of grid_axes) at `point`,
+    multilinear in log2 of the coordinates and of the values, clamped at the edges."""
+    corners = [(values, 1.0)]
+    for axis, x in zip(grid_axes, point):
+        logs = [math.log2(a) for a in axis]
+        lx = min(max(math.log2(max(x, 1)), logs[0]), logs[-1])
+        i = max(0, min(len(logs) - 2, sum(1 for v in logs if v <= lx) - 1)) if len(logs) > 1 else 0
+        frac = 0.0 if len(logs) == 1 else (lx - logs[i]) / (logs[i + 1] - logs[i])
+        nxt = []
+        for node, weight in corners:
+            nxt.append((node[i], weight * (1 - frac)))
+            if frac > 0:
+                nxt.append((node[i + 1], weight * frac))
+        corners = nxt
+    return 2 ** sum(weight * math.log2(node) for node, weight in corners)
+
+
+def layer_gemms(cfg, shape):
+    """(rows, inner, cols) of one layer's forward GEMMs on one TP rank for one micro-batch: the
+    rows are the micro-batch's tokens on this rank (all of them under SP, which gathers them)."""
+    m, h, t = shape.micro_batch * shape.local_seq, cfg.hidden_size, shape.tp
+    query = cfg.num_attention_heads * cfg.head_dim
+    qkv = (query + 2 * cfg.num_query_groups * cfg.head_dim) // t
+    ffn = cfg.ffn_hidden_size // t
+    return [(m, h, qkv), (m, query // t, h), (m, h, 2 * ffn if cfg.swiglu else ffn), (m, ffn, h)]
+
+
+def gemm_seconds(rates, m, k, n):
+    """Seconds of an (m x k) @ (k x n) product at the table's rate for (rows m, cols n, inner k)."""
+    rate = log_interpolate([rates["dims"]] * 3, rates["flops"], (m, n, k))
+    return 2.0 * m * k * n / rate
+
+
+def gemms_seconds(rates, gemms):
+    """(forward, backward) seconds of forward GEMMs and their two backward products each."""
+    forward = sum(gemm_seconds(rates, m, k, n) for m, k, n in gemms)
+    backward = sum(gemm_seconds(rates, m, n, k) + gemm_seconds(rates, k, m, n) for m, k, n in gemms)
+    return forward, backward
+
+
+def attention_scores(seq):
+    """Scores the CPU's blockwise attention computes for one head of one sample: each block of
+    query rows sees the keys up to its last row (the causal part computed and masked)."""
+    return sum((stop - first) * seen for first, stop, seen in query_blocks(seq, seq, ATTENTION_BLOCK_ROWS))
+
+
+def attention_seconds(cfg, shape, measured):
+    """(forward, backward) seconds of one layer's attention core on a rank for one micro-batch."""
+    heads = cfg.num_attention_heads // shape.tp
+    if shape.cp > 1:        # the ring: CP full blocks of local queries x local keys per head
+        scores, seq = shape.cp * shape.local_seq ** 2, shape.local_seq
+    else:
+        scores, seq = attention_scores(shape.seq), shape.seq
+    table = measured["attention"]
+    kind = "dropout" if cfg.attention_dropout > 0 and shape.cp == 1 else "none"
+    axes = [table["seqs"], table["head_dims"]]
+    per_score = [log_interpolate(axes, table[f"{kind}_{way}"], (seq, cfg.head_dim))
+                 for way in ("forward", "backward")]
+    work = shape.micro_batch * heads * scores
+    return work * per_score[0], work * per_score[1]
+
+
+#: Elements each kind of memory-bound op reads and writes per element of its array, (forward,
+#: backward), w bytes each:
+#:   norm: forward reads x, writes y and x-hat; backward reads dy and x-hat, writes dx (and sums
+#:     the gain's gradient from them);
+#:   activation: GeLU reads its input, writes its output and keeps tanh; backward reads the
+#:     gradient, input and tanh, writes the gradient; SwiGLU per element of its output: reads the
+#:     gate and up halves, writes one; backward reads the gradient and both halves, writes two;
+#:   residual: the branch's bias added, dropout and the residual add (forward reads y, bias'd y,
+#:     residual, writes the sum; backward passes the gradient through the mask and sums the
+#:     residual's and the bias's gradients); a dropout mask adds 1 byte each way;
+#:   stream: a bias added or a rotation (read and write), the loss's passes over the logits.
+#:   embedding: forward reads and writes its rows; backward reads the gradient and reads and
+#:     writes the table's rows it scatters into;
+#:   loss: three passes over the logits forward (the row maximum, then exp and its sum), two
+#:     backward (the gradient written in place).
+PASSES = {"norm": (3, 4), "activation": (3, 4), "swiglu": (3, 5), "residual": (5, 4), "stream": (2, 1),
+          "embedding": (2, 3), "loss": (3, 2)}
+
+
+def op_bytes(kind, elements, w, mask=False):
+    """(forward, backward) bytes of a memory-bound op of this kind over `elements` numbers."""
+    extra = elements if mask else 0
+    forward, backward = PASSES[kind]
+    return elements * forward * w + extra, elements * backward * w + extra
+
+
+def layer_traffic(cfg, shape, w):
+    """The memory-bound ops of one layer on a rank for one micro-batch: [(kind, elements of its
+    array, forward bytes, backward bytes)]. The norms and residual branches run on the full
+    hidden size at every TP rank ('whole'), a 1 / TP shard of it under SP; QKV's bias, the MLP's
+    activation and rotary on this rank's columns."""
+    t, h, tokens = shape.tp, cfg.hidden_size, shape.micro_batch * shape.local_seq
+    whole = tokens * h // (t if shape.sequence_parallel else 1)
+    query = cfg.num_attention_heads * cfg.head_dim
+    qkv = tokens * (query + 2 * cfg.num_query_groups * cfg.head_dim) // t
+    ffn = tokens * cfg.ffn_hidden_size // t
+    ops = [("norm", whole), ("norm", whole), ("residual", whole), ("residual", whole),
+           ("swiglu", ffn) if cfg.swiglu else ("activation", ffn)]
+    if cfg.add_bias_linear:
+        ops.append(("stream", qkv))
+    if cfg.position_embedding_type == "rope":
+        ops.append(("stream", tokens * (query + cfg.num_query_groups * cfg.head_dim) // t))
+    return [(kind, n) + op_bytes(kind, n, w, kind == "residual" and cfg.hidden_dropout > 0) for kind, n in ops]
+
+
+def traffic_seconds(measured, traffic, way):
+    """Seconds of [(kind, elements, forward bytes, backward bytes)] forward (way 0) or backward
+    (way 1), each at the bandwidth its kind achieved on arrays of that size (`plan calibrate`
+    times the engine's own ops; kinds it did not time use the blocked add's)."""
+    tables = measured["bandwidth"]
+    seconds = 0.0
+    for kind, elements, *nbytes in traffic:
+        table = tables.get(kind, tables["stream"])
+        seconds += nbytes[way] / log_interpolate([table["elements"]], table["bytes_per_s"], (elements,))
+    return seconds
+
+
+def end_seconds(cfg, shape, measured, w):
+    """Seconds of the first stage's embedding and of the last stage's output layer and loss, for
+    one micro-batch, by part: (first stage, last stage). The embedding reads and writes its rows
+    and scatters their gradient back; the positions are added and dropped out as a residual
+    branch is; the final norm is one more norm; the loss passes over the logits three times
+    forward (the row maximum, then exp and its sum) and twice backward (the gradient written in
+    place)."""
+    tokens, h = shape.micro_batch * shape.local_seq, cfg.hidden_size
+    vocab = pad_vocab_size(cfg.vocab_size, shape.tp, cfg.make_vocab_size_divisible_by) // shape.tp
+    last = [("norm", tokens * h) + op_bytes("norm", tokens * h, w),
+            ("loss", tokens * vocab) + op_bytes("loss", tokens * vocab, w)]
+    first = [("embedding", tokens * h) + op_bytes("embedding", tokens * h, w),
+             ("residual", tokens * h) + op_bytes("residual", tokens * h, w, cfg.hidden_dropout > 0)]
+    both = lambda traffic: sum(traffic_seconds(measured, traffic, way) for way in (0, 1))
+    return {"memory_bound": both(first)}, {"gemm": sum(gemms_seconds(measured["gemm"], [(tokens, h, vocab)])),
+                                           "memory_bound": both(last)}
+
+
+#: The parts of a measured profile's compute (stage_seconds), as step_time reports them.
+COMPUTE_PARTS = ("gemm", "attention", "memory_bound", "engine")
+
+
+def stage_seconds(cfg, shape, measured, again, w):
+    """Compute seconds of one micro-batch on each pipeline rank, by part (COMPUTE_PARTS): its
+    layers (the recomputed share's forward twice), its ends, the engine's cost per layer and per
+    micro-batch, and the sum of each parameter's gradient into the accumulated one (a stream of
+    its parameters, read twice and written once)."""
+    gemm_f, gemm_b = gemms_seconds(measured["gemm"], layer_gemms(cfg, shape))
+    attn_f, attn_b = attention_seconds(cfg, shape, measured)
+    traffic = layer_traffic(cfg, shape, w)
+    bytes_f, bytes_b = (traffic_seconds(measured, traffic, way) for way in (0, 1))
+    overhead = measured["layer_overhead_s"]
+    layer = {"gemm": gemm_f + gemm_b + again * gemm_f, "attention": attn_f + attn_b + again * attn_f,
+             "memory_bound": bytes_f + bytes_b + again * bytes_f, "engine": overhead * (1 + again / 2)}
+    first, last = end_seconds(cfg, shape, measured, w)
+    stages = []
+    for rank in range(shape.pp):
+        params = rank_parameters(cfg, shape, rank)
+        layers = sum(len(s.layers) for s in stages_of(cfg, shape)[rank::shape.pp])
+        parts = {part: layers * layer[part] + (first.get(part, 0.0) if rank == 0 else 0.0)
+                 + (last.get(part, 0.0) if rank == shape.pp - 1 else 0.0) for part in COMPUTE_PARTS}
+        parts["memory_bound"] += traffic_seconds(measured, [("stream", params, 0, 3 * params * w)], 1)
+        parts["engine"] += measured["micro_batch_overhead_s"]
+        stages.append(parts)
+    return stages
+
+
+def measured_rates(profile, shape):
+    """The profile's measurements at the thread count a rank of `shape` gets, and how much
+    slower the ranks run for sharing the cores."""
+    cores = profile["devices_per_node"]
+    threads = getattr(shape, "threads_per_rank", None) or max(1, cores // shape.ranks)
+    by_threads = profile["measured"]["threads"]
+    nearest = min(by_threads, key=lambda n: (abs(int(n) - threads), int(n)))
+    sharing = max(1.0, shape.ranks * threads / cores) if profile.get("ranks_share_flops") else 1.0
+    return by_threads[nearest], sharing
+
+
+def measured_compute(cfg, shape, profile, again, w):
+    """(compute, bubble, compute by part) seconds of a step: M micro-batches on the busiest
+    pipeline rank, and the pipeline's fill and drain, in which each other stage's micro-batch
+    runs once alone:
+    (sum of the stages' - the busiest's) / V (module docstring). With equal stages this is the
+    (PP - 1) / (M V) x compute of time_model.py."""
+    measured, slowdown = measured_rates(profile, shape)
+    stages = stage_seconds(cfg, shape, measured, again, w)
+    totals = [sum(parts.values()) * slowdown for parts in stages]
+    busiest = stages[totals.index(max(totals))]
+    parts = {part: shape.micro_batches * seconds * slowdown for part, seconds in busiest.items()}
+    return shape.micro_batches * max(totals), (sum(totals) - max(totals)) / shape.virtual, parts
