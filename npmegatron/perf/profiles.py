@@ -12,12 +12,14 @@
       "memory_bandwidth_bytes_per_s": 9e11,  # optional: a device's memory bandwidth (the optimizer)
       "ranks_share_flops": false,            # optional: true for a CPU, whose ranks split it:
       "flops_by_threads": {"1": ..., "2": ...},  # optional: the rate per BLAS thread count
-      "measured": {"threads": {"1": {...}, "2": {...}}},  # optional: this machine's rates by kind
-        # of work (`plan calibrate` on a CPU; perf/work.py): per thread count "gemm" {"dims",
+      "measured": {"threads": {"1": {...}, "2": {...}}, "sharing_factor": 1.1},  # optional: this
+        # machine's rates by kind of work (`plan calibrate` on a CPU; perf/work.py): per thread
+        # count "gemm" {"dims",
         # "flops" [rows][cols][inner]}, "attention" {"seqs", "head_dims", "none_forward",
         # "none_backward", "dropout_forward", "dropout_backward" [seq][head size], seconds per
         # score}, "bandwidth" {kind: {"elements", "bytes_per_s"}} ("stream" and any of work.PASSES's
-        # kinds), "bandwidth_bytes_per_s", "layer_overhead_s", "micro_batch_overhead_s"
+        # kinds), "bandwidth_bytes_per_s", "layer_overhead_s", "micro_batch_overhead_s"; and the
+        # slowdown of processes time-sliced two to a core
       "intra": {"alpha_s": 2e-6, "beta_s_per_byte": 6.67e-12},     # one pair for every collective
       "inter": {"all_reduce": {"alpha_s": ..., "beta_s_per_byte": ...},   # or one per collective:
                 "all_gather": {...}, "reduce_scatter": {...}, "sendrecv": {...}}
@@ -164,6 +166,9 @@ def _measured(raw, path):
     if not isinstance(threads, dict) or not threads:
         raise InputError(f"profile {path} has no '{where}' object of thread counts; run "
                          "`npmegatron plan calibrate --output FILE` again")
+    if "sharing_factor" in raw and _number(raw, "sharing_factor", path, "measured.") < 1:
+        raise InputError(f"profile {path} has 'measured.sharing_factor' = {raw['sharing_factor']!r}; it is a "
+                         "slowdown, 1 or more")
     for count, entry in threads.items():
         if not (count.isascii() and count.isdigit() and 1 <= int(count) <= 2 ** 20):
             raise InputError(f"profile {path} has {where} key {count!r}; keys are thread counts, positive integers")

@@ -15,7 +15,8 @@
 
 Each rank of a CPU layout gets max(1, cores // ranks) threads unless the shape says otherwise
 (the tables measured with the nearest thread count), and the whole is slowed by ranks x threads /
-cores where they outnumber the cores.
+cores where they outnumber the cores, times the loss measured for processes time-sliced two to a
+core (`sharing_factor`).
 """
 import math
 
@@ -197,8 +198,10 @@ def measured_rates(profile, shape):
     threads = getattr(shape, "threads_per_rank", None) or max(1, cores // shape.ranks)
     by_threads = profile["measured"]["threads"]
     nearest = min(by_threads, key=lambda n: (abs(int(n) - threads), int(n)))
-    sharing = max(1.0, shape.ranks * threads / cores) if profile.get("ranks_share_flops") else 1.0
-    return by_threads[nearest], sharing
+    sharing = shape.ranks * threads / cores if profile.get("ranks_share_flops") else 1.0
+    if sharing > 1:         # time-sliced ranks lose more than their share (measure.sharing_factor)
+        sharing *= profile["measured"].get("sharing_factor", 1.0)
+    return by_threads[nearest], max(1.0, sharing)
 
 
 def measured_compute(cfg, shape, profile, again, w):

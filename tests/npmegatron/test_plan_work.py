@@ -98,6 +98,17 @@ def test_ranks_beyond_the_cores_share_them():
     two = step_time(CFG, shape(tp=2), profile)["compute"]
     four = step_time(CFG, shape(tp=2, dp=2), profile)["compute"]       # half the micro-batches, half a core
     assert four == pytest.approx(two)
+    profile["measured"]["sharing_factor"] = 1.25                      # time-sliced ranks lose a quarter more
+    assert step_time(CFG, shape(tp=2, dp=2), profile)["compute"] == pytest.approx(1.25 * two)
+    assert step_time(CFG, shape(tp=2), profile)["compute"] == pytest.approx(two)
+    profile["measured"]["threads"]["1"] = constant_rates(gemm=GEMM / 2)
+    one_thread = step_time(CFG, shape(threads_per_rank=1), profile)["compute_parts"]  # bench scaling's --threads-per-rank
+    assert one_thread["gemm"] == pytest.approx(2 * step_time(CFG, shape(), profile)["compute_parts"]["gemm"])
+
+
+def test_the_sharing_factor_is_measured_on_this_machine():
+    """Two processes per core against one: at least 1, and not absurd."""
+    assert 1.0 <= measure_module.sharing_factor(1, repeats=2) < 10
 
 
 def test_full_recomputation_runs_each_layers_forward_again():
@@ -194,11 +205,12 @@ def test_calibrate_adds_the_measured_rates(tmp_path, monkeypatch):
     from test_plan import fake_bench
     monkeypatch.setattr(calibrate_module, "run_bench", fake_bench)
     monkeypatch.setattr(calibrate_module, "measure", lambda threads, dtype: constant_rates(gemm=1e9 * threads))
+    monkeypatch.setattr(calibrate_module, "sharing_factor", lambda cores: 1.1)
     output = tmp_path / "here.json"
     result = CliRunner().invoke(main, ["plan", "calibrate", "--output", str(output)])
     assert result.exit_code == 0, result.output
     profile = load_profile(str(output))
-    assert "1" in profile["measured"]["threads"]
+    assert "1" in profile["measured"]["threads"] and profile["measured"]["sharing_factor"] == 1.1
     assert step_time(CFG, shape(), profile)["compute_parts"]["gemm"] > 0
 
 
@@ -210,6 +222,7 @@ def test_calibrate_adds_the_measured_rates(tmp_path, monkeypatch):
     (lambda m: m["threads"]["1"]["bandwidth"].pop("stream"), "lacks 'measured.threads.1.bandwidth.stream'"),
     (lambda m: m["threads"]["1"].update(bandwidth_bytes_per_s=0), "bandwidth_bytes_per_s = 0"),
     (lambda m: m["threads"]["1"].pop("layer_overhead_s"), "lacks the key 'measured.threads.1.layer_overhead_s'"),
+    (lambda m: m.update(sharing_factor=0.5), "'measured.sharing_factor' = 0.5; it is a slowdown"),
 ])
 def test_a_lying_measured_section_is_one_sentence(change, needle):
     profile = json.loads(json.dumps(cpu_profile()))

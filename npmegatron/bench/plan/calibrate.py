@@ -19,7 +19,7 @@ import sys
 from ... import comm
 from ...autograd import InputError
 from ..comm import alpha_beta_fit
-from .measure import measure
+from .measure import measure, sharing_factor
 
 
 def run_bench(args, threads=None):
@@ -84,4 +84,5 @@ def calibrate(model_args, ranks=2, min_bytes=1024, max_bytes=2 ** 20, device="cp
         "flops_by_threads": by_threads,
         "device_memory_bytes": physical_memory(),
         "dp_overlap": 1.0, "intra": links, "inter": links,
-    } | ({"measured": {"threads": measured}} if all(measured.values()) and measured else {})
+    } | ({"measured": {"threads": measured, "sharing_factor": sharing_factor(cores)}}
+         if all(measured.values()) and measured else {})

@@ -9,8 +9,12 @@ given number of threads (BLAS through threadpoolctl, the CPU engine through its 
   bias-dropout-add, embedding lookup and vocabulary-parallel cross-entropy forward and backward
   (their bytes, perf/work.PASSES, over their seconds); and of AdamW's update, for the optimizer;
 - the engine's seconds per layer and per micro-batch: forward and backward of a GPT so small
-  that its arithmetic takes no time, with 1 and with 5 layers.
+  that its arithmetic takes no time, with 1 and with 5 layers;
+- how much slower than their share processes run when twice as many as the cores share them.
 Every figure is the best of a few repeats after a warm-up."""
+import os
+import subprocess
+import sys
 import time
 
 import numpy
@@ -25,7 +29,7 @@ from ...config import GPTConfig
 from ...model import GPT
 from ...optim.adamw import AdamW
 from ...perf.work import attention_scores, op_bytes
-from ...comm import ProcessGrid
+from ...comm import ProcessGrid, blas_thread_environment
 from ...tensor_parallel import MODEL_PARALLEL, RNGTracker, vocab_parallel_cross_entropy
 from ...tensor_parallel.layers import _ShardLookup
 
@@ -205,6 +209,38 @@ def engine_overhead(dtype):
     one, five = step_seconds(1), step_seconds(5)
     per_layer = max(0.0, (five - one) / 4)
     return per_layer, max(0.0, one - per_layer)
+
+
+#: One process's share of the time-sliced work: a GEMM at a layer's shape and a blocked-size add.
+SHARED_WORK = """
+import sys, time
+import numpy
+a, b = numpy.ones((1024, 768), "float32"), numpy.ones((768, 3072), "float32")
+x = numpy.ones(1 << 22, "float32")
+a @ b
+while time.time() < float(sys.argv[1]):
+    time.sleep(0.001)
+start = time.perf_counter()
+for _ in range(int(sys.argv[2])):
+    a @ b
+    x + x
+print(time.perf_counter() - start)
+"""
+
+
+def sharing_factor(cores, repeats=24):
+    """How much slower than their share of the cores processes run when there are twice as many
+    as cores (time-slicing evicts each other's caches; a layout with more ranks than cores runs
+    so): the slowest of 2 x cores one-thread processes working at once, over twice the slowest
+    of `cores` such processes. 1 when nothing is lost."""
+    def slowest(processes):
+        start_at = str(time.time() + 1.0)          # after every process has imported NumPy
+        env = dict(os.environ, **blas_thread_environment(1))
+        children = [subprocess.Popen([sys.executable, "-c", SHARED_WORK, start_at, str(repeats)], env=env,
+                                     stdout=subprocess.PIPE, text=True) for _ in range(processes)]
+        return max(float(child.communicate()[0]) for child in children)
+
+    return max(1.0, slowest(2 * cores) / (2 * slowest(cores)))
 
 
 def measure(threads, dtype="float32"):
