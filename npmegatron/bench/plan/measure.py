@@ -228,13 +228,13 @@ print(time.perf_counter() - start)
 """
 
 
-def sharing_factor(cores, repeats=24):
+def sharing_factor(cores, repeats=24, start_delay=1.0):
     """How much slower than their share of the cores processes run when there are twice as many
     as cores (time-slicing evicts each other's caches; a layout with more ranks than cores runs
     so): the slowest of 2 x cores one-thread processes working at once, over twice the slowest
     of `cores` such processes. 1 when nothing is lost."""
     def slowest(processes):
-        start_at = str(time.time() + 1.0)          # after every process has imported NumPy
+        start_at = str(time.time() + start_delay)      # after every process has imported NumPy
         env = dict(os.environ, **blas_thread_environment(1))
         children = [subprocess.Popen([sys.executable, "-c", SHARED_WORK, start_at, str(repeats)], env=env,
                                      stdout=subprocess.PIPE, text=True) for _ in range(processes)]
