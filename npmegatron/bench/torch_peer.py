@@ -57,10 +57,15 @@ class GPT(nn.Module):
 
 
 def torch_step(num_layers, hidden_size, num_attention_heads, seq_length, micro_batch_size, vocab_size,
-               device="cpu", precision="fp32", compile=False, threads=None, warmup=2, iters=5):
-    """{"step_s", "tokens_per_s", "peak_bytes", ...} of the training step in PyTorch."""
+               device="cpu", precision="fp32", compile=False, threads=None, warmup=2, iters=5,
+               flush_denormal=False):
+    """{"step_s", "tokens_per_s", "peak_bytes", ...} of the training step in PyTorch.
+    flush_denormal: denormal numbers flushed to zero (torch.set_flush_denormal); the step trains
+    one batch again and again, and on the CPU PyTorch's kernels slow down several-fold once its
+    values underflow into denormals."""
     if threads:
         torch.set_num_threads(threads)
+    torch.set_flush_denormal(flush_denormal)
     torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
     torch.manual_seed(0)
     cuda = device == "cuda"
@@ -100,6 +105,8 @@ def main():
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--precision", choices=["fp32", "tf32", "bf16", "fp16"], default="fp32")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("--flush-denormal", action="store_true",
+                        help="flush denormal numbers to zero (torch.set_flush_denormal), as a long CPU run should")
     args = vars(parser.parse_args())
     print(json.dumps(torch_step(**args)))
 

@@ -143,8 +143,8 @@ def test_plan_prints_the_parts_of_compute(tmp_path):
         assert name in result.output
 
 
-def records(tmp_path, *rows):
-    path = tmp_path / "results.jsonl"
+def records(tmp_path, *rows, name="results.jsonl"):
+    path = tmp_path / name
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
 
@@ -161,8 +161,11 @@ def test_plan_against_a_scaling_run(tmp_path):
     result = CliRunner().invoke(main, ["plan", "--profile", str(profile), "--against", path, "--json"])
     assert result.exit_code == 0, result.output
     rows = json.loads(result.output)
-    cfg = GPTConfig(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=256, max_position_embeddings=128)
-    expected = step_time(cfg, shape(tp=2), load_profile(str(profile)))["total"]     # bench scaling's dropout 0.1
+    expected = step_time(CFG, shape(tp=2), load_profile(str(profile)))["total"]     # no dropout, as bench scaling
+    dropout = dict(RECORD, hidden_dropout=0.1, attention_dropout=0.1)
+    with_dropout = CliRunner().invoke(main, ["plan", "--profile", str(profile), "--json", "--against",
+                                             records(tmp_path, dropout, name="dropout.jsonl")])
+    assert json.loads(with_dropout.output)[0]["predicted_s"] > expected
     assert rows[0]["predicted_s"] == pytest.approx(expected)
     assert rows[0]["error"] == pytest.approx(expected / 0.5 - 1)
     table = CliRunner().invoke(main, ["plan", "--profile", str(profile), "--against", path]).output

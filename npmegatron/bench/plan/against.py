@@ -1,7 +1,7 @@
 """`npmegatron plan --against results.jsonl`: the plan's step time for every run `bench scaling`
 recorded, beside the measured one. The records name the model, layout, batch, dropout, sequence
-parallelism and threads per rank; the rest is GPTConfig's defaults, which bench scaling trains
-with (records written before the dropout was recorded: its default 0.1 on both sites)."""
+parallelism and threads per rank; the rest is GPTConfig's defaults. A record written before the
+dropout was recorded is of a run without dropout, as the benchmarks train."""
 import json
 
 from ...autograd import InputError
@@ -50,7 +50,7 @@ def predicted_against_measured(records, profile):
         cfg = GPTConfig(num_layers=r["num_layers"], hidden_size=r["hidden_size"], vocab_size=r["vocab_size"],
                         num_attention_heads=r["num_attention_heads"], dtype=r["dtype"],
                         sequence_parallel=r.get("sequence_parallel") is True, max_position_embeddings=r["seq"],
-                        **{k: float(r[k]) for k in ("hidden_dropout", "attention_dropout") if _share(r.get(k))})
+                        **{k: float(r[k]) if _share(r.get(k)) else 0.0 for k in ("hidden_dropout", "attention_dropout")})
         threads = r.get("threads_per_rank")
         shape = ParallelShape(tp=r["tp"], pp=r["pp"], dp=r["dp"], micro_batch=r["micro_batch"],
                               global_batch=r["global_batch"], seq=r["seq"], sequence_parallel=cfg.sequence_parallel,
