@@ -24,6 +24,7 @@ from ..autograd.ops.attention import BLOCK_SIZE as ATTENTION_BLOCK_ROWS, query_b
 from ..tensor_parallel import pad_vocab_size
 from .memory import rank_parameters, stages_of
 
+
 def log_interpolate(grid_axes, values, point):
     """Values measured on a grid (nested lists, one axis per entry of grid_axes) at `point`,
     multilinear in log2 of the coordinates and of the values, clamped at the edges."""
@@ -97,7 +98,8 @@ def attention_seconds(cfg, shape, measured):
 #:   residual: the branch's bias added, dropout and the residual add (forward reads y, bias'd y,
 #:     residual, writes the sum; backward passes the gradient through the mask and sums the
 #:     residual's and the bias's gradients); a dropout mask adds 1 byte each way;
-#:   stream: a bias added or a rotation (read and write), the loss's passes over the logits.
+#:   stream: a bias added or a rotation (read and write; the bias's gradient summed), and each
+#:     parameter's gradient summed into the accumulated one (read twice, written once: 3 backward);
 #:   embedding: forward reads and writes its rows; backward reads the gradient and reads and
 #:     writes the table's rows it scatters into;
 #:   loss: three passes over the logits forward (the row maximum, then exp and its sum), two
@@ -195,7 +197,7 @@ def measured_rates(profile, shape):
     """The profile's measurements at the thread count a rank of `shape` gets, and how much
     slower the ranks run for sharing the cores."""
     cores = profile["devices_per_node"]
-    threads = getattr(shape, "threads_per_rank", None) or max(1, cores // shape.ranks)
+    threads = shape.threads_per_rank or max(1, cores // shape.ranks)
     by_threads = profile["measured"]["threads"]
     nearest = min(by_threads, key=lambda n: (abs(int(n) - threads), int(n)))
     sharing = shape.ranks * threads / cores if profile.get("ranks_share_flops") else 1.0
@@ -207,8 +209,7 @@ def measured_rates(profile, shape):
 def measured_compute(cfg, shape, profile, again, w):
     """(compute, bubble, compute by part) seconds of a step: M micro-batches on the busiest
     pipeline rank, and the pipeline's fill and drain, in which each other stage's micro-batch
-    runs once alone:
-    (sum of the stages' - the busiest's) / V (module docstring). With equal stages this is the
+    runs once alone: (sum of the stages' - the busiest's) / V. With equal stages this is the
     (PP - 1) / (M V) x compute of time_model.py."""
     measured, slowdown = measured_rates(profile, shape)
     stages = stage_seconds(cfg, shape, measured, again, w)

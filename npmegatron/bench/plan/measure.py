@@ -25,13 +25,12 @@ from ...autograd.cpu_blocks import for_row_blocks
 from ...autograd.gemm import matmul
 from ...autograd.profile import op_profile
 from ...autograd.threads import set_cpu_threads
+from ...comm import ProcessGrid, blas_thread_environment
 from ...config import GPTConfig
 from ...model import GPT
 from ...optim.adamw import AdamW
 from ...perf.work import attention_scores, op_bytes
-from ...comm import ProcessGrid, blas_thread_environment
-from ...tensor_parallel import MODEL_PARALLEL, RNGTracker, vocab_parallel_cross_entropy
-from ...tensor_parallel.layers import _ShardLookup
+from ...tensor_parallel import MODEL_PARALLEL, RNGTracker, VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 GEMM_DIMS = (64, 256, 1024, 4096)
 ATTENTION_SEQS = (128, 256, 512, 1024)
@@ -157,9 +156,9 @@ def op_step(kind, rows, width, dtype):
     site = RNGTracker(1, 0, numpy).site(MODEL_PARALLEL, 2).frozen()
     residual = ag.Tensor(x.copy(), requires_grad=True)
     grad = numpy.ones((rows, width), dtype)
-    table = ag.Tensor(random.standard_normal((1024, width)).astype(dtype), requires_grad=True)
-    ids = random.integers(0, 1024, rows)
     group = ProcessGrid.single().tp_group
+    embedding = VocabParallelEmbedding(numpy, dtype, 1024, 1024, width, 0.02, group)
+    ids = random.integers(0, 1024, rows)
 
     def step():
         y = ag.Tensor(x, requires_grad=True)
@@ -170,7 +169,7 @@ def op_step(kind, rows, width, dtype):
         elif kind == "residual":
             out = ag.bias_dropout_add(y, vector, residual, 0.1, site)
         elif kind == "embedding":
-            out = _ShardLookup.apply(ids, table, start=0, whole=True)
+            out = embedding(ids)
         else:
             vocab_parallel_cross_entropy(y, ids % width, group).backward()
             return
