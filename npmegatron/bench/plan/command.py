@@ -214,7 +214,8 @@ def machine_memory_bytes():
 @click.option("--iters", type=click.IntRange(min=1), default=2, show_default=True, help="bench step timed steps.")
 @user_errors
 def calibrate_command(output, ranks, max_bytes, iters):
-    """Write a profile of this machine from `bench step` (on the plan's model) and `bench comm`."""
+    """Write a profile of this machine: `bench step` (on the plan's model), `bench comm`, and the rates
+    of plan's work model (GEMMs by shape, attention, memory-bound ops, AdamW, the engine), about 2 min."""
     parent = click.get_current_context().parent.params
     model_args = []
     for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "dtype",
