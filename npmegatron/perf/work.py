@@ -181,10 +181,10 @@ def stage_seconds(cfg, shape, measured, again, w):
     layer = {"gemm": gemm_f + gemm_b + again * gemm_f, "attention": attn_f + attn_b + again * attn_f,
              "memory_bound": bytes_f + bytes_b + again * bytes_f, "engine": overhead * (1 + again / 2)}
     first, last = end_seconds(cfg, shape, measured, w)
-    stages = []
+    chunks, stages = stages_of(cfg, shape), []
     for rank in range(shape.pp):
         params = rank_parameters(cfg, shape, rank)
-        layers = sum(len(s.layers) for s in stages_of(cfg, shape)[rank::shape.pp])
+        layers = sum(len(s.layers) for s in chunks[rank::shape.pp])
         parts = {part: layers * layer[part] + (first.get(part, 0.0) if rank == 0 else 0.0)
                  + (last.get(part, 0.0) if rank == shape.pp - 1 else 0.0) for part in COMPUTE_PARTS}
         parts["memory_bound"] += traffic_seconds(measured, [("stream", params, 0, 3 * params * w)], 1)

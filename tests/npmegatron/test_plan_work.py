@@ -177,6 +177,8 @@ def test_plan_against_a_scaling_run(tmp_path):
     (json.dumps({"layout": "1x1x1"}) + "\n", "line 1 lacks tp"),
     ("", "holds no records"),
     (json.dumps(dict(RECORD, tp="two")) + "\n", "of the wrong type"),
+    (json.dumps(dict(RECORD, pp=10 ** 9)) + "\n", "pp = 1000000000, of the wrong type or out of range"),
+    (json.dumps(dict(RECORD, pp=3)) + "\n", "do not split evenly over PP 3"),
 ])
 def test_a_bad_results_file_is_one_sentence(tmp_path, content, needle):
     path = tmp_path / "results.jsonl"

@@ -28,7 +28,8 @@ def read_records(path):
         if missing:
             raise InputError(f"--against {path} line {number} lacks {', '.join(missing)}; give a results.jsonl "
                              "written by `npmegatron bench scaling`")
-        wrong = [k for k in COUNTS if isinstance(record[k], bool) or not isinstance(record[k], int) or record[k] < 1]
+        wrong = [k for k in COUNTS if isinstance(record[k], bool) or not isinstance(record[k], int)
+                 or not 1 <= record[k] <= (2 ** 16 if k in ("tp", "pp", "dp") else 2 ** 31)]
         step = record["step_s"]
         if isinstance(step, bool) or not isinstance(step, (int, float)) or not 0 < step < float("inf"):
             wrong.append("step_s")
