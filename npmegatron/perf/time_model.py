@@ -42,7 +42,7 @@ from ..model import gpt_num_parameters, model_flops
 from ..recompute import recompute_segments
 from ..tensor_parallel import pad_vocab_size
 from .memory import _recompute_config, check_shape, element_bytes, rank_parameters
-from .work import measured_compute, measured_rates
+from .work import measured_compute, measured_rates, nearest_count
 
 RECOMPUTE_COST = {"none": 1.0, "selective": 1.0, "full": 4.0 / 3.0}
 
@@ -93,9 +93,8 @@ def rank_flops(profile, shape):
         return profile["flops"]
     cores = profile["devices_per_node"]
     threads = max(1, cores // shape.ranks)
-    rates = {int(k): v for k, v in (profile.get("flops_by_threads") or {cores: profile["flops"]}).items()}
-    nearest = min(rates, key=lambda n: (abs(n - threads), n))
-    return rates[nearest] * min(1.0, cores / shape.ranks)
+    rates = profile.get("flops_by_threads") or {str(cores): profile["flops"]}
+    return rates[nearest_count(rates, threads)] * min(1.0, cores / shape.ranks)
 
 
 def recomputed_share(cfg, shape):

@@ -193,13 +193,19 @@ def stage_seconds(cfg, shape, measured, again, w):
     return stages
 
 
+def nearest_count(by_threads, threads):
+    """The key of {"threads": ...} measured with the thread count nearest `threads` (the
+    fewer on a tie)."""
+    return min(by_threads, key=lambda n: (abs(int(n) - threads), int(n)))
+
+
 def measured_rates(profile, shape):
     """The profile's measurements at the thread count a rank of `shape` gets, and how much
     slower the ranks run for sharing the cores."""
     cores = profile["devices_per_node"]
     threads = shape.threads_per_rank or max(1, cores // shape.ranks)
     by_threads = profile["measured"]["threads"]
-    nearest = min(by_threads, key=lambda n: (abs(int(n) - threads), int(n)))
+    nearest = nearest_count(by_threads, threads)
     sharing = shape.ranks * threads / cores if profile.get("ranks_share_flops") else 1.0
     if sharing > 1:         # time-sliced ranks lose more than their share (measure.sharing_factor)
         sharing *= profile["measured"].get("sharing_factor", 1.0)

@@ -85,4 +85,4 @@ def calibrate(model_args, ranks=2, min_bytes=1024, max_bytes=2 ** 20, device="cp
         "device_memory_bytes": physical_memory(),
         "dp_overlap": 1.0, "intra": links, "inter": links,
     } | ({"measured": {"threads": measured, "sharing_factor": sharing_factor(cores)}}
-         if all(measured.values()) and measured else {})
+         if measured and all(measured.values()) else {})

@@ -76,25 +76,17 @@ def attention_table(dtype):
             backward.append([])
             for d in ATTENTION_HEAD_DIMS:
                 heads = max(1, ATTENTION_SCORES // attention_scores(seq))
-                repeats = 5
                 qkv = numpy.random.default_rng(0).standard_normal((1, seq, heads, 3, d)).astype(dtype)
-                state = {}
+                grad = numpy.ones((1, heads, seq, d), dtype)
 
-                def run_forward():
-                    state["x"] = ag.Tensor(qkv, requires_grad=True)
-                    state["y"] = ag.causal_attention_packed(state["x"], d ** -0.5, p, site if p else None)
-
-                def run_backward():
-                    run_forward()
-                    start = time.perf_counter()
-                    state["y"].backward(numpy.ones(state["y"].shape, dtype))
-                    state["backward"] = min(state.get("backward", float("inf")), time.perf_counter() - start)
+                def step():
+                    x = ag.Tensor(qkv, requires_grad=True)
+                    ag.causal_attention_packed(x, d ** -0.5, p, site if p else None).backward(grad)
 
                 scores = heads * attention_scores(seq)
-                forward[-1].append(best_seconds(run_forward, repeats) / scores)
-                state.pop("backward", None)
-                best_seconds(run_backward, repeats)
-                backward[-1].append(state["backward"] / scores)
+                seconds = op_seconds(step, "PackedCausalAttention")
+                forward[-1].append(seconds[0] / scores)
+                backward[-1].append(seconds[1] / scores)
         table[f"{kind}_forward"], table[f"{kind}_backward"] = forward, backward
     return table
 
@@ -117,7 +109,7 @@ def bandwidth_tables(dtype):
         for elements in BANDWIDTH_ELEMENTS:
             rows = max(1, elements // width)
             nbytes = sum(op_bytes(kind, rows * width, w, mask=kind == "residual"))
-            tables[kind].append(nbytes / op_seconds(op_step(kind, rows, width, dtype), OP_NAMES[kind]))
+            tables[kind].append(nbytes / sum(op_seconds(op_step(kind, rows, width, dtype), OP_NAMES[kind])))
     return {kind: {"elements": list(BANDWIDTH_ELEMENTS), "bytes_per_s": rates} for kind, rates in tables.items()}
 
 
@@ -135,15 +127,15 @@ def bandwidth(dtype, elements=1 << 24):
 
 
 def op_seconds(step, name, repeats=5):
-    """The best forward + backward seconds of the Function `name` in step(), timed by the op
-    profile: the op alone, not the engine's handling of the leaf tensors the measurement feeds
-    it (in a model its gradient flows on into the next op instead)."""
-    best = float("inf")
+    """(forward, backward): the best seconds of the Function `name` in step() each way, timed by
+    the op profile: the op alone, not the engine's handling of the leaf tensors the measurement
+    feeds it (in a model its gradient flows on into the next op instead)."""
+    best = [float("inf"), float("inf")]
     for i in range(repeats + 1):
         with op_profile() as table:
             step()
         if i:                           # the first warms threads and pages
-            best = min(best, sum(table[name][:2]))
+            best = [min(b, t) for b, t in zip(best, table[name][:2])]
     return best
 
 
