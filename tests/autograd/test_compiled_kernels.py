@@ -43,12 +43,15 @@ def causal_scores(heads, rows, keys):
     return z, keys_before, mask
 
 
-def test_softmax_numerators_equal_the_masked_exponentials():
-    z, keys_before, mask = causal_scores(3, 5, 12)
+@pytest.mark.parametrize("rows, keys", [(5, 12), (7, 40), (3, 33), (20, 64)])
+def test_softmax_numerators_equal_the_masked_exponentials(rows, keys):
+    """Rows shorter than, equal to and longer than the row maximum's 16 lanes, with a tail."""
+    z, keys_before, mask = causal_scores(3, rows, keys)
+    z[0, -1, -1] = z.max() + 1         # the maximum of a row in the tail after its lanes
     reference = np.where(mask, -np.inf, z.astype(np.float64))
     shift = reference.max(axis=-1)
     numerators = np.exp(reference - shift[..., None])
-    got, got_shift, got_total = z.copy(), np.empty((3, 5), np.float32), np.empty((3, 5), np.float32)
+    got, got_shift, got_total = z.copy(), np.empty((3, rows), np.float32), np.empty((3, rows), np.float32)
     _attention_cpu.softmax_numerators_(got, keys_before, got_shift, got_total)
     np.testing.assert_array_equal(got_shift, shift.astype(np.float32))
     # z - max rounds in float32 before exp (as in NumPy's chain): a few ulps for scores near 10.
@@ -59,7 +62,9 @@ def test_softmax_numerators_equal_the_masked_exponentials():
     lse = (shift + np.log(numerators.sum(axis=-1))).astype(np.float32)
     probs = z.copy()
     _attention_cpu.probabilities_(probs, keys_before, lse)
-    assert error_in_ulps(probs, numerators / numerators.sum(axis=-1, keepdims=True), 1e-3) <= 8
+    # against exp(z - lse) of the float32 lse the kernel is given: lse's own rounding (an ulp of
+    # a number near 10 is ~1e-6) would otherwise be counted as the kernel's
+    assert error_in_ulps(probs, np.exp(reference - lse[..., None].astype(np.float64)), 1e-3) <= 8
 
 
 def test_softmax_backward_kernel_equals_the_chain_in_float64():
@@ -130,6 +135,31 @@ def test_compiled_attention_equals_the_float64_path(p):
         out = ag.causal_attention(*leaves, 0.25, p, tracker.site(MODEL_PARALLEL, 4).frozen(), block_size=48)
         out.backward(weights.astype(dtype))
         results.append([out.data] + [x.grad for x in leaves])
+    for got, want in zip(*results):
+        assert got.dtype == np.float32
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("p", [0.0, 0.2])
+def test_compiled_packed_attention_equals_the_float64_path(p):
+    """The packed op on the compiled path (each share's q, k, v copied contiguous out of the
+    (b, t, heads, 3, d) projection, its gradients gathered in arrays of its own and written back)
+    against the NumPy path in float64, on two threads, with a last block shorter than the rest."""
+    from npmegatron.autograd.threads import set_cpu_threads
+    b, t, h, d = 1, 160, 3, 16
+    assert b * h * t * t >= attention.MIN_SHARED_SCORES
+    tracker = RNGTracker(seed=6, tp_rank=0, xp=np)
+    qkv64, weights = RNG.standard_normal((b, t, h, 3, d)), RNG.standard_normal((b, h, t, d))
+    results = []
+    previous = set_cpu_threads(2)
+    try:
+        for dtype in (np.float32, np.float64):
+            qkv = Tensor(qkv64.astype(dtype), requires_grad=True)
+            out = ag.causal_attention_packed(qkv, 0.25, p, tracker.site(MODEL_PARALLEL, 4).frozen(), block_size=128)
+            out.backward(weights.astype(dtype))
+            results.append([out.data, qkv.grad])
+    finally:
+        set_cpu_threads(previous)
     for got, want in zip(*results):
         assert got.dtype == np.float32
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5 * np.abs(want).max())
