@@ -59,12 +59,13 @@ def rows(x):
 
 
 def _numpy_matmul(a, b, out, accumulate):
-    if b.ndim == 2 and a.ndim > 2 and a.flags.c_contiguous:
-        # one 2-D GEMM over all rows: NumPy runs (b, t, k) @ (k, n) as b GEMMs of t rows, measured
-        # 3-5 % slower for the model's four Linear shapes at b 8, t 256 on 2 cores
-        product = (rows(a) @ b).reshape(a.shape[:-1] + (b.shape[-1],))
-    else:
-        product = a @ b
+    # one 2-D GEMM over all rows: NumPy runs (b, t, k) @ (k, n) as b GEMMs of t rows, measured
+    # 3-5 % slower for the model's four Linear shapes at b 8, t 256 on 2 cores
+    fold = b.ndim == 2 and a.ndim > 2 and a.flags.c_contiguous
+    if out is not None and not accumulate and _blas_writes(a, b, out, fold):
+        numpy.matmul(rows(a) if fold else a, b, out=rows(out) if fold else out)
+        return out
+    product = (rows(a) @ b).reshape(a.shape[:-1] + (b.shape[-1],)) if fold else a @ b
     if out is None:
         return product
     if accumulate:
@@ -72,6 +73,18 @@ def _numpy_matmul(a, b, out, accumulate):
     else:
         out[...] = product
     return out
+
+
+def _blas_writes(a, b, out, fold):
+    """Whether NumPy's GEMM can write a @ b into `out` itself (no temporary, no copy): out has the
+    product's shape and dtype and its matrices' rows are evenly spaced runs (else NumPy would take
+    its loop without BLAS), C-contiguous where the rows are folded."""
+    if a.ndim < 2 or b.ndim < 2 or out.dtype != numpy.result_type(a, b):
+        return False
+    shape = numpy.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
+    if out.shape != shape or (fold and not out.flags.c_contiguous):
+        return False
+    return out.strides[-1] == out.itemsize and _layout(out.shape, out.strides, out.itemsize)[0] == 0
 
 
 # --- cuBLAS ------------------------------------------------------------------------------------

@@ -117,6 +117,22 @@ def test_numpy_keeps_its_own_product():
     numpy.testing.assert_allclose(gemm.matmul(a, b), a @ b, rtol=1e-14)
 
 
+def test_numpy_writes_into_out_bitwise_as_its_own_product_and_falls_back_where_blas_cannot():
+    """out= on the NumPy path: the GEMM writes into out itself where its rows are evenly spaced
+    (a slice of a wider array, a batch, rows folded), bitwise the product NumPy returns; a
+    transposed out or another dtype still gets the product."""
+    rng = numpy.random.default_rng(6)
+    a3, a, b = rng.standard_normal((2, 3, 4)), rng.standard_normal((3, 4)), rng.standard_normal((4, 5))
+    wide = numpy.zeros((3, 9))
+    cases = [(a, b, wide[:, 2:7]), (a3, b, numpy.empty((2, 3, 5))),
+             (a3, rng.standard_normal((2, 4, 5)), numpy.empty((2, 3, 5))),
+             (a, b, numpy.empty((5, 3)).T), (a, b, numpy.empty((3, 5), numpy.float32))]
+    for x, y, out in cases:
+        assert gemm.matmul(x, y, out=out) is out
+        numpy.testing.assert_array_equal(out, (x @ y).astype(out.dtype))
+    assert not wide[:, :2].any() and not wide[:, 7:].any()
+
+
 @pytest.mark.parametrize("grid,dtype,compute", [("bf16", ml_dtypes.bfloat16, "32F_FAST_16BF"),
                                                 ("fp16", numpy.float16, "32F_FAST_16F")])
 def test_float32_operands_on_a_16_bit_grid_reach_16_bit_tensor_cores(cp, grid, dtype, compute):

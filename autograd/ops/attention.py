@@ -6,6 +6,8 @@ FlashAttention's recomputation (Dao et al., 2022), without its online softmax: a
 queries sees all the keys it may attend to at once, so its softmax is exact in one pass. It
 replaces Megatron's FusedScaleMaskSoftmax + attention dropout + the two batched GEMMs.
 """
+import math
+
 import numpy
 
 from .. import precision
@@ -80,9 +82,7 @@ class _Scratch:
 
     def get(self, name, shape, dtype):
         """A C-contiguous array of `shape` over buffer `name`, grown when too small."""
-        size = 1
-        for n in shape:
-            size *= n
+        size = math.prod(shape)
         buffer = self.buffers.get(name)
         if buffer is None or buffer.size < size:
             buffer = self.buffers[name] = numpy.empty(size, dtype)
@@ -94,14 +94,6 @@ def _product(a, b, scratch, name):
     if scratch is None:
         return matmul(a, b)
     return numpy.matmul(a, b, out=scratch.get(name, a.shape[:-1] + b.shape[-1:], a.dtype))
-
-
-def _write_product(a, b, out, scratch):
-    """out = a @ b, written by the GEMM itself on the compiled path (out is a share's own)."""
-    if scratch is None:
-        matmul(a, b, out=out)
-    else:
-        numpy.matmul(a, b, out=out)
 
 
 def _add_product(a, b, out, scratch):
@@ -217,7 +209,7 @@ def _backward_blocks(xp, g, q, k, lse, dot, keys_t, values_t, scale, p, draw, bl
             dz = dprobs
             dropout_(probs, keep, dropout_scale)
         _add_product(probs.swapaxes(-1, -2), g_blk, dv[..., :seen, :], scratch)
-        _write_product(dz, k[..., :seen, :], dq[..., a:e, :], scratch)
+        matmul(dz, k[..., :seen, :], out=dq[..., a:e, :])
         _add_product(dz.swapaxes(-1, -2), q_blk, dk[..., :seen, :], scratch)
 
 
