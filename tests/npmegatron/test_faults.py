@@ -180,9 +180,11 @@ def test_ctrl_c_of_four_ranks_is_one_line_and_status_130(tmp_path, target):
     assert err.count("interrupted (SIGINT): ending every rank") == 1, err
     assert "BAD TERMINATION" not in out and "signal 9" not in out, out
     # The residual race docs/design.md records: a rank whose main thread was reading a peer's
-    # memory (MPICH's single-copy path) as that peer exited ends with MPICH's one fatal line.
+    # memory (MPICH's single-copy path) as that peer exited ends with MPICH's one fatal line; the
+    # job's status is then 143, or still 130 where the other ranks' 130 reached hydra first (seen
+    # once in CI).
     raced = "process_vm_readv failed" in err
-    assert code == (143 if raced else 130), (out, err)
+    assert code in ((143, 130) if raced else (130,)), (out, err)
 
 
 def test_a_model_too_large_is_refused_before_it_is_built(tmp_path, monkeypatch):
