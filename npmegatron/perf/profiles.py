@@ -5,6 +5,10 @@
       "description": "...",                  # optional: where the numbers come from
       "flops": 39e12,                        # achieved FLOP/s of a whole training step per device
         # or "peak_flops": 125e12 with "achieved_fraction": 0.312 (flops = their product)
+      "published": {"gemm": {"2": [[rows, cols, inner, TFLOP/s], ...], "4": [...]},   # or, for a GPU
+        "passes": {tensor: [forward, backward]}, "loss_bytes_per_logit": [f, b],     # known from
+        "optimizer_bytes_per_parameter": 64},    # published figures: rates by kind of work
+        # (perf/published.py; then memory_bandwidth_bytes_per_s is required and flops unused)
       "flops_recompute": "none",             # optional: recomputation the flops were measured with
       "devices_per_node": 16,
       "device_memory_bytes": 34359738368,
@@ -97,13 +101,17 @@ def normalise(raw, path="<profile>"):
     profile.setdefault("name", os.path.splitext(os.path.basename(path))[0])
     if not isinstance(profile["name"], str):
         raise InputError(f"profile {path} has 'name' = {profile['name']!r}; it must be a string")
-    if "flops" in raw:
+    if "published" in raw:            # rates by kind of work instead of one FLOP rate
+        profile["published"] = _published(raw["published"], path)
+        _number(raw, "memory_bandwidth_bytes_per_s", path)
+        profile["flops"] = None
+    elif "flops" in raw:
         profile["flops"] = _number(raw, "flops", path)
     elif "peak_flops" in raw:
         profile["flops"] = _number(raw, "peak_flops", path) * _number(raw, "achieved_fraction", path)
     else:
         _number(raw, "flops", path)       # names the missing key
-    if profile["flops"] <= 0:
+    if profile["flops"] == 0:
         raise InputError(f"profile {path} gives a FLOP rate of 0; it must be positive")
     profile["devices_per_node"] = _count(raw, "devices_per_node", path)
     profile["device_memory_bytes"] = _number(raw, "device_memory_bytes", path)
@@ -192,6 +200,44 @@ def _measured(raw, path):
             raise InputError(f"profile {path} gives {at}bandwidth_bytes_per_s = 0; it must be positive")
         _number(entry, "layer_overhead_s", path, at)
         _number(entry, "micro_batch_overhead_s", path, at)
+    return raw
+
+
+PASS_TABLES = ("hidden", "qkv", "context", "ffn", "scores", "dropout", "embedding", "norm")
+
+
+def _published(raw, path):
+    """The "published" section, checked: a GEMM point list per element width, [forward, backward]
+    passes for every tensor perf/published.py counts, the loss's and the optimizer's bytes."""
+    where = "published."
+    if not isinstance(raw, dict):
+        raise InputError(f"profile {path} has 'published' = {raw!r}; it must be an object (see "
+                         "npmegatron/perf/profiles.py)")
+    gemm = raw.get("gemm")
+    if not isinstance(gemm, dict) or not gemm:
+        raise InputError(f"profile {path} lacks '{where}gemm', an object of [rows, cols, inner, TFLOP/s] "
+                         "lists keyed by element bytes (\"2\", \"4\"); add it")
+    for width, points in gemm.items():
+        if width not in ("2", "4") or not isinstance(points, list) or not points:
+            raise InputError(f"profile {path} has {where}gemm.{width} = {points!r}; give element bytes \"2\" or "
+                             "\"4\" each a non-empty list of [rows, cols, inner, TFLOP/s]")
+        for point in points:
+            _grid(point, [4], path, f"{where}gemm.{width}")
+    passes = raw.get("passes")
+    for name in PASS_TABLES:
+        pair = passes.get(name) if isinstance(passes, dict) else None
+        if not (isinstance(pair, list) and len(pair) == 2):
+            raise InputError(f"profile {path} lacks '{where}passes.{name}' as [forward, backward] passes; add it")
+        for value in pair:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise InputError(f"profile {path} has {where}passes.{name} = {pair!r}; passes are finite "
+                                 "non-negative numbers")
+    loss = raw.get("loss_bytes_per_logit")
+    if not (isinstance(loss, list) and len(loss) == 2):
+        raise InputError(f"profile {path} lacks '{where}loss_bytes_per_logit' as [forward, backward]; add it")
+    _grid(loss, [2], path, f"{where}loss_bytes_per_logit")
+    if _number(raw, "optimizer_bytes_per_parameter", path, where) <= 0:
+        raise InputError(f"profile {path} gives {where}optimizer_bytes_per_parameter = 0; it must be positive")
     return raw
 
 

@@ -6,7 +6,9 @@ buffer) (n-1) alpha + (n-1)/n S beta;  point-to-point alpha + S beta.
 
 A step on one rank, M micro-batches, V virtual stages, L layers on the rank:
 - compute, for a profile with this machine's measured rates ("measured", from `plan calibrate`):
-  the busiest stage's GEMMs, attention, memory-bound bytes and engine overhead (work.py);
+  the busiest stage's GEMMs, attention, memory-bound bytes and engine overhead (work.py); for a
+  GPU profile with published rates ("published", as dgx2h has): the same parts from a published
+  GEMM benchmark, the device's bandwidth and the modelled implementation's kernels (published.py);
   otherwise model_flops(global batch) / (TP PP DP) / one rank's FLOP/s (the profile's, or on a
   CPU profile its share of the machine: rank_flops), times 4/3 for full
   recomputation (one more forward) unless the profile's rate was measured with it;
@@ -30,7 +32,8 @@ A step on one rank, M micro-batches, V virtual stages, L layers on the rank:
 - optimizer = the bytes AdamW reads and writes per parameter this rank updates / the profile's
   memory_bandwidth_bytes_per_s (memory bound; 0 for a profile without one): float32 reads the
   parameter, gradient and two moments and writes three (28 B); under --fp16/--bf16 the float32
-  master, gradient and moments and the 16-bit parameter written back (30 B).
+  master, gradient and moments and the 16-bit parameter written back (30 B); a "published"
+  profile gives its implementation's own count.
 
 Which link parameters a group uses: ranks are ordered TP fastest, then CP, then DP, then PP
 (comm/grid.py), filling nodes of `devices_per_node`. A group within one node uses "intra". A
@@ -42,6 +45,7 @@ from ..model import gpt_num_parameters, model_flops
 from ..recompute import recompute_segments
 from ..tensor_parallel import pad_vocab_size
 from .memory import _recompute_config, check_shape, element_bytes, rank_parameters
+from .published import published_compute
 from .work import measured_compute, measured_rates, nearest_count
 
 RECOMPUTE_COST = {"none": 1.0, "selective": 1.0, "full": 4.0 / 3.0}
@@ -128,6 +132,8 @@ def optimizer_time(cfg, shape, profile):
     if not bandwidth:
         return 0.0
     per_parameter = 30 if cfg.storage_format or shape.element_bytes == 2 else 28
+    if "published" in profile:
+        per_parameter = profile["published"]["optimizer_bytes_per_parameter"]
     params = max(rank_parameters(cfg, shape, r) for r in range(shape.pp))
     shard = shape.dp * shape.cp if shape.distributed_optimizer else 1
     return params / shard * per_parameter / bandwidth
@@ -144,6 +150,8 @@ def step_time(cfg, shape, profile):
     again = recomputed_share(cfg, shape)
     if "measured" in profile:        # this machine's rates by kind of work (work.py)
         compute, compute_bubble, parts = measured_compute(cfg, shape, profile, again, w)
+    elif "published" in profile:     # a GPU's published rates and the counted kernels (published.py)
+        compute, compute_bubble, parts = published_compute(cfg, shape, profile, again, w)
     else:
         factor = (1 + (RECOMPUTE_COST["full"] - 1) * again) / RECOMPUTE_COST[profile["flops_recompute"]]
         compute = flops / shape.ranks / rank_flops(profile, shape) * factor
@@ -153,7 +161,7 @@ def step_time(cfg, shape, profile):
     sbh = s * b * h * w
     tp_comm = 0.0
     if t > 1:
-        per_layer_count = 2 + again + 2           # forward's two, the recomputation's, backward's two
+        per_layer_count = 2 + 2 * again + 2       # forward's two, the recomputation's two, backward's two
         if shape.sequence_parallel:
             ag = all_gather_time(t, sbh, *group_links(profile, "all_gather", *place["tp"]))
             rs = reduce_scatter_time(t, sbh, *group_links(profile, "reduce_scatter", *place["tp"]))

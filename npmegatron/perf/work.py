@@ -59,11 +59,17 @@ def gemm_seconds(rates, m, k, n):
     return 2.0 * m * k * n / rate
 
 
-def gemms_seconds(rates, gemms):
-    """(forward, backward) seconds of forward GEMMs and their two backward products each."""
-    forward = sum(gemm_seconds(rates, m, k, n) for m, k, n in gemms)
-    backward = sum(gemm_seconds(rates, m, n, k) + gemm_seconds(rates, k, m, n) for m, k, n in gemms)
+def forward_backward(seconds, gemms):
+    """(forward, backward) seconds of forward GEMMs (m, k, n) and their two backward products
+    each, the input's gradient (m, n, k) and the weight's (k, m, n), `seconds(m, k, n)` apiece."""
+    forward = sum(seconds(m, k, n) for m, k, n in gemms)
+    backward = sum(seconds(m, n, k) + seconds(k, m, n) for m, k, n in gemms)
     return forward, backward
+
+
+def gemms_seconds(rates, gemms):
+    """(forward, backward) seconds of forward GEMMs at the calibration table's rates."""
+    return forward_backward(lambda m, k, n: gemm_seconds(rates, m, k, n), gemms)
 
 
 def attention_scores(seq):

@@ -133,33 +133,43 @@ def test_ring_costs():
 
 def test_dgx2h_profile_and_paper_weak_scaling():
     profile = load_profile("dgx2h")
-    assert profile["flops"] == 39e12 and profile["devices_per_node"] == 16
+    assert profile["flops"] is None and profile["devices_per_node"] == 16 and "published" in profile
     assert profile["inter"]["all_reduce"]["beta_s_per_byte"] == pytest.approx(16 / 100e9)
     rows = paper_weak_scaling(profile)
-    # one V100: 39 TFLOP/s of the step's FLOPs less AdamW's memory-bound update (30 B a parameter
-    # at 900 GB/s: 40 ms of a 1.73 s step)
-    assert rows[0]["efficiency"] == 1.0 and rows[0]["tflops_per_gpu"] == pytest.approx(38.1, abs=0.05)
-    assert rows[0]["time"]["optimizer"] == pytest.approx(1.21e9 * 30 / 9e11, rel=0.01)
+    assert [(r["tp"], r["dp"], r["overlap_grad_reduce"]) for r in rows[3::4]] == [
+        (8, 1, False), (8, 64, False), (8, 64, True)]
+    assert [r["paper_efficiency"] for r in rows[3::4]] == [0.77, 0.60, 0.74]
+    # one V100 from DeepBench's GEMM rates and the 2019 code's kernels at 900 GB/s: within 2 % of
+    # the 39 TFLOP/s the paper measured, which nothing in the profile was fitted to
+    assert rows[0]["efficiency"] == 1.0 and rows[0]["tflops_per_gpu"] == pytest.approx(39, rel=0.02)
+    assert rows[0]["time"]["optimizer"] == pytest.approx(1.21e9 * 64 / 9e11, rel=0.01)
     assert all(0.5 < r["efficiency"] <= 1.0 for r in rows)
-    assert rows[3]["efficiency"] < rows[1]["efficiency"]
-    # the 2019 implementation all-reduced gradients after backward: at 512 GPUs the exposed
-    # all-reduce brings the prediction within 5 points of the paper's 74 %; at 8-way TP alone the
-    # model (no loss of GEMM efficiency at smaller shapes) stays 9 points above the paper's 77 %
+    assert rows[3]["efficiency"] < rows[2]["efficiency"] < rows[1]["efficiency"]
+    # after backward the whole all-reduce shows; overlapped with it only the last bucket does
     assert rows[7]["time"]["dp_comm_exposed"] == rows[7]["time"]["dp_comm"] > 0
-    assert abs(rows[7]["efficiency"] - 0.74) < 0.05
-    assert rows[3]["efficiency"] - 0.77 == pytest.approx(0.093, abs=0.01)
+    assert rows[11]["time"]["dp_comm_exposed"] < rows[7]["time"]["dp_comm"] / 100
+    # at 8-way TP the prediction stays 9 points above the paper's 77 % (docs/benchmarks.md)
+    assert rows[3]["efficiency"] - 0.77 == pytest.approx(0.09, abs=0.01)
 
 
 def test_step_time_parts():
     profile = load_profile("dgx2h")
+    flat = dict(profile, flops=39e12, flops_recompute="none")
+    del flat["published"]
     cfg = GPTConfig(num_layers=4, hidden_size=512, num_attention_heads=8, vocab_size=256,
                     max_position_embeddings=256)
-    one = step_time(cfg, ParallelShape(seq=256, micro_batch=8, global_batch=8), profile)
+    one = step_time(cfg, ParallelShape(seq=256, micro_batch=8, global_batch=8), flat)
     assert one["tp_comm"] == one["bubble"] == one["dp_comm"] == 0
-    tp = step_time(cfg, ParallelShape(tp=2, seq=256, micro_batch=8, global_batch=8), profile)
+    tp = step_time(cfg, ParallelShape(tp=2, seq=256, micro_batch=8, global_batch=8), flat)
     assert tp["compute"] == pytest.approx(one["compute"] / 2) and tp["tp_comm"] > 0
-    pp = step_time(cfg, ParallelShape(pp=2, seq=256, micro_batch=8, global_batch=32), profile)
+    pp = step_time(cfg, ParallelShape(pp=2, seq=256, micro_batch=8, global_batch=32), flat)
     assert pp["bubble"] == pytest.approx((pp["compute"] + pp["pp_comm"]) / 4)
+    # six all-reduces a layer under full recomputation (forward's two, again, backward's two) and
+    # the embedding's and output layer's, of s b h elements
+    full = step_time(cfg, ParallelShape(tp=2, seq=256, micro_batch=8, global_batch=8, recompute="full"), flat)
+    link = profile["intra"]["all_reduce"]
+    one_reduce = all_reduce_time(2, 256 * 8 * 512 * 4, link["alpha_s"], link["beta_s_per_byte"])
+    assert full["tp_comm"] == pytest.approx((4 * 6 + 2) * one_reduce)
 
 
 def test_search_ranks_and_refuses():

@@ -1,0 +1,132 @@
+"""A GPU rank's compute time from published rates and a counted implementation (a profile's
+"published" section, as the shipped dgx2h profile has), for machines this project cannot measure:
+
+- GEMMs at the FLOP/s that a published benchmark measured at the shapes nearest in log space
+  (rows, cols, inner; interpolated_rate) in the step's element width, and never faster than
+  their minimum traffic
+  (both inputs read and the output written once) at the device's memory bandwidth. A batched
+  GEMM looks its rate up with the batch's rows stacked: its products fill the device together;
+  its traffic is every product's;
+- attention as the 2019 implementation ran it, unfused: the score and context GEMMs over every
+  score of a b x heads x s x s tensor (batched), and the elementwise kernels between them as
+  passes over that tensor;
+- every other memory-bound kernel as passes over the tensor it touches, at the bandwidth: the
+  published section's counts per tensor (the hidden size, which TP leaves whole on every rank
+  unless sequence parallelism shards it, QKV, the attention output and the MLP's 4h on this
+  rank's columns), plus a dropout's passes where the model drops out;
+- the output layer's GEMM and the loss's bytes per logit on the last stage, the embedding's
+  passes on the first, and each parameter's gradient accumulated (read twice, written once).
+
+No engine cost is added: a GPU's kernels run asynchronously behind the host, and at these shapes
+each lasts far longer than its launch.
+"""
+import math
+
+from ..autograd import InputError
+from ..tensor_parallel import pad_vocab_size
+from .memory import rank_parameters, stages_of
+from .work import COMPUTE_PARTS, forward_backward, layer_gemms
+
+
+NEIGHBOURS = 4
+
+
+def interpolated_rate(points, rows, cols, inner):
+    """FLOP/s at a shape from the published [rows, cols, inner, TFLOP/s] points: the NEIGHBOURS
+    nearest in log2 space of the shape, their log rates weighted by 1 / distance^2 (a modified
+    Shepard interpolation: smooth between points, exact at one, and blind to points far off)."""
+    want = [math.log2(max(1, x)) for x in (rows, cols, inner)]
+    scored = sorted((sum((math.log2(a) - b) ** 2 for a, b in zip(p[:3], want)), p[3]) for p in points)
+    nearest = scored[:NEIGHBOURS]
+    if nearest[0][0] == 0:
+        return nearest[0][1] * 1e12
+    weights = [1 / d2 for d2, _ in nearest]
+    return 2 ** (sum(wt * math.log2(rate) for wt, (_, rate) in zip(weights, nearest)) / sum(weights)) * 1e12
+
+
+def gemm_seconds(published, bandwidth, w, m, k, n, batch=1):
+    """Seconds of `batch` (m x k) @ (k x n) products in elements of w bytes."""
+    rate = interpolated_rate(published["gemm"][str(w)], batch * m, n, k)
+    traffic = batch * (m * k + k * n + m * n) * w
+    return max(2.0 * batch * m * k * n / rate, traffic / bandwidth)
+
+
+def passes_seconds(published, bandwidth, w, tensors, way):
+    """Seconds of the passes over [(tensor name, elements)] forward (way 0) or backward (1)."""
+    return sum(published["passes"][name][way] * elements * w for name, elements in tensors) / bandwidth
+
+
+def layer_tensors(cfg, shape):
+    """([(pass-table name, elements)] over attention's scores, [...] over everything else): one
+    layer's memory-bound kernels on a rank for one micro-batch."""
+    t, h, tokens = shape.tp, cfg.hidden_size, shape.micro_batch * shape.local_seq
+    whole = tokens * h // (t if shape.sequence_parallel else 1)
+    query = cfg.num_attention_heads * cfg.head_dim
+    qkv = tokens * (query + 2 * cfg.num_query_groups * cfg.head_dim) // t
+    scores = shape.micro_batch * cfg.num_attention_heads // t * shape.local_seq * shape.seq
+    on_scores = [("scores", scores)] + ([("dropout", scores)] if cfg.attention_dropout > 0 else [])
+    others = [("hidden", whole), ("qkv", qkv), ("context", tokens * query // t),
+              ("ffn", tokens * cfg.ffn_hidden_size // t)]
+    if cfg.hidden_dropout > 0:
+        others += [("dropout", whole), ("dropout", whole)]
+    return on_scores, others
+
+
+def layer_seconds(cfg, shape, published, bandwidth, w):
+    """{part: (forward, backward) seconds} of one layer on a rank for one micro-batch."""
+    one = lambda m, k, n: gemm_seconds(published, bandwidth, w, m, k, n)
+    seq, d = shape.local_seq, cfg.head_dim
+    batch = shape.micro_batch * cfg.num_attention_heads // shape.tp
+    batched = lambda m, k, n: gemm_seconds(published, bandwidth, w, m, k, n, batch)
+    on_scores, others = layer_tensors(cfg, shape)
+    passes = lambda tensors, way: passes_seconds(published, bandwidth, w, tensors, way)
+    scores = forward_backward(batched, [(seq, d, shape.seq), (seq, shape.seq, d)])
+    return {"gemm": forward_backward(one, layer_gemms(cfg, shape)),
+            "attention": tuple(scores[way] + passes(on_scores, way) for way in (0, 1)),
+            "memory_bound": tuple(passes(others, way) for way in (0, 1))}
+
+
+def end_seconds(cfg, shape, published, bandwidth, w):
+    """{part: seconds} of one micro-batch's embedding (first stage) and of the final norm, the
+    output layer and the loss (last stage)."""
+    tokens, h = shape.micro_batch * shape.local_seq, cfg.hidden_size
+    vocab = pad_vocab_size(cfg.vocab_size, shape.tp, cfg.make_vocab_size_divisible_by) // shape.tp
+    both = lambda tensors: sum(passes_seconds(published, bandwidth, w, tensors, way) for way in (0, 1))
+    one = lambda m, k, n: gemm_seconds(published, bandwidth, w, m, k, n)
+    loss = sum(published["loss_bytes_per_logit"]) * tokens * vocab / bandwidth
+    first = {"memory_bound": both([("embedding", tokens * h)])}
+    last = {"gemm": sum(forward_backward(one, [(tokens, h, vocab)])),
+            "memory_bound": both([("norm", tokens * h)]) + loss}
+    return first, last
+
+
+def stage_seconds(cfg, shape, profile, again, w):
+    """Compute seconds of one micro-batch on each pipeline rank, by part (work.COMPUTE_PARTS):
+    its layers (the recomputed share's forward twice), its ends, and its parameters' gradients
+    accumulated."""
+    published, bandwidth = profile["published"], profile["memory_bandwidth_bytes_per_s"]
+    if str(w) not in published["gemm"]:
+        raise InputError(f"profile {profile['name']!r} publishes GEMM rates for {' and '.join(sorted(published['gemm']))}"
+                         f"-byte elements, not this model's {w}; plan it in one of those widths (e.g. --fp16) "
+                         f"or add published.gemm.\"{w}\" to the profile")
+    layer = {part: forward + backward + again * forward
+             for part, (forward, backward) in layer_seconds(cfg, shape, published, bandwidth, w).items()}
+    first, last = end_seconds(cfg, shape, published, bandwidth, w)
+    chunks, stages = stages_of(cfg, shape), []
+    for rank in range(shape.pp):
+        layers = sum(len(s.layers) for s in chunks[rank::shape.pp])
+        parts = {part: layers * layer.get(part, 0.0) + (first.get(part, 0.0) if rank == 0 else 0.0)
+                 + (last.get(part, 0.0) if rank == shape.pp - 1 else 0.0) for part in COMPUTE_PARTS}
+        parts["memory_bound"] += 3 * rank_parameters(cfg, shape, rank) * w / bandwidth
+        stages.append(parts)
+    return stages
+
+
+def published_compute(cfg, shape, profile, again, w):
+    """(compute, bubble, compute by part) seconds of a step, as work.measured_compute gives them
+    (no engine part: see the module docstring)."""
+    stages = stage_seconds(cfg, shape, profile, again, w)
+    totals = [sum(parts.values()) for parts in stages]
+    busiest = stages[totals.index(max(totals))]
+    parts = {part: shape.micro_batches * seconds for part, seconds in busiest.items() if part != "engine"}
+    return shape.micro_batches * max(totals), (sum(totals) - max(totals)) / shape.virtual, parts
