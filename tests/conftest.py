@@ -34,3 +34,17 @@ def fresh_strict_cupy(monkeypatch):
     with strict_cupy(devices=1) as module:
         module._strict.reset()
         yield module
+
+
+def pytest_collection_modifyitems(items):
+    """`@pytest.mark.quick_variants(id, ..., first=N)` on a parametrized test: the quick run
+    (-m "not slow") keeps the cases with those ids and the first N; the other cases are marked
+    slow, and the whole suite runs them. For sweeps whose cases take the same path (one bad input
+    after another, a repetition against a race) or repeat a lighter case at more ranks."""
+    for item in items:
+        keep = item.get_closest_marker("quick_variants")
+        if keep is None or not hasattr(item, "callspec"):
+            continue
+        position = max(item.callspec.indices.values())
+        if item.callspec.id not in keep.args and position >= keep.kwargs.get("first", 0):
+            item.add_marker(pytest.mark.slow)

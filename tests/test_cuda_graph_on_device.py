@@ -40,6 +40,7 @@ def run(cp, steps, **options):
     return losses, norms, [cp.asnumpy(p.data) for p in trainer.params], per_step, trainer
 
 
+@pytest.mark.quick_variants("float32")
 @pytest.mark.parametrize("options", [{}, {"bf16": True}, {"hidden_dropout": 0.1, "attention_dropout": 0.1}],
                          ids=["float32", "bf16", "dropout"])
 def test_replayed_steps_equal_eager_ones_bitwise_one_launch_a_step(cp, options):

@@ -7,6 +7,7 @@ import pytest
 RANKS = "ranks/collectives.py"
 
 
+@pytest.mark.quick_variants("4")
 @pytest.mark.parametrize("n", [1, 2, 4, pytest.param(8, marks=pytest.mark.slow)])
 def test_collectives_and_p2p_on_the_world(mpirun, n):
     result = mpirun(n, RANKS, args=["world"], timeout=240)
@@ -23,6 +24,7 @@ def test_every_group_of_a_2x2x2_grid(mpirun):
 
 
 # Four ranks on two cores take 10 s: the slow suite's.
+@pytest.mark.quick_variants("2")
 @pytest.mark.parametrize("n", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_large_all_reduces_through_shared_memory(mpirun, n):
     result = mpirun(n, RANKS, args=["shared-memory"], timeout=240)

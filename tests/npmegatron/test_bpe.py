@@ -81,6 +81,7 @@ def test_preprocess_train_and_evaluate_on_subword_tokens(learnt, tmp_path):
     assert len(sample.stdout.rstrip("\n")) > len("The model")
 
 
+@pytest.mark.quick_variants("vocab-alone")
 @pytest.mark.parametrize("args,message", [
     (["--vocab-file", "v.json"], "--vocab-file and --merge-file go with --tokenizer-type GPT2BPETokenizer"),
     (["--tokenizer-type", "GPT2BPETokenizer"], "--vocab-file and --merge-file go with --tokenizer-type"),

@@ -25,6 +25,7 @@ def shard_tensors(folder):
     return load_file(str(folder / latest / "mp_rank_00_000.safetensors"))
 
 
+@pytest.mark.quick_variants("float32")
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_resume_is_bitwise_identical_with_dropout(tmp_path, dtype):
     straight = train(small(tmp_path, dtype=dtype, save=str(tmp_path / "a")), echo=lambda *a: None)
@@ -70,6 +71,7 @@ def corrupt(folder, how):
     return it
 
 
+@pytest.mark.quick_variants(first=2)
 @pytest.mark.parametrize("how,message", [
     ("truncated", "checkpoint shard {it}/mp_rank_00_000.safetensors has {n} bytes but the manifest says"),
     ("flipped", "checkpoint shard {it}/mp_rank_00_000.safetensors fails its SHA-256 check"),

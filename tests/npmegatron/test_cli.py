@@ -15,6 +15,7 @@ def run(args, timeout=120):
     return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
+@pytest.mark.quick_variants(first=2)
 @pytest.mark.parametrize("command", [[], ["train"], ["preprocess"], ["train-tokenizer"], ["generate"], ["evaluate"], ["bench"],
                                      ["bench", "step"], ["bench", "comm"]], ids=str)
 def test_every_command_has_help(command):
@@ -30,6 +31,7 @@ def test_console_script_and_train_script_have_help():
     assert result.returncode == 0 and "--num-attention-heads" in result.stdout
 
 
+@pytest.mark.quick_variants("lr", "iters")
 @pytest.mark.parametrize("args,message", [
     (["--hidden-size", "100", "--num-attention-heads", "3"],
      "hidden size 100 is not divisible by 3 attention heads"),
@@ -123,6 +125,7 @@ def tiny_checkpoint(tmp_path_factory):
     return str(folder / "ck")
 
 
+@pytest.mark.quick_variants("inf")
 @pytest.mark.parametrize("args,message", [
     (["--temperature", "nan"], "temperature nan must be a finite number >= 0"),
     (["--temperature", "inf"], "temperature inf must be a finite number >= 0"),
@@ -149,6 +152,7 @@ def test_generate_from_a_prompts_file_several_samples_past_the_positions(tiny_ch
     assert result.stderr.count("note: the model holds 16 positions") == 1
 
 
+@pytest.mark.quick_variants("top-p")
 @pytest.mark.parametrize("args,message", [
     ([], "generate needs a prompt: give --prompt TEXT or --prompts-file FILE"),
     (["--prompt", "a", "--prompts-file", "x.txt"], "generate needs a prompt: give --prompt TEXT or --prompts-file"),

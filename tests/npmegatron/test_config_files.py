@@ -23,6 +23,7 @@ def config_of(printed):
     return TrainConfig.from_flat(**{key.replace("-", "_"): value for key, value in yaml.safe_load(printed).items()})
 
 
+@pytest.mark.quick_variants(first=1)
 @pytest.mark.parametrize("name, text", [
     ("run.yaml", "num-layers: 3\nhidden_size: 48\nlr: 0.001\nsequence-parallel: false\nlr-decay-style: WSD\n"
                  "lr-wsd-decay-iters: 10\n"),
@@ -41,6 +42,7 @@ def test_a_file_sets_the_flags_and_the_command_line_overrides_it(tmp_path, name,
     assert config_of(result.stdout).model.num_layers == 5 and config_of(result.stdout).model.hidden_size == 48
 
 
+@pytest.mark.quick_variants(first=2)
 @pytest.mark.parametrize("name, text, message", [
     ("a.yaml", "num-layerz: 3\n", "--config {p}: 'num-layerz' is not a flag of `train`"),
     ("a.yaml", "num-layers: three\n", "--config {p}: 'num-layers' is 'three', 'three' is not a valid integer"),

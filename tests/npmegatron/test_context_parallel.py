@@ -19,6 +19,7 @@ def reports(result):
     return [json.loads(l) for l in result.stdout.splitlines() if l.startswith("{")]
 
 
+@pytest.mark.quick_variants("2-1")
 @pytest.mark.parametrize("cp, tp", [(2, 1), (4, 1), (2, 2)])
 def test_equals_serial_loss_logits_and_every_gradient(mpirun, cp, tp):
     rows = reports(mpirun(cp * tp, CP_RANKS, args=["equals-serial", cp, tp], timeout=180))
@@ -58,6 +59,7 @@ def test_ring_is_correct_when_messages_match_in_posting_order(mpirun):
     assert worst(result) < 1e-10
 
 
+@pytest.mark.quick_variants("2")
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_messages_per_layer(mpirun, cp):
     """Forward: each other rank's key/value block once (CP - 1 sends); backward: the blocks again

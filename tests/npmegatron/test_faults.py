@@ -77,6 +77,7 @@ def rank_pids(marker):
                   open(f"/proc/{p}/cmdline", "rb").read().split(b"\0")[0])
 
 
+@pytest.mark.quick_variants("mpiexec0")
 @pytest.mark.parametrize("target", ["mpiexec", "mpiexec", "mpiexec", "rank 1"])
 def test_ctrl_c_ends_every_rank_within_10_s(tmp_path, target):
     log = str(tmp_path / "log.jsonl")
@@ -128,6 +129,7 @@ def sentinels_of(rank_pids):
     return found
 
 
+@pytest.mark.quick_variants("1")
 @pytest.mark.parametrize("victim", [1, 0])
 def test_a_killed_rank_is_named_once_with_the_checkpoint_to_resume_from(tmp_path, victim):
     log, ck = str(tmp_path / "log.jsonl"), tmp_path / "ck"
@@ -166,6 +168,7 @@ def test_a_killed_rank_without_save_says_no_checkpoint_was_saved(tmp_path):
     assert err.rstrip().endswith("so the job is ending; no checkpoint was saved (no --save)"), err
 
 
+@pytest.mark.quick_variants("mpiexec")
 @pytest.mark.parametrize("target", ["terminal", "mpiexec"])
 def test_ctrl_c_of_four_ranks_is_one_line_and_status_130(tmp_path, target):
     """A terminal's Ctrl-C reaches mpiexec's process group; mpiexec forwards it to every rank."""
@@ -344,6 +347,7 @@ def test_a_second_run_on_the_same_folder_is_refused_naming_the_first(tmp_path):
                                     f"{os.uname().nodename}, process {first.pid}); wait"), second.stderr
 
 
+@pytest.mark.quick_variants("iter_1")
 @pytest.mark.parametrize("pointer", ["../other/iter_0000001", "/abs/iter_0000001", "iter_1", "iter_0000001/.."])
 def test_latest_must_name_an_iteration_folder_inside(tmp_path, pointer):
     quiet(small(tmp_path, save=str(tmp_path / "other"), train_iters=1))

@@ -21,6 +21,7 @@ def llama(**kw):
     return GPTConfig(**{**base, **kw})
 
 
+@pytest.mark.quick_variants("2")
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_tensor_parallel_equals_serial(mpirun, tp):
     result = mpirun(tp, "ranks/tensor_parallel.py", args=["equals-serial-llama"], timeout=180)

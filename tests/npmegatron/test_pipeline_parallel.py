@@ -103,6 +103,7 @@ def test_pipeline_training_follows_serial_and_resumes_bitwise(tmp_path):
         "config.yaml", "manifest.json", "mp_rank_00_000.safetensors", "mp_rank_00_001.safetensors"]
 
 
+@pytest.mark.quick_variants("layout")
 @pytest.mark.parametrize("args,message", [
     (["--pipeline-model-parallel-layout", "Ett|tL"], "has 3 transformer layers but the model has 4"),
     (["--num-layers-per-virtual-pipeline-stage", "3"], "does not split 4 layers over 2 pipeline ranks"),

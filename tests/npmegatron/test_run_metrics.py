@@ -54,6 +54,7 @@ def test_memory_is_reported_at_the_first_interval_and_when_it_grows(tmp_path):
     assert any(line.startswith("memory (the arrays held and the steps' traced peak on top)") for line in said)
 
 
+@pytest.mark.quick_variants("None")
 @pytest.mark.parametrize("recompute", [None, "full"])
 def test_each_layers_forward_and_backward_at_level_2(tmp_path, recompute):
     """Level 2 adds each layer's times, inside the phases that hold them; under full recomputation

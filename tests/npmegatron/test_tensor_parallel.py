@@ -13,6 +13,7 @@ def test_mappings_are_adjoint_pairs(mpirun):
     mpirun(4, RANKS, args=["adjoint"])
 
 
+@pytest.mark.quick_variants("2")
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_tensor_parallel_equals_serial(mpirun, tp):
     result = mpirun(tp, RANKS, args=["equals-serial"], timeout=180)
@@ -27,6 +28,7 @@ def test_tensor_parallel_with_the_compiled_loss_equals_serial(mpirun):
     assert [r["sp"] for r in reports] == [False, True]
 
 
+@pytest.mark.quick_variants("2")
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tensor_parallel_through_shared_memory_equals_serial(mpirun, tp):
     """Activations of 64 KiB take comm's shared-memory all-reduce (comm/shared_memory.py)."""

@@ -28,6 +28,7 @@ def test_tensor_parallel_training_follows_the_serial_trajectory(tmp_path):
         assert got == pytest.approx(ref, rel=1e-9)
 
 
+@pytest.mark.quick_variants("hidden")
 @pytest.mark.parametrize("n,args,message", [
     (2, ["--tp", "2", "--num-attention-heads", "3", "--hidden-size", "24"],
      "3 attention heads are not divisible by tensor-parallel size 2"),
@@ -68,6 +69,7 @@ def saved(tmp_path_factory):
     return folder
 
 
+@pytest.mark.quick_variants("lr", "empty-data")
 @pytest.mark.parametrize("args,message", [
     (["--data-path", "{d}/missing"], "--data-path {d}/missing: {d}/missing.bin and {d}/missing.json not found"),
     (["--data-path", "{d}/empty"], "--data-path {d}/empty: {d}/empty.bin is empty"),
