@@ -3,6 +3,7 @@ and gradients as without it, serially and at TP = 2 x PP = 2 with SP and dropout
 schedule; the bytes kept for backward against the formula; bad combinations refused."""
 import dataclasses
 import json
+import re
 
 import numpy as np
 import pytest
@@ -135,8 +136,14 @@ def test_tp2_pp2_with_sp_and_dropout_every_schedule_is_bitwise_the_same(mpirun):
 
 def test_tp2_pp2_one_schedule_quick(mpirun):
     cases = [c for c in CASES if c["schedule"] == "1f1b" and c["dtype"] == "float32"][:1]
+    assert cases[0]["recompute"] == dict(recompute_granularity="full")
     result = mpirun(4, "ranks/recompute.py", args=[json.dumps(cases)], timeout=300)
     assert "cases passed 1" in result.stdout, result
+    # the recomputed forward runs its layer's TP collectives again: under SP 2 all-gathers and 2
+    # reduce-scatters for each of rank 0's 2 layers, 4 micro-batches and 2 steps, what the plan
+    # counts (time_model.step_time: 2 + 2 x again + 2 pairs a layer)
+    plain, again = map(int, re.search(r"tp collectives on rank 0: (\d+) plain, (\d+) recomputing", result.stdout).groups())
+    assert again - plain == 4 * 2 * 4 * 2, result.stdout
 
 
 @pytest.mark.parametrize("variant", VARIANTS[1:3], ids=["uniform-2", "block-3"])

@@ -5,7 +5,8 @@ PP = 2 (4 ranks) with sequence parallelism and dropout on, against the same mode
 
 A case is {"schedule", "dtype", "recompute": {GPTConfig's recompute_* fields}} with optional
 "virtual". Two training steps (iterations 0 and 1, M = 4 micro-batches) of two models built alike,
-one recomputing: every loss and every local gradient must be bitwise equal. Rank 0 prints
+one recomputing: every loss and every local gradient must be bitwise equal. Rank 0 prints its
+TP collectives (all-gathers and reduce-scatters under SP) of each model's two steps, then
 "cases passed <count>".
 """
 import dataclasses
@@ -15,7 +16,14 @@ import sys
 import numpy as np
 
 
+def tp_collectives():
+    """This rank's calls in its TP group since the last reset, every op together."""
+    from npmegatron import comm
+    return sum(groups.get("tp", {}).get("count", 0) for groups in comm.stats().table.values())
+
+
 def run(cfg, layout, schedule, batches, steps=2):
+    from npmegatron import comm
     from npmegatron.autograd.backend import to_numpy
     from npmegatron.config import ParallelConfig, TrainConfig
     from npmegatron.run import assemble
@@ -27,11 +35,12 @@ def run(cfg, layout, schedule, batches, steps=2):
     built = assemble(TrainConfig(model=cfg, parallel=parallel, seq_length=8, micro_batch_size=2))
     model = built.model
     losses, grads = [], []
+    comm.reset_stats()
     for iteration in range(steps):
         model.rng.iteration = iteration          # as the trainer does: new dropout masks per step
         losses.append(to_numpy(train_step(model, built.exchange, batches, built.buckets, built.schedule)))
         grads.append([to_numpy(p.grad).copy() for p in model.parameters()])
-    return losses, grads
+    return losses, grads, tp_collectives()
 
 
 def main(cases):
@@ -47,11 +56,13 @@ def main(cases):
                          max_position_embeddings=8, dtype=case["dtype"], hidden_dropout=0.2,
                          attention_dropout=0.2, sequence_parallel=True)
         layout = default_layout(4, 2, case.get("virtual", 1))
-        plain = run(base, layout, case["schedule"], batches)
-        again = run(dataclasses.replace(base, **case["recompute"]), layout, case["schedule"], batches)
+        *plain, plain_calls = run(base, layout, case["schedule"], batches)
+        *again, again_calls = run(dataclasses.replace(base, **case["recompute"]), layout, case["schedule"], batches)
         for (loss, grads), (loss2, grads2) in zip(zip(*plain), zip(*again)):
             assert np.array_equal(loss, loss2), (case, loss, loss2)
             assert all(np.array_equal(a, b) for a, b in zip(grads, grads2)), case
+        if world.rank == 0:
+            print(f"tp collectives on rank 0: {plain_calls} plain, {again_calls} recomputing", flush=True)
         comm.barrier(world)
     if world.rank == 0:
         print(f"cases passed {len(cases)}", flush=True)
