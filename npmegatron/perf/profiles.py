@@ -5,7 +5,7 @@
       "description": "...",                  # optional: where the numbers come from
       "flops": 39e12,                        # achieved FLOP/s of a whole training step per device
         # or "peak_flops": 125e12 with "achieved_fraction": 0.312 (flops = their product)
-      "published": {"gemm": {"2": [[rows, cols, inner, TFLOP/s], ...], "4": [...]},   # or, for a GPU
+      "published": {"gemm": {"2": [[M, N, K, TFLOP/s], ...], "4": [...]},   # or, for a GPU (cuBLAS's M, N)
         "passes": {tensor: [forward, backward]}, "loss_bytes_per_logit": [f, b],     # known from
         "optimizer_bytes_per_parameter": 64},    # published figures: rates by kind of work
         # (perf/published.py; then memory_bandwidth_bytes_per_s is required and flops unused)
@@ -35,6 +35,7 @@ applies to groups within one node; "inter" to groups spanning nodes, its beta be
 share of the node's network bandwidth (node bandwidth / devices per node).
 """
 import json
+import math
 import os
 
 from ..autograd import InputError
@@ -70,13 +71,22 @@ def load_profile(name_or_path):
     return normalise(raw, path)
 
 
+def _real(value):
+    """A JSON number that a float holds finitely (not a bool, nan, infinity or a huge integer)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _number(raw, key, path, where=""):
     value = raw.get(key) if isinstance(raw, dict) else None
     if value is None:
         raise InputError(f"profile {path} lacks the key '{where}{key}'; add it (see "
                          "npmegatron/perf/profiles.py for the schema)")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 \
-            or value == float("inf"):
+    if not _real(value) or value < 0:
         raise InputError(f"profile {path} has '{where}{key}' = {value!r}; it must be a finite "
                          "non-negative number")
     return float(value)
@@ -103,7 +113,9 @@ def normalise(raw, path="<profile>"):
         raise InputError(f"profile {path} has 'name' = {profile['name']!r}; it must be a string")
     if "published" in raw:            # rates by kind of work instead of one FLOP rate
         profile["published"] = _published(raw["published"], path)
-        _number(raw, "memory_bandwidth_bytes_per_s", path)
+        if _number(raw, "memory_bandwidth_bytes_per_s", path) == 0:
+            raise InputError(f"profile {path} gives memory_bandwidth_bytes_per_s = 0; a published profile "
+                             "divides its memory-bound work by it, so it must be positive")
         profile["flops"] = None
     elif "flops" in raw:
         profile["flops"] = _number(raw, "flops", path)
@@ -222,14 +234,16 @@ def _published(raw, path):
             raise InputError(f"profile {path} has {where}gemm.{width} = {points!r}; give element bytes \"2\" or "
                              "\"4\" each a non-empty list of [rows, cols, inner, TFLOP/s]")
         for point in points:
-            _grid(point, [4], path, f"{where}gemm.{width}")
+            if not (isinstance(point, list) and len(point) == 4 and all(_real(v) and v > 0 for v in point)):
+                raise InputError(f"profile {path} has {where}gemm.{width} entry {point!r}; each is "
+                                 "[M, N, K, TFLOP/s], four positive finite numbers")
     passes = raw.get("passes")
     for name in PASS_TABLES:
         pair = passes.get(name) if isinstance(passes, dict) else None
         if not (isinstance(pair, list) and len(pair) == 2):
             raise InputError(f"profile {path} lacks '{where}passes.{name}' as [forward, backward] passes; add it")
         for value in pair:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+            if not _real(value) or value < 0:
                 raise InputError(f"profile {path} has {where}passes.{name} = {pair!r}; passes are finite "
                                  "non-negative numbers")
     loss = raw.get("loss_bytes_per_logit")
@@ -245,7 +259,7 @@ def _axis(section, key, path, where):
     """A grid axis: increasing positive numbers."""
     values = section.get(key) if isinstance(section, dict) else None
     if not (isinstance(values, list) and values and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf") for v in values)
+            _real(v) and v > 0 for v in values)
             and values == sorted(set(values))):
         raise InputError(f"profile {path} has '{where}{key}' = {values!r}; it must be a list of increasing "
                          "positive numbers (run `npmegatron plan calibrate` again)")
@@ -255,7 +269,7 @@ def _axis(section, key, path, where):
 def _grid(values, lengths, path, where):
     """Nested lists of the given lengths whose leaves are positive finite numbers."""
     if not lengths:
-        if isinstance(values, bool) or not isinstance(values, (int, float)) or not 0 < values < float("inf"):
+        if not _real(values) or values <= 0:
             raise InputError(f"profile {path} has a value {values!r} in '{where}'; every entry must be a "
                              "positive finite number")
         return

@@ -2,9 +2,9 @@
 "published" section, as the shipped dgx2h profile has), for machines this project cannot measure:
 
 - GEMMs at the FLOP/s that a published benchmark measured at the shapes nearest in log space
-  (rows, cols, inner; interpolated_rate) in the step's element width, and never faster than
-  their minimum traffic
-  (both inputs read and the output written once) at the device's memory bandwidth. A batched
+  (cuBLAS's M, N, K; interpolated_rate) in the step's element width, and never faster than
+  their minimum traffic (both inputs read and the output written once) at the device's memory
+  bandwidth. A batched
   GEMM looks its rate up with the batch's rows stacked: its products fill the device together;
   its traffic is every product's;
 - attention as the 2019 implementation ran it, unfused: the score and context GEMMs over every
@@ -31,11 +31,14 @@ from .work import COMPUTE_PARTS, forward_backward, layer_gemms
 NEIGHBOURS = 4
 
 
-def interpolated_rate(points, rows, cols, inner):
-    """FLOP/s at a shape from the published [rows, cols, inner, TFLOP/s] points: the NEIGHBOURS
-    nearest in log2 space of the shape, their log rates weighted by 1 / distance^2 (a modified
-    Shepard interpolation: smooth between points, exact at one, and blind to points far off)."""
-    want = [math.log2(max(1, x)) for x in (rows, cols, inner)]
+def interpolated_rate(points, M, N, K):
+    """FLOP/s of a cuBLAS GEMM whose column-major output is M x N with inner size K, from the
+    published [M, N, K, TFLOP/s] points: the NEIGHBOURS nearest in log2 space of the shape, their
+    log rates weighted by 1 / distance^2 (a modified Shepard interpolation: smooth between points,
+    exact at one, and blind to points far off). Each coordinate is first clamped to the range
+    the points cover: no rate is extrapolated past what was measured."""
+    logs = [[math.log2(p[axis]) for p in points] for axis in range(3)]
+    want = [min(max(math.log2(max(1, x)), min(axis)), max(axis)) for x, axis in zip((M, N, K), logs)]
     scored = sorted((sum((math.log2(a) - b) ** 2 for a, b in zip(p[:3], want)), p[3]) for p in points)
     nearest = scored[:NEIGHBOURS]
     if nearest[0][0] == 0:
@@ -45,8 +48,10 @@ def interpolated_rate(points, rows, cols, inner):
 
 
 def gemm_seconds(published, bandwidth, w, m, k, n, batch=1):
-    """Seconds of `batch` (m x k) @ (k x n) products in elements of w bytes."""
-    rate = interpolated_rate(published["gemm"][str(w)], batch * m, n, k)
+    """Seconds of `batch` row-major (m x k) @ (k x n) products in elements of w bytes. cuBLAS,
+    column-major, computes each as the transposed product: M = n, N = m (DeepBench's N is the
+    minibatch, as m, the tokens, is here)."""
+    rate = interpolated_rate(published["gemm"][str(w)], n, batch * m, k)
     traffic = batch * (m * k + k * n + m * n) * w
     return max(2.0 * batch * m * k * n / rate, traffic / bandwidth)
 
@@ -90,13 +95,15 @@ def end_seconds(cfg, shape, published, bandwidth, w):
     """{part: seconds} of one micro-batch's embedding (first stage) and of the final norm, the
     output layer and the loss (last stage)."""
     tokens, h = shape.micro_batch * shape.local_seq, cfg.hidden_size
+    sharded = tokens * h // (shape.tp if shape.sequence_parallel else 1)      # what SP scatters
     vocab = pad_vocab_size(cfg.vocab_size, shape.tp, cfg.make_vocab_size_divisible_by) // shape.tp
     both = lambda tensors: sum(passes_seconds(published, bandwidth, w, tensors, way) for way in (0, 1))
     one = lambda m, k, n: gemm_seconds(published, bandwidth, w, m, k, n)
     loss = sum(published["loss_bytes_per_logit"]) * tokens * vocab / bandwidth
-    first = {"memory_bound": both([("embedding", tokens * h)])}
+    embedding = [("embedding", tokens * h)] + ([("dropout", sharded)] if cfg.hidden_dropout > 0 else [])
+    first = {"memory_bound": both(embedding)}
     last = {"gemm": sum(forward_backward(one, [(tokens, h, vocab)])),
-            "memory_bound": both([("norm", tokens * h)]) + loss}
+            "memory_bound": both([("norm", sharded)]) + loss}
     return first, last
 
 

@@ -76,13 +76,15 @@ def test_a_width_without_published_rates_is_one_sentence():
 @pytest.mark.parametrize("change,needle", [
     (lambda p: p.pop("gemm"), "lacks 'published.gemm'"),
     (lambda p: p["gemm"].update({"3": [[1, 1, 1, 1.0]]}), "has published.gemm.3"),
-    (lambda p: p["gemm"]["2"].append([1, 1, 1]), "not shaped as its axes"),
+    (lambda p: p["gemm"]["2"].append([1, 1, 1]), "entry [1, 1, 1]; each is [M, N, K, TFLOP/s]"),
+    (lambda p: p["passes"].update({"qkv": [10 ** 400, 1]}), "published.passes.qkv = "),
     (lambda p: p["passes"].pop("scores"), "lacks 'published.passes.scores'"),
     (lambda p: p["passes"].update({"hidden": [1, -1]}), "published.passes.hidden = [1, -1]"),
     (lambda p: p.pop("loss_bytes_per_logit"), "lacks 'published.loss_bytes_per_logit'"),
     (lambda p: p.update({"optimizer_bytes_per_parameter": 0}), "optimizer_bytes_per_parameter = 0"),
 ])
 def test_a_bad_published_section_is_one_sentence(tmp_path, change, needle):
+    """Every one a single InputError naming the file, never a traceback at plan time."""
     raw = json.loads(open(resolve("dgx2h")).read())
     change(raw["published"])
     path = tmp_path / "profile.json"
@@ -90,3 +92,14 @@ def test_a_bad_published_section_is_one_sentence(tmp_path, change, needle):
     with pytest.raises(InputError, match=needle.replace("[", r"\[").replace("]", r"\]")) as error:
         load_profile(str(path))
     assert "\n" not in str(error.value) and str(path) in str(error.value)
+
+
+@pytest.mark.parametrize("value", [0, 10 ** 400])
+def test_a_published_profile_needs_a_positive_finite_bandwidth(tmp_path, value):
+    raw = json.loads(open(resolve("dgx2h")).read())
+    raw["memory_bandwidth_bytes_per_s"] = value
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(InputError, match="memory_bandwidth_bytes_per_s") as error:
+        load_profile(str(path))
+    assert "\n" not in str(error.value)
