@@ -6,6 +6,7 @@ import json
 import math
 import re
 import struct
+import time
 
 import pytest
 
@@ -75,8 +76,15 @@ def test_wandb_offline_run_holds_every_interval(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     logged = run(tmp_path, wandb_project="npmegatron-test", wandb_exp_name="small", wandb_save_dir=str(tmp_path / "wb"))
     [path] = glob.glob(str(tmp_path / "wb" / "wandb" / "offline-run-*" / "run-*.wandb"))
-    records = wandb_records(path)
-    runs = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    # wandb's service process writes the file; once in CI it was read there still without its
+    # run record right after finish() returned, so the reader waits (10 s at most) for it
+    deadline = time.monotonic() + 10
+    while True:
+        records = wandb_records(path)
+        runs = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+        if runs or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert runs[0].project == "npmegatron-test" and runs[0].display_name == "small"
     history = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
                for r in records if r.WhichOneof("record_type") == "history"]
