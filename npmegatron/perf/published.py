@@ -24,8 +24,7 @@ import math
 
 from ..autograd import InputError
 from ..tensor_parallel import pad_vocab_size
-from .memory import rank_parameters, stages_of
-from .work import COMPUTE_PARTS, forward_backward, layer_gemms
+from .work import busiest_stage, forward_backward, layer_gemms, pipeline_stages
 
 
 NEIGHBOURS = 4
@@ -108,9 +107,9 @@ def end_seconds(cfg, shape, published, bandwidth, w):
 
 
 def stage_seconds(cfg, shape, profile, again, w):
-    """Compute seconds of one micro-batch on each pipeline rank, by part (work.COMPUTE_PARTS):
-    its layers (the recomputed share's forward twice), its ends, and its parameters' gradients
-    accumulated."""
+    """Compute seconds of one micro-batch on each pipeline rank, by part (no engine part: see the
+    module docstring): its layers (the recomputed share's forward twice), its ends, and its
+    parameters' gradients accumulated."""
     published, bandwidth = profile["published"], profile["memory_bandwidth_bytes_per_s"]
     if str(w) not in published["gemm"]:
         raise InputError(f"profile {profile['name']!r} publishes GEMM rates for {' and '.join(sorted(published['gemm']))}"
@@ -118,22 +117,12 @@ def stage_seconds(cfg, shape, profile, again, w):
                          f"or add published.gemm.\"{w}\" to the profile")
     layer = {part: forward + backward + again * forward
              for part, (forward, backward) in layer_seconds(cfg, shape, published, bandwidth, w).items()}
-    first, last = end_seconds(cfg, shape, published, bandwidth, w)
-    chunks, stages = stages_of(cfg, shape), []
-    for rank in range(shape.pp):
-        layers = sum(len(s.layers) for s in chunks[rank::shape.pp])
-        parts = {part: layers * layer.get(part, 0.0) + (first.get(part, 0.0) if rank == 0 else 0.0)
-                 + (last.get(part, 0.0) if rank == shape.pp - 1 else 0.0) for part in COMPUTE_PARTS}
-        parts["memory_bound"] += 3 * rank_parameters(cfg, shape, rank) * w / bandwidth
-        stages.append(parts)
-    return stages
+    stages = pipeline_stages(cfg, shape, layer, *end_seconds(cfg, shape, published, bandwidth, w))
+    for parts, params in stages:
+        parts["memory_bound"] += 3 * params * w / bandwidth
+    return [parts for parts, _ in stages]
 
 
 def published_compute(cfg, shape, profile, again, w):
-    """(compute, bubble, compute by part) seconds of a step, as work.measured_compute gives them
-    (no engine part: see the module docstring)."""
-    stages = stage_seconds(cfg, shape, profile, again, w)
-    totals = [sum(parts.values()) for parts in stages]
-    busiest = stages[totals.index(max(totals))]
-    parts = {part: shape.micro_batches * seconds for part, seconds in busiest.items() if part != "engine"}
-    return shape.micro_batches * max(totals), (sum(totals) - max(totals)) / shape.virtual, parts
+    """(compute, bubble, compute by part) seconds of a step (work.busiest_stage)."""
+    return busiest_stage(stage_seconds(cfg, shape, profile, again, w), shape)

@@ -186,17 +186,36 @@ def stage_seconds(cfg, shape, measured, again, w):
     overhead = measured["layer_overhead_s"]
     layer = {"gemm": gemm_f + gemm_b + again * gemm_f, "attention": attn_f + attn_b + again * attn_f,
              "memory_bound": bytes_f + bytes_b + again * bytes_f, "engine": overhead * (1 + again / 2)}
-    first, last = end_seconds(cfg, shape, measured, w)
-    chunks, stages = stages_of(cfg, shape), []
-    for rank in range(shape.pp):
-        params = rank_parameters(cfg, shape, rank)
-        layers = sum(len(s.layers) for s in chunks[rank::shape.pp])
-        parts = {part: layers * layer[part] + (first.get(part, 0.0) if rank == 0 else 0.0)
-                 + (last.get(part, 0.0) if rank == shape.pp - 1 else 0.0) for part in COMPUTE_PARTS}
+    stages = pipeline_stages(cfg, shape, layer, *end_seconds(cfg, shape, measured, w))
+    for parts, params in stages:
         parts["memory_bound"] += traffic_seconds(measured, [("stream", params, 0, 3 * params * w)], 1)
         parts["engine"] += measured["micro_batch_overhead_s"]
-        stages.append(parts)
+    return [parts for parts, _ in stages]
+
+
+def pipeline_stages(cfg, shape, layer, first, last):
+    """[(seconds by part, parameters)] of one micro-batch on each pipeline rank: its layers at
+    `layer`'s seconds each, the first stage's ends `first` and the last's `last` ({part: s})."""
+    chunks, stages = stages_of(cfg, shape), []
+    for rank in range(shape.pp):
+        layers = sum(len(s.layers) for s in chunks[rank::shape.pp])
+        parts = {part: layers * seconds for part, seconds in layer.items()}
+        for ends, holds in ((first, rank == 0), (last, rank == shape.pp - 1)):
+            for part, seconds in ends.items():
+                parts[part] += seconds if holds else 0.0
+        stages.append((parts, rank_parameters(cfg, shape, rank)))
     return stages
+
+
+def busiest_stage(stages, shape, slowdown=1.0):
+    """(compute, bubble, compute by part) seconds of a step from each pipeline rank's seconds of
+    one micro-batch by part: M micro-batches on the busiest rank, and the pipeline's fill and
+    drain, in which each other stage's micro-batch runs once alone: (sum of the stages' - the
+    busiest's) / V. With equal stages this is the (PP - 1) / (M V) x compute of time_model.py."""
+    totals = [sum(parts.values()) * slowdown for parts in stages]
+    busiest = stages[totals.index(max(totals))]
+    parts = {part: shape.micro_batches * seconds * slowdown for part, seconds in busiest.items()}
+    return shape.micro_batches * max(totals), (sum(totals) - max(totals)) / shape.virtual, parts
 
 
 def nearest_count(by_threads, threads):
@@ -219,13 +238,7 @@ def measured_rates(profile, shape):
 
 
 def measured_compute(cfg, shape, profile, again, w):
-    """(compute, bubble, compute by part) seconds of a step: M micro-batches on the busiest
-    pipeline rank, and the pipeline's fill and drain, in which each other stage's micro-batch
-    runs once alone: (sum of the stages' - the busiest's) / V. With equal stages this is the
-    (PP - 1) / (M V) x compute of time_model.py."""
+    """(compute, bubble, compute by part) seconds of a step (busiest_stage), at this machine's
+    measured rates slowed by ranks sharing its cores."""
     measured, slowdown = measured_rates(profile, shape)
-    stages = stage_seconds(cfg, shape, measured, again, w)
-    totals = [sum(parts.values()) * slowdown for parts in stages]
-    busiest = stages[totals.index(max(totals))]
-    parts = {part: shape.micro_batches * seconds * slowdown for part, seconds in busiest.items()}
-    return shape.micro_batches * max(totals), (sum(totals) - max(totals)) / shape.virtual, parts
+    return busiest_stage(stage_seconds(cfg, shape, measured, again, w), shape, slowdown)
