@@ -43,3 +43,26 @@ def exp32(x):
     p = c[0] + r * (c[1] + r * (c[2] + r * (c[3] + r * (c[4] + r * (c[5] + r * (c[6] + r * c[7]))))))
     scale = _float32_from_bits(numpy.int32((numpy.int32(n) + 127) << 23))
     return _F32(0.0) if below else p * scale
+
+
+# A running maximum is a chain of dependent compares that the compiler will not split; kept in
+# this many independent lanes it vectorises (a row of 1,024 scores: 4x faster measured).
+MAX_LANES = 16
+
+
+@numba.njit(inline="always", cache=True, error_model="numpy", fastmath={"contract", "reassoc", "nnan"})
+def lane_max(row, count, lanes):
+    """The largest of row[:count] (count >= 1), in MAX_LANES running maxima (`lanes`, scratch of
+    that length)."""
+    lanes[:] = row[0]
+    whole = count - count % MAX_LANES
+    for start in range(0, whole, MAX_LANES):
+        for lane in range(MAX_LANES):
+            x = row[start + lane]
+            lanes[lane] = x if x > lanes[lane] else lanes[lane]
+    m = lanes[0]
+    for lane in range(1, MAX_LANES):
+        m = max(m, lanes[lane])
+    for j in range(whole, count):
+        m = max(m, row[j])
+    return m

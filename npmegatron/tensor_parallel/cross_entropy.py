@@ -35,7 +35,8 @@ class _VocabParallelCrossEntropy(Function):
     forward reads them in a max and one fused exp-sum, backward recomputes the softmax from them
     (they stay alive as the head's output anyway). On the CPU the exponentials are made in one
     copy and kept, and backward turns them into the gradient in place (one exp pass instead of
-    two): by blocks of rows in threads for large logits (_cross_entropy_cpu.py), at once for small ones."""
+    two): for large logits by threads in one read of them (_cross_entropy_cpu.py), at once for
+    small ones."""
     float32_output = True       # the loss stays in float32 under --fp16/--bf16, as Megatron's
 
     @staticmethod
@@ -48,9 +49,9 @@ class _VocabParallelCrossEntropy(Function):
         check_ids(targets, vocab_size, "target id", "targets must be token ids of the model's vocabulary")
         local_t, mine = _local_targets(xp, xp.asarray(targets).reshape(-1), vocab_start, real, group)
         ctx.compiled = _compiled(flat, real)
-        if ctx.compiled:
+        if ctx.compiled:        # the exponentials made with the shard's own maxima (see below)
             from . import _cross_entropy_cpu
-            local_max = _cross_entropy_cpu.row_max(flat, real)
+            local_max, kept, sums = _cross_entropy_cpu.shifted_exponentials(flat, real)
         else:
             local_max = flat[:, :real].max(axis=-1) if real else xp.full(flat.shape[0], -xp.inf, flat.dtype)
         global_max = comm.all_reduce(local_max, group, "max")[:, None]
@@ -58,9 +59,14 @@ class _VocabParallelCrossEntropy(Function):
         if mine is not None:
             target_z = xp.where(mine[:, None], target_z, 0)
         target_z = comm.all_reduce(target_z, group)
-        if ctx.compiled:        # the exponentials kept unnormalised: backward divides in its pass
-            kept, sums = _cross_entropy_cpu.exp_shifted(flat, real, global_max[:, 0])
-            sum_exp = comm.all_reduce(sums[:, None], group)
+        if ctx.compiled:
+            # exp(z - local max) = exp(z - global max) / rescale: the shard's sums are rescaled
+            # before they are added, and backward divides the kept exponentials by
+            # sum_exp / rescale. So the logits are read once, not once for the maximum and again
+            # after its all-reduce (they are the largest activation: 206 MB at GPT-2 124M's shape).
+            rescale = xp.exp(local_max[:, None] - global_max)
+            sum_exp = comm.all_reduce(sums[:, None] * rescale, group)
+            divisor = sum_exp / rescale
         elif xp is numpy:
             kept = flat[:, :real] - global_max
             xp.exp(kept, out=kept)
@@ -70,7 +76,7 @@ class _VocabParallelCrossEntropy(Function):
             kept = flat
             sum_exp = comm.all_reduce(exp_sum(flat[:, :real], global_max)[:, None], group)
         losses = (xp.log(sum_exp) - target_z)[:, 0]
-        ctx.save_for_backward(kept, global_max, sum_exp, local_t, mine)
+        ctx.save_for_backward(kept, global_max, divisor if ctx.compiled else sum_exp, local_t, mine)
         if xp is not numpy:
             ctx.on_grid(0)      # the logits (the CPU keeps the softmax): in 16 bits under --fp16/--bf16
         ctx.shape, ctx.reduction, ctx.real = logits.shape, reduction, real
@@ -80,7 +86,7 @@ class _VocabParallelCrossEntropy(Function):
 
     @staticmethod
     def backward(ctx, g):
-        kept, global_max, sum_exp, local_t, mine = ctx.saved
+        kept, global_max, sum_exp, local_t, mine = ctx.saved    # compiled: sum_exp is the divisor
         xp, real, width = get_array_module(kept), ctx.real, ctx.shape[-1]
         scale = g.reshape(-1, 1) if ctx.reduction == "none" else g / local_t.size
         if ctx.compiled:       # the kept exponentials become the gradient in one pass

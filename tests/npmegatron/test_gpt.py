@@ -164,3 +164,33 @@ def test_compiled_cross_entropy_equals_the_numpy_passes_in_float64(padded, monke
     assert loss_c == pytest.approx(loss_n, rel=1e-13)
     np.testing.assert_allclose(grad_c, grad_n, rtol=1e-11, atol=1e-16)
     assert not grad_c[..., vocab:].any()
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_compiled_cross_entropy_in_float32_is_float64s_to_float32_round_off(padded):
+    """float32 logits large enough for the numba kernel (_cross_entropy_cpu._exponentials32: the
+    row maximum and the exponentials in one read) give float64's loss and gradient to float32
+    round-off; a NaN logit makes its row's loss NaN, as NumPy's passes do."""
+    import npmegatron.tensor_parallel.cross_entropy as ce
+    from npmegatron.comm import Group
+    rows, width = 96, 4096
+    vocab = width - 100 if padded else width
+    rng = np.random.default_rng(1)
+    logits = rng.standard_normal((1, rows, width)) * 3
+    targets = rng.integers(0, vocab, (1, rows))
+    assert ce._compiled(logits.reshape(rows, width).astype(np.float32), vocab)
+    results = []
+    for dtype in (np.float32, np.float64):
+        x = ag.Tensor(logits.astype(dtype), requires_grad=True)
+        loss = ce.vocab_parallel_cross_entropy(x, targets, Group.single("tp"), 0, vocab)
+        loss.backward()
+        results.append((loss.item(), x.grad))
+    (loss_32, grad_32), (loss_64, grad_64) = results
+    assert grad_32.dtype == np.float32
+    assert loss_32 == pytest.approx(loss_64, rel=1e-6)
+    np.testing.assert_allclose(grad_32, grad_64, rtol=1e-4, atol=1e-10)
+    assert not grad_32[..., vocab:].any()
+    logits[0, 5, 7] = np.nan
+    per_token = ce.vocab_parallel_cross_entropy(ag.Tensor(logits.astype(np.float32)), targets,
+                                                Group.single("tp"), 0, vocab, reduction="none").data
+    assert np.isnan(per_token[0, 5]) and np.isfinite(np.delete(per_token[0], 5)).all()
