@@ -19,7 +19,5 @@ _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 __version__ = "0.1.0"
 
 from .autograd.host_memory import keep_freed_memory as _keep_freed_memory  # noqa: E402
-from .autograd.host_memory import no_stalling_huge_pages as _no_stalling_huge_pages  # noqa: E402
 
 _keep_freed_memory()
-_no_stalling_huge_pages()
