@@ -48,14 +48,18 @@ def to_numpy(a):
 def scatter_add(target, index, values):
     """target[index] += values, with repeated indices summed (embedding backward).
 
-    On NumPy, a row index (1-D integers, as the embeddings give) is sorted and each run of one
-    index summed by `add.reduceat`: `add.at` adds row by row through a generic loop (measured
-    2048 rows of 512 into 50,304: 1.0 s against 0.4 s). Other indices, and CuPy arrays, go through
-    `add.at`."""
+    On NumPy, a row index (1-D integers, as the embeddings give) into large float arrays takes a
+    numba loop over the rows (_scatter_cpu.py: the numbers of `add.at`, 20-40x faster); into small
+    ones (a test's, which never import numba) it is sorted and each run of one index summed by
+    `add.reduceat`. Other indices, and CuPy arrays, go through `add.at`."""
     xp = get_array_module(target)
     if xp is numpy:
-        if isinstance(index, numpy.ndarray) and index.ndim == 1 and index.dtype.kind in "iu" \
-                and values.ndim == 2 and values.shape[0] == index.size > 0:
+        rows = isinstance(index, numpy.ndarray) and index.ndim == 1 and index.dtype.kind in "iu" \
+            and values.ndim == 2 and values.shape[0] == index.size > 0
+        if rows and _compiled_rows(target, index, values):
+            from . import _scatter_cpu
+            _scatter_cpu.add_rows_(target, index, values)
+        elif rows:
             order = numpy.argsort(index, kind="stable")
             sorted_index = index[order]
             starts = numpy.flatnonzero(numpy.concatenate(([True], sorted_index[1:] != sorted_index[:-1])))
@@ -64,6 +68,19 @@ def scatter_add(target, index, values):
             numpy.add.at(target, index, values)
     else:
         xp.add.at(target, index, values)    # CuPy >= 12; cupyx.scatter_add is deprecated in 14
+
+
+#: Row scatters of at least this many numbers run the compiled loop (_scatter_cpu.py).
+COMPILED_SCATTER_SIZE = 1 << 16
+
+
+def _compiled_rows(target, index, values):
+    """Whether scatter_add's rows go through the compiled loop: large float arrays of one dtype,
+    C-ordered, with every index a row of target (else NumPy raises its IndexError)."""
+    return (values.size >= COMPILED_SCATTER_SIZE and target.dtype == values.dtype
+            and target.dtype in (numpy.float32, numpy.float64) and target.ndim == 2
+            and target.shape[1] == values.shape[1] and target.flags.c_contiguous
+            and values.flags.c_contiguous and 0 <= index.min() and index.max() < target.shape[0])
 
 
 def erf(x):

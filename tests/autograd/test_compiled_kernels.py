@@ -1,5 +1,5 @@
 """The numba kernels of the float32 CPU path (bias + GeLU, attention's softmax and dropout parts,
-residual + dropout, AdamW) against the chains they replace, in float64 where the kernel is
+residual + dropout, AdamW, the embedding's row scatter) against the chains they replace, in float64 where the kernel is
 generic, bitwise where it does the chain's arithmetic, and to float32 round-off where it does
 not. LayerNorm's kernel is tested in test_fusion.py."""
 import numpy as np
@@ -234,3 +234,35 @@ def test_adamw_takes_the_kernel_for_large_float32_parameters(monkeypatch):
     for got, want in zip(*results):
         assert got.dtype == np.float32
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_row_scatter_kernel_equals_add_at_bitwise(dtype):
+    """The embedding's backward (backend.scatter_add of rows): the compiled loop adds the rows in
+    their order, as numpy.add.at does, repeated indices included; below its size, or with an index
+    outside the target, NumPy's paths run (an out-of-range row is NumPy's IndexError)."""
+    from npmegatron.autograd import backend
+    index = RNG.integers(0, 50, 3000)                 # every row repeated about 60 times
+    values = RNG.standard_normal((3000, 64)).astype(dtype)
+    assert values.size >= backend.COMPILED_SCATTER_SIZE
+    start = RNG.standard_normal((50, 64)).astype(dtype)
+    got, want = start.copy(), start.copy()
+    assert backend._compiled_rows(got, index, values)
+    backend.scatter_add(got, index, values)
+    np.add.at(want, index, values)
+    np.testing.assert_array_equal(got, want)
+    assert not backend._compiled_rows(got, index[:10], values[:10])
+    small = start.copy()
+    backend.scatter_add(small, index[:10], values[:10])
+    np.testing.assert_allclose(small, _add_at(start, index[:10], values[:10]), rtol=1e-6, atol=1e-6)
+    outside = index.copy()
+    outside[7] = 50
+    assert not backend._compiled_rows(got, outside, values)
+    with pytest.raises(IndexError):
+        backend.scatter_add(got, outside, values)
+
+
+def _add_at(start, index, values):
+    out = start.copy()
+    np.add.at(out, index, values)
+    return out
