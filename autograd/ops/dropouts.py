@@ -56,8 +56,17 @@ def keep_mask(generator, shape, dtype, p, **where):
     return generator.random(shape, dtype, **where) >= p
 
 
-#: residual + dropout(y) of float32 arrays this large runs the compiled CPU kernel (_dropout_cpu.py).
+#: residual + dropout(y) and residual + y + bias of float32 arrays this large run the compiled CPU
+#: kernels (_dropout_cpu.py).
 COMPILED_DROPOUT_SIZE = 1 << 16
+
+
+def _compiled(y, residual):
+    """Whether y and residual take the compiled CPU kernels: large C-ordered float32 host arrays
+    of one shape."""
+    return (get_array_module(y) is numpy and y.dtype == numpy.float32 and y.size >= COMPILED_DROPOUT_SIZE
+            and y.shape == residual.shape and residual.dtype == numpy.float32 and y.flags.c_contiguous
+            and residual.flags.c_contiguous)
 
 
 class Dropout(Function):
@@ -98,8 +107,7 @@ class DropoutAdd(Function):
         """(residual + dropout(y), keep mask)."""
         keep = keep_mask(generator, y.shape, y.dtype, p)        # one kernel on a GPU
         scale = 1.0 / (1.0 - p)
-        if get_array_module(y) is numpy and y.dtype == numpy.float32 and y.size >= COMPILED_DROPOUT_SIZE \
-                and y.shape == residual.shape and y.flags.c_contiguous and residual.flags.c_contiguous:
+        if _compiled(y, residual):
             from . import _dropout_cpu              # numba is imported for large arrays only
             return _dropout_cpu.dropout_add(y, keep, residual, scale), keep
         return dropout_add_forward(y, keep, residual, scale), keep
@@ -130,6 +138,9 @@ class BiasDropoutAdd(Function):
                 keep, out = None, residual + y_bias
             else:
                 out, keep = DropoutAdd.masked_sum(y_bias, residual, p, generator)
+        elif p is None and _compiled(y, residual) and bias.dtype == numpy.float32 and bias.flags.c_contiguous:
+            from . import _dropout_cpu
+            keep, out = None, _dropout_cpu.bias_add_residual(y, bias, residual)
         elif p is None:
             keep, out = None, bias_add_residual(y, bias, residual)
         elif xp is numpy:          # the CPU's DropoutAdd path (compiled for large float32 arrays)

@@ -120,6 +120,28 @@ def test_dropout_add_op_takes_the_kernel_with_the_chains_masks_and_values():
         assert np.array_equal(got, want)
 
 
+def test_bias_add_residual_op_takes_the_kernel_with_the_chains_values(monkeypatch):
+    """BiasDropoutAdd without dropout (p = 0, or evaluation) on a large float32 array runs the
+    compiled residual + y + bias, bitwise the chain's output and gradients; small arrays keep the
+    chain and never call the kernel."""
+    y64, r64 = RNG.standard_normal((2, 2, 128, 256))
+    b64 = RNG.standard_normal(256)
+    calls = []
+    kernel = _dropout_cpu.bias_add_residual
+    monkeypatch.setattr(_dropout_cpu, "bias_add_residual", lambda *a: calls.append(1) or kernel(*a))
+    results = []
+    for size in (dropout_ops.COMPILED_DROPOUT_SIZE, 1 << 62):
+        monkeypatch.setattr(dropout_ops, "COMPILED_DROPOUT_SIZE", size)
+        y, b, r = (Tensor(x.astype(np.float32), requires_grad=True) for x in (y64, b64, r64))
+        out = dropout_ops.bias_dropout_add(y, b, r, 0.0, None)
+        out.backward(np.ones(out.shape, np.float32))
+        results.append((out.data, y.grad, b.grad, r.grad))
+    assert calls == [1]
+    for got, want in zip(*results):
+        assert np.array_equal(got, want)
+    assert np.array_equal(results[0][0], (y64.astype(np.float32) + b64.astype(np.float32)) + r64.astype(np.float32))
+
+
 @pytest.mark.parametrize("p", [0.0, 0.2])
 def test_compiled_attention_equals_the_float64_path(p):
     """float32 attention large enough for the kernels (b h t^2 = 2^16) against the NumPy path in
