@@ -22,13 +22,26 @@ def _dropout_add(y, keep, residual, scale, out):
             out[r, c] = dropped * scale + residual[r, c]
 
 
-def dropout_add(y, keep, residual, scale):
-    """residual + y * keep * scale of C-contiguous float32 y and residual of one shape."""
+@numba.njit(parallel=True, cache=True, error_model="numpy")
+def _bias_dropout_add(y, bias, keep, residual, scale, out):
+    rows, n = y.shape
+    for r in numba.prange(rows):
+        for c in range(n):
+            dropped = (y[r, c] + bias[c]) * numpy.float32(keep[r, c])
+            out[r, c] = dropped * scale + residual[r, c]
+
+
+def dropout_add(y, keep, residual, scale, bias=None):
+    """residual + (y + bias) * keep * scale of C-contiguous float32 y and residual of one shape
+    (and a float32 bias of their last dimension, or None)."""
     out = numpy.empty_like(y)
     width = y.shape[-1]
     use_numba_threads()
-    _dropout_add(y.reshape(-1, width), keep.reshape(-1, width), residual.reshape(-1, width),
-                 numpy.float32(scale), out.reshape(-1, width))
+    rows = [a.reshape(-1, width) for a in (y, keep, residual)]
+    if bias is None:
+        _dropout_add(*rows, numpy.float32(scale), out.reshape(-1, width))
+    else:
+        _bias_dropout_add(rows[0], bias, *rows[1:], numpy.float32(scale), out.reshape(-1, width))
     return out
 
 

@@ -69,6 +69,11 @@ def _compiled(y, residual):
             and residual.flags.c_contiguous)
 
 
+def _compiled_bias(bias):
+    """Whether a bias goes into the compiled kernels with y (_compiled): float32, C-ordered, 1-D."""
+    return isinstance(bias, numpy.ndarray) and bias.dtype == numpy.float32 and bias.ndim == 1 and bias.flags.c_contiguous
+
+
 class Dropout(Function):
     """Zero each element with probability p and scale the rest by 1/(1-p); the mask is drawn
     from the generator passed in, so callers decide which RNG stream (paper Appendix B.2)."""
@@ -103,14 +108,15 @@ class DropoutAdd(Function):
         return out
 
     @staticmethod
-    def masked_sum(y, residual, p, generator):
-        """(residual + dropout(y), keep mask)."""
+    def masked_sum(y, residual, p, generator, bias=None):
+        """(residual + dropout(y + bias), keep mask); no bias: residual + dropout(y). The compiled
+        CPU kernel adds the bias in its pass (as the chain would, before the dropout)."""
         keep = keep_mask(generator, y.shape, y.dtype, p)        # one kernel on a GPU
         scale = 1.0 / (1.0 - p)
-        if _compiled(y, residual):
+        if _compiled(y, residual) and (bias is None or _compiled_bias(bias)):
             from . import _dropout_cpu              # numba is imported for large arrays only
-            return _dropout_cpu.dropout_add(y, keep, residual, scale), keep
-        return dropout_add_forward(y, keep, residual, scale), keep
+            return _dropout_cpu.dropout_add(y, keep, residual, scale, bias), keep
+        return dropout_add_forward(y if bias is None else y + bias, keep, residual, scale), keep
 
     @staticmethod
     def backward(ctx, g):
@@ -138,13 +144,13 @@ class BiasDropoutAdd(Function):
                 keep, out = None, residual + y_bias
             else:
                 out, keep = DropoutAdd.masked_sum(y_bias, residual, p, generator)
-        elif p is None and _compiled(y, residual) and bias.dtype == numpy.float32 and bias.flags.c_contiguous:
+        elif p is None and _compiled(y, residual) and _compiled_bias(bias):
             from . import _dropout_cpu
             keep, out = None, _dropout_cpu.bias_add_residual(y, bias, residual)
         elif p is None:
             keep, out = None, bias_add_residual(y, bias, residual)
         elif xp is numpy:          # the CPU's DropoutAdd path (compiled for large float32 arrays)
-            out, keep = DropoutAdd.masked_sum(y + bias, residual, p, generator)
+            out, keep = DropoutAdd.masked_sum(y, residual, p, generator, bias)
         else:
             keep = keep_mask(generator, y.shape, y.dtype, p)
             out = bias_dropout_add_forward(y, bias, keep, residual, ctx.scale)

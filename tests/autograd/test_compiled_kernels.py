@@ -120,26 +120,30 @@ def test_dropout_add_op_takes_the_kernel_with_the_chains_masks_and_values():
         assert np.array_equal(got, want)
 
 
-def test_bias_add_residual_op_takes_the_kernel_with_the_chains_values(monkeypatch):
-    """BiasDropoutAdd without dropout (p = 0, or evaluation) on a large float32 array runs the
-    compiled residual + y + bias, bitwise the chain's output and gradients; small arrays keep the
-    chain and never call the kernel."""
+@pytest.mark.parametrize("p", [0.0, 0.25])
+def test_bias_dropout_add_op_takes_the_kernels_with_the_chains_values(p, monkeypatch):
+    """BiasDropoutAdd on a large float32 array runs the compiled residual + dropout(y + bias), or
+    residual + y + bias without dropout (p = 0, or evaluation): bitwise the chain's output and
+    gradients with the generator's masks; small arrays keep the chain and never call a kernel."""
+    tracker = RNGTracker(seed=5, tp_rank=0, xp=np)
     y64, r64 = RNG.standard_normal((2, 2, 128, 256))
     b64 = RNG.standard_normal(256)
     calls = []
-    kernel = _dropout_cpu.bias_add_residual
-    monkeypatch.setattr(_dropout_cpu, "bias_add_residual", lambda *a: calls.append(1) or kernel(*a))
+    for name in ("bias_add_residual", "dropout_add"):
+        kernel = getattr(_dropout_cpu, name)
+        monkeypatch.setattr(_dropout_cpu, name, lambda *a, _k=kernel, _n=name: calls.append(_n) or _k(*a))
     results = []
     for size in (dropout_ops.COMPILED_DROPOUT_SIZE, 1 << 62):
         monkeypatch.setattr(dropout_ops, "COMPILED_DROPOUT_SIZE", size)
         y, b, r = (Tensor(x.astype(np.float32), requires_grad=True) for x in (y64, b64, r64))
-        out = dropout_ops.bias_dropout_add(y, b, r, 0.0, None)
+        out = dropout_ops.bias_dropout_add(y, b, r, p, tracker.site(MODEL_PARALLEL, 4))
         out.backward(np.ones(out.shape, np.float32))
         results.append((out.data, y.grad, b.grad, r.grad))
-    assert calls == [1]
+    assert calls == ["dropout_add" if p else "bias_add_residual"]
     for got, want in zip(*results):
         assert np.array_equal(got, want)
-    assert np.array_equal(results[0][0], (y64.astype(np.float32) + b64.astype(np.float32)) + r64.astype(np.float32))
+    if not p:
+        assert np.array_equal(results[0][0], (y64.astype(np.float32) + b64.astype(np.float32)) + r64.astype(np.float32))
 
 
 @pytest.mark.parametrize("p", [0.0, 0.2])
