@@ -174,9 +174,9 @@ def _backward_share(xp, g, q, k, v, out, lse, dq, dk, dv, scale, p, draw, block_
         return
     own = xp.empty(q.shape, q.dtype), xp.zeros(k.shape, k.dtype), xp.zeros(v.shape, v.dtype)
     _backward_blocks(xp, g, q, k, *operands, *own, _Scratch())
-    dq[...] = own[0]
-    dk += own[1]
-    dv += own[2]
+    dq[...] = own[0]        # each share's heads are its own: dk and dv written, not added to
+    dk[...] = own[1]
+    dv[...] = own[2]
 
 
 def _backward_blocks(xp, g, q, k, lse, dot, keys_t, values_t, scale, p, draw, block_size, dq, dk, dv, scratch):
@@ -266,13 +266,15 @@ class CausalAttention(Function):
     def backward(ctx, g):
         q, k, v = ctx.saved[:3]
         xp = get_array_module(g)
-        dq, dk, dv = xp.empty_like(q), xp.zeros_like(k), xp.zeros_like(v)
+        zeros = xp.empty_like if _compiled(q) else xp.zeros_like   # compiled shares write dk, dv whole
+        dq, dk, dv = xp.empty_like(q), zeros(k), zeros(v)
         _backward_into(ctx, g, dq, dk, dv)
         return dq, dk, dv
 
 
 def _backward_into(ctx, g, dq, dk, dv):
-    """CausalAttention's backward, into dq (overwritten) and dk, dv (zeros, accumulated)."""
+    """CausalAttention's backward, into dq (overwritten) and dk, dv (zeros, accumulated; on the
+    compiled path any array, written whole share by share)."""
     saved = ctx.saved
     if len(saved) == 3:         # PackedCausalAttention's: q, k and v as one array
         saved = ctx.split_qkv(saved[0]) + saved[1:]
@@ -350,7 +352,8 @@ class PackedCausalAttention(Function):
             grad = xp.empty(ctx.qkv_shape, g.dtype)
             grad[...] = grads.transpose(1, 3, 2, 0, 4)
             return grad
-        grad = xp.zeros(ctx.qkv_shape, g.dtype)
+        # the compiled shares write dq, dk and dv whole; the others add into zeros
+        grad = (xp.empty if _compiled(ctx.split_qkv(ctx.saved[0])[0]) else xp.zeros)(ctx.qkv_shape, g.dtype)
         _backward_into(ctx, g, *_unpack(grad))
         return grad
 
