@@ -53,7 +53,8 @@ MAX_LANES = 16
 @numba.njit(inline="always", cache=True, error_model="numpy", fastmath={"contract", "reassoc", "nnan"})
 def lane_max(row, count, lanes):
     """The largest of row[:count] (count >= 1), in MAX_LANES running maxima (`lanes`, scratch of
-    that length)."""
+    that length). A NaN is skipped unless it is row[0]: callers whose NaN must show pass it on
+    through their other arithmetic (exp of it is NaN)."""
     lanes[:] = row[0]
     whole = count - count % MAX_LANES
     for start in range(0, whole, MAX_LANES):

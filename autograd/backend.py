@@ -51,7 +51,8 @@ def scatter_add(target, index, values):
     On NumPy, a row index (1-D integers, as the embeddings give) into large float arrays takes a
     numba loop over the rows (_scatter_cpu.py: the numbers of `add.at`, 20-40x faster); into small
     ones (a test's, which never import numba) it is sorted and each run of one index summed by
-    `add.reduceat`. Other indices, and CuPy arrays, go through `add.at`."""
+    `add.reduceat` before it is added (so the sums round in another order). Other indices
+    (negative ones included), and CuPy arrays, go through `add.at`."""
     xp = get_array_module(target)
     if xp is numpy:
         rows = isinstance(index, numpy.ndarray) and index.ndim == 1 and index.dtype.kind in "iu" \
@@ -59,7 +60,7 @@ def scatter_add(target, index, values):
         if rows and _compiled_rows(target, index, values):
             from . import _scatter_cpu
             _scatter_cpu.add_rows_(target, index, values)
-        elif rows:
+        elif rows and index.min() >= 0:     # (-1 and the last row would be two runs of one row)
             order = numpy.argsort(index, kind="stable")
             sorted_index = index[order]
             starts = numpy.flatnonzero(numpy.concatenate(([True], sorted_index[1:] != sorted_index[:-1])))
@@ -76,7 +77,9 @@ COMPILED_SCATTER_SIZE = 1 << 16
 
 def _compiled_rows(target, index, values):
     """Whether scatter_add's rows go through the compiled loop: large float arrays of one dtype,
-    C-ordered, with every index a row of target (else NumPy raises its IndexError)."""
+    C-ordered, with every index within [0, rows of target) (the loop indexes unchecked; negative
+    indices, which NumPy counts from the end, and out-of-range ones, its IndexError, take NumPy's
+    paths)."""
     return (values.size >= COMPILED_SCATTER_SIZE and target.dtype == values.dtype
             and target.dtype in (numpy.float32, numpy.float64) and target.ndim == 2
             and target.shape[1] == values.shape[1] and target.flags.c_contiguous

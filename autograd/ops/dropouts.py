@@ -69,9 +69,11 @@ def _compiled(y, residual):
             and residual.flags.c_contiguous)
 
 
-def _compiled_bias(bias):
-    """Whether a bias goes into the compiled kernels with y (_compiled): float32, C-ordered, 1-D."""
-    return isinstance(bias, numpy.ndarray) and bias.dtype == numpy.float32 and bias.ndim == 1 and bias.flags.c_contiguous
+def _compiled_bias(bias, y):
+    """Whether a bias goes into the compiled kernels with y (_compiled): float32, C-ordered, one
+    number per column of y (the kernels index it unchecked)."""
+    return (isinstance(bias, numpy.ndarray) and bias.dtype == numpy.float32 and bias.shape == y.shape[-1:]
+            and bias.flags.c_contiguous)
 
 
 class Dropout(Function):
@@ -111,9 +113,10 @@ class DropoutAdd(Function):
     def masked_sum(y, residual, p, generator, bias=None):
         """(residual + dropout(y + bias), keep mask); no bias: residual + dropout(y). The compiled
         CPU kernel adds the bias in its pass (as the chain would, before the dropout)."""
-        keep = keep_mask(generator, y.shape, y.dtype, p)        # one kernel on a GPU
+        dtype = y.dtype if bias is None else numpy.result_type(y.dtype, bias.dtype)   # (y + bias)'s
+        keep = keep_mask(generator, y.shape, dtype, p)          # one kernel on a GPU
         scale = 1.0 / (1.0 - p)
-        if _compiled(y, residual) and (bias is None or _compiled_bias(bias)):
+        if _compiled(y, residual) and (bias is None or _compiled_bias(bias, y)):
             from . import _dropout_cpu              # numba is imported for large arrays only
             return _dropout_cpu.dropout_add(y, keep, residual, scale, bias), keep
         return dropout_add_forward(y if bias is None else y + bias, keep, residual, scale), keep
@@ -144,7 +147,7 @@ class BiasDropoutAdd(Function):
                 keep, out = None, residual + y_bias
             else:
                 out, keep = DropoutAdd.masked_sum(y_bias, residual, p, generator)
-        elif p is None and _compiled(y, residual) and _compiled_bias(bias):
+        elif p is None and _compiled(y, residual) and _compiled_bias(bias, y):
             from . import _dropout_cpu
             keep, out = None, _dropout_cpu.bias_add_residual(y, bias, residual)
         elif p is None:

@@ -26,14 +26,16 @@ _ROW = dict(FAST, fastmath={"contract", "reassoc"})
 
 @numba.njit(**_ROW)
 def _row_exponentials(row, kept_row):
-    """kept_row = exp(row - max(row)); returns (max, sum of kept_row). A serial kernel for one
-    row: called from the prange below, where numba's parallel lowering would leave its loops
-    scalar if they were written there."""
+    """kept_row = exp(row - max(row)); returns (max, sum of kept_row). A row of -inf (a shard
+    without a likely word) is shifted by 0 instead: its exponentials and sum are 0, not NaN. A
+    serial kernel for one row: called from the prange below, where numba's parallel lowering
+    would leave its loops scalar if they were written there."""
     lanes = numpy.empty(MAX_LANES, row.dtype)
     m = lane_max(row, row.size, lanes)
+    shift = m if m != -numpy.inf else numpy.float32(0.0)
     total = numpy.float32(0.0)
     for j in range(row.size):
-        e = exp32(row[j] - m)
+        e = exp32(row[j] - shift)
         kept_row[j] = e
         total += e
     return m, total
@@ -47,7 +49,8 @@ def _exponentials32(flat, real, kept, row_max, sums):
 
 def shifted_exponentials(flat, real):
     """(each row's maximum, exp(flat[:, :real] - that maximum) as a new array, each row's sum of
-    it): one read of the logits, each row's second pass finding it in cache."""
+    it): one read of the logits, each row's second pass finding it in cache. A row whose maximum
+    is -inf is shifted by 0 (exponentials and sum 0)."""
     rows = flat.shape[0]
     kept = numpy.empty((rows, real), flat.dtype)
     row_max, sums = numpy.empty(rows, flat.dtype), numpy.empty(rows, flat.dtype)
@@ -59,7 +62,8 @@ def shifted_exponentials(flat, real):
     def work(start, stop):
         block = kept[start:stop]
         flat[start:stop, :real].max(axis=1, out=row_max[start:stop])
-        numpy.subtract(flat[start:stop, :real], row_max[start:stop, None], out=block)
+        shift = numpy.where(row_max[start:stop] == -numpy.inf, 0, row_max[start:stop])
+        numpy.subtract(flat[start:stop, :real], shift[:, None], out=block)
         numpy.exp(block, out=block)
         block.sum(axis=1, out=sums[start:stop])
 
@@ -67,10 +71,11 @@ def shifted_exponentials(flat, real):
     return row_max, kept, sums
 
 
-def softmax_minus_one_hot_(kept, sum_exp, target, mine, scale):
-    """kept (exponentials) becomes scale * (kept / sum_exp - one-hot(target)) in place; rows where
-    `mine` is false have their target on another rank."""
-    factor = scale / sum_exp
+def softmax_minus_one_hot_(kept, normaliser, target, mine, scale):
+    """kept (exponentials) becomes scale * (kept * normaliser - one-hot(target)) in place, where
+    kept * normaliser is the softmax; rows where `mine` is false have their target on another
+    rank."""
+    factor = scale * normaliser
 
     def work(start, stop):
         kept[start:stop] *= factor[start:stop, None]

@@ -61,12 +61,14 @@ class _VocabParallelCrossEntropy(Function):
         target_z = comm.all_reduce(target_z, group)
         if ctx.compiled:
             # exp(z - local max) = exp(z - global max) / rescale: the shard's sums are rescaled
-            # before they are added, and backward divides the kept exponentials by
-            # sum_exp / rescale. So the logits are read once, not once for the maximum and again
-            # after its all-reduce (they are the largest activation: 206 MB at GPT-2 124M's shape).
+            # before they are added, and backward multiplies the kept exponentials by
+            # rescale / sum_exp (which cannot overflow: rescale <= 1 <= sum_exp). So the logits
+            # are read once, not once for the maximum and again after its all-reduce (they are
+            # the largest activation: 206 MB at GPT-2 124M's shape). A shard whose row is all
+            # -inf kept zeros (shifted by 0), and its rescale is exp(-inf) = 0.
             rescale = xp.exp(local_max[:, None] - global_max)
             sum_exp = comm.all_reduce(sums[:, None] * rescale, group)
-            divisor = sum_exp / rescale
+            normaliser = rescale / sum_exp
         elif xp is numpy:
             kept = flat[:, :real] - global_max
             xp.exp(kept, out=kept)
@@ -76,7 +78,7 @@ class _VocabParallelCrossEntropy(Function):
             kept = flat
             sum_exp = comm.all_reduce(exp_sum(flat[:, :real], global_max)[:, None], group)
         losses = (xp.log(sum_exp) - target_z)[:, 0]
-        ctx.save_for_backward(kept, global_max, divisor if ctx.compiled else sum_exp, local_t, mine)
+        ctx.save_for_backward(kept, global_max, normaliser if ctx.compiled else sum_exp, local_t, mine)
         if xp is not numpy:
             ctx.on_grid(0)      # the logits (the CPU keeps the softmax): in 16 bits under --fp16/--bf16
         ctx.shape, ctx.reduction, ctx.real = logits.shape, reduction, real
@@ -86,14 +88,15 @@ class _VocabParallelCrossEntropy(Function):
 
     @staticmethod
     def backward(ctx, g):
-        kept, global_max, sum_exp, local_t, mine = ctx.saved    # compiled: sum_exp is the divisor
+        # per_row: the sum of exponentials; on the compiled path rescale / sum_exp (forward)
+        kept, global_max, per_row, local_t, mine = ctx.saved
         xp, real, width = get_array_module(kept), ctx.real, ctx.shape[-1]
         scale = g.reshape(-1, 1) if ctx.reduction == "none" else g / local_t.size
         if ctx.compiled:       # the kept exponentials become the gradient in one pass
             from . import _cross_entropy_cpu
             rows = numpy.ascontiguousarray(numpy.broadcast_to(scale, (local_t.size, 1))[:, 0], kept.dtype)
             owned = numpy.ones(local_t.size, bool) if mine is None else mine
-            _cross_entropy_cpu.softmax_minus_one_hot_(kept, sum_exp[:, 0], local_t, owned, rows)
+            _cross_entropy_cpu.softmax_minus_one_hot_(kept, per_row[:, 0], local_t, owned, rows)
             grad = kept if real == width else xp.zeros((local_t.size, width), kept.dtype)
             if grad is not kept:
                 grad[:, :real] = kept
@@ -108,7 +111,7 @@ class _VocabParallelCrossEntropy(Function):
             if real < width:
                 grad[:, real:] = 0                     # padded vocabulary columns
             target = local_t if mine is None else xp.where(mine, local_t, -1)
-            cross_entropy_grad_(kept[:, :real], global_max, sum_exp, target[:, None],
+            cross_entropy_grad_(kept[:, :real], global_max, per_row, target[:, None],
                                 xp.arange(real)[None, :], scale, grad[:, :real])
         return grad.reshape(ctx.shape), None
 
@@ -119,8 +122,9 @@ COMPILED_CROSS_ENTROPY_SIZE = 1 << 18
 
 
 def _compiled(flat, real):
-    """Whether the loss's passes over these logits run by blocks of rows in threads: large
-    C-ordered host logits with a real column."""
+    """Whether the loss's passes over these logits run in threads (_cross_entropy_cpu.py: a numba
+    kernel for float32, NumPy on blocks of rows for float64): large C-ordered host logits with a
+    real column."""
     return (get_array_module(flat) is numpy and flat.size >= COMPILED_CROSS_ENTROPY_SIZE and real > 0
             and flat.flags.c_contiguous and flat.dtype in (numpy.float32, numpy.float64))
 

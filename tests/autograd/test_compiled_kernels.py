@@ -146,14 +146,23 @@ def test_bias_dropout_add_op_takes_the_kernels_with_the_chains_values(p, monkeyp
         assert np.array_equal(results[0][0], (y64.astype(np.float32) + b64.astype(np.float32)) + r64.astype(np.float32))
 
 
-@pytest.mark.parametrize("p", [0.0, 0.2])
-def test_compiled_attention_equals_the_float64_path(p):
+def test_bias_of_another_width_keeps_the_chain():
+    """The kernels read one bias number per column unchecked: a bias that only broadcasts (one
+    number) takes the chain, with NumPy's broadcasting."""
+    y = np.ones((256, 256), np.float32)
+    out = dropout_ops.BiasDropoutAdd.apply(y, np.full(1, 2.0, np.float32), np.zeros_like(y), p=None, generator=None)
+    assert np.array_equal(out.data, np.full_like(y, 3.0))
+
+
+@pytest.mark.parametrize("p, keys", [(0.0, 128), (0.2, 128), (0.0, 200)])
+def test_compiled_attention_equals_the_float64_path(p, keys):
     """float32 attention large enough for the kernels (b h t^2 = 2^16) against the NumPy path in
-    float64, with the same dropout masks."""
+    float64, with the same dropout masks; also with more keys than queries (a KV cache), whose
+    gradients the compiled shares write whole."""
     b, h, t, d = 2, 2, 128, 16
     assert b * h * t * t >= attention.MIN_SHARED_SCORES
     tracker = RNGTracker(seed=5, tp_rank=0, xp=np)
-    leaves64 = [RNG.standard_normal((b, h, t, d)) for _ in range(3)]
+    leaves64 = [RNG.standard_normal((b, h, n, d)) for n in (t, keys, keys)]
     weights = RNG.standard_normal((b, h, t, d))
     results = []
     for dtype in (np.float32, np.float64):
@@ -286,6 +295,17 @@ def test_row_scatter_kernel_equals_add_at_bitwise(dtype):
     assert not backend._compiled_rows(got, outside, values)
     with pytest.raises(IndexError):
         backend.scatter_add(got, outside, values)
+    # NumPy's paths, to round-off: a negative index (a row counted from the end), another dtype,
+    # strided values
+    negative = index.copy()
+    negative[7] = -1
+    other = values.astype(np.float64 if dtype == np.float32 else np.float32)
+    strided = np.repeat(values, 2, axis=1)[:, ::2]
+    for target_index, vals in ((negative, values), (index, other), (index, strided)):
+        assert not backend._compiled_rows(start, target_index, vals)
+        got = start.copy()
+        backend.scatter_add(got, target_index, vals)
+        np.testing.assert_allclose(got, _add_at(start, target_index, vals), rtol=1e-5, atol=1e-5)
 
 
 def _add_at(start, index, values):

@@ -22,6 +22,13 @@ def test_tensor_parallel_equals_serial(mpirun, tp):
     assert reports[0]["padded_vocab"] == 128 * tp
 
 
+def test_compiled_float32_loss_with_extreme_shards(mpirun):
+    """Shards whose row is all -inf, or far below another shard's maximum, give the full
+    vocabulary's loss and gradient, without a NumPy warning (ranks/tensor_parallel.py)."""
+    result = mpirun(2, RANKS, args=["cross-entropy-extreme-shards"], timeout=120)
+    assert "extreme shards ok" in result.stdout
+
+
 def test_tensor_parallel_with_the_compiled_loss_equals_serial(mpirun):
     result = mpirun(2, RANKS, args=["equals-serial-compiled-loss"], timeout=180)
     reports = [json.loads(l) for l in result.stdout.splitlines() if l.startswith("{")]

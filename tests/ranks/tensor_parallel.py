@@ -11,6 +11,8 @@ TP group of the whole world (TP = number of ranks).
                                                 # test_communication_per_layer_matches_the_paper
     mpiexec -n 2 python tests/ranks/tensor_parallel.py cross-entropy-volume
                                                 # test_cross_entropy_communication_does_not_grow_with_the_vocabulary
+    mpiexec -n 2 python tests/ranks/tensor_parallel.py cross-entropy-extreme-shards
+                                                # test_compiled_float32_loss_with_extreme_shards
     mpiexec -n 4 python tests/ranks/tensor_parallel.py megatron-cross-entropy
                                                 # test_megatron_cross_entropy_reference_values
     mpiexec -n 2 python tests/ranks/tensor_parallel.py dropout-masks  # test_dropout_masks_follow_the_rng_tracker
@@ -188,6 +190,44 @@ def cross_entropy_volume(world, grid):
     print("volumes", volumes)
 
 
+def cross_entropy_extreme_shards(world, grid):
+    """The compiled loss in float32 on every shard (_cross_entropy_cpu.py: each shard's
+    exponentials shifted by its own maximum, rescaled after the all-reduce), with a row where
+    rank 0's shard is all -inf, one where every other shard lies 150 below rank 0's maximum (its
+    rescale underflows to 0) and one far below zero: the full vocabulary's float64 loss and
+    gradient to float32 round-off, and no NumPy warning."""
+    import warnings
+    import npmegatron.tensor_parallel.cross_entropy as ce
+    from npmegatron.tensor_parallel import vocab_parallel_cross_entropy
+    g = grid.tp_group
+    rows, local = 64, 4096
+    vocab = local * g.size
+    rng = np.random.default_rng(0)
+    full = rng.standard_normal((rows, vocab)) * 3
+    full[0, :local] = -np.inf
+    full[1, local:] -= 150
+    full[2] -= 200
+    targets = rng.integers(0, vocab, rows)
+    targets[0] = local + 3                  # a word of a shard that is not -inf
+    columns = slice(g.rank * local, (g.rank + 1) * local)
+    shard = full[:, columns].astype(np.float32)
+    assert ce._compiled(shard, local)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        x = ag.Tensor(shard[None], requires_grad=True)
+        losses = vocab_parallel_cross_entropy(x, targets[None], g, g.rank * local, vocab, reduction="none")
+        losses.backward(np.ones(losses.shape, np.float32))
+    top = full.max(axis=1, keepdims=True)
+    softmax = np.exp(full - top) / np.exp(full - top).sum(axis=1, keepdims=True)
+    want = np.log(np.exp(full - top).sum(axis=1)) + top[:, 0] - full[np.arange(rows), targets]
+    grad = softmax.copy()
+    grad[np.arange(rows), targets] -= 1
+    assert np.isfinite(losses.data).all() and np.isfinite(x.grad).all()
+    np.testing.assert_allclose(losses.data[0], want, rtol=1e-5)
+    np.testing.assert_allclose(x.grad[0], grad[:, columns], rtol=1e-4, atol=1e-7)
+    print("extreme shards ok")
+
+
 def megatron_cross_entropy(world, grid):
     """Megatron's unit test: on 4 ranks the local logits are arange(8) repeated to 32 columns
     (vocabulary 128); 16 tokens with targets 0, 2, ..., 30."""
@@ -262,6 +302,7 @@ CASES = {"adjoint": adjoint, "equals-serial": equals_serial,
          "equals-serial-compiled-loss": lambda world, grid: equals_serial_compiled_loss(world, grid),
          "equals-serial-shared-memory": equals_serial_through_shared_memory, "counts": counts,
          "cross-entropy-volume": cross_entropy_volume, "megatron-cross-entropy": megatron_cross_entropy,
+         "cross-entropy-extreme-shards": cross_entropy_extreme_shards,
          "dropout-masks": dropout_masks, "tape-bytes": tape_bytes}
 
 
