@@ -57,10 +57,11 @@ def scatter_add(target, index, values):
     if xp is numpy:
         rows = isinstance(index, numpy.ndarray) and index.ndim == 1 and index.dtype.kind in "iu" \
             and values.ndim == 2 and values.shape[0] == index.size > 0
-        if rows and _compiled_rows(target, index, values):
+        # (negative: -1 and the last row would be two runs of one row, and the loop reads unchecked)
+        if rows and index.min() >= 0 and _compiled_rows(target, index, values):
             from . import _scatter_cpu
             _scatter_cpu.add_rows_(target, index, values)
-        elif rows and index.min() >= 0:     # (-1 and the last row would be two runs of one row)
+        elif rows and index.min() >= 0:
             order = numpy.argsort(index, kind="stable")
             sorted_index = index[order]
             starts = numpy.flatnonzero(numpy.concatenate(([True], sorted_index[1:] != sorted_index[:-1])))

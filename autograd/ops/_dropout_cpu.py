@@ -35,13 +35,12 @@ def dropout_add(y, keep, residual, scale, bias=None):
     """residual + (y + bias) * keep * scale of C-contiguous float32 y and residual of one shape
     (and a float32 bias of their last dimension, or None)."""
     out = numpy.empty_like(y)
-    width = y.shape[-1]
+    y2, keep2, residual2, out2 = _rows(y, keep, residual, out)
     use_numba_threads()
-    rows = [a.reshape(-1, width) for a in (y, keep, residual)]
     if bias is None:
-        _dropout_add(*rows, numpy.float32(scale), out.reshape(-1, width))
+        _dropout_add(y2, keep2, residual2, numpy.float32(scale), out2)
     else:
-        _bias_dropout_add(rows[0], bias, *rows[1:], numpy.float32(scale), out.reshape(-1, width))
+        _bias_dropout_add(y2, bias, keep2, residual2, numpy.float32(scale), out2)
     return out
 
 
@@ -57,7 +56,12 @@ def bias_add_residual(y, bias, residual):
     """residual + (y + bias) of C-contiguous float32 y and residual of one shape and a bias of
     their last dimension: the chain's two additions in its order."""
     out = numpy.empty_like(y)
-    width = y.shape[-1]
+    y2, residual2, out2 = _rows(y, residual, out)
     use_numba_threads()
-    _bias_add_residual(y.reshape(-1, width), bias, residual.reshape(-1, width), out.reshape(-1, width))
+    _bias_add_residual(y2, bias, residual2, out2)
     return out
+
+
+def _rows(*arrays):
+    """Each array as the (rows, width) view the kernels walk (width: the last dimension)."""
+    return [a.reshape(-1, a.shape[-1]) for a in arrays]

@@ -245,6 +245,7 @@ class CausalAttention(Function):
         xp = get_array_module(q, k, v)
         b, h, t_q, d = q.shape
         block_size = block_rows(xp, q, k.shape[2], block_size)
+        compiled = ctx.compiled = _compiled(q)      # backward's path too
         # Laid out (b, t, heads, d): the caller's transpose back and reshape to (b, t, h*d) is a
         # view, so the projection's saved input and this saved output are one buffer.
         out = xp.empty((b, t_q, h, v.shape[3]), v.dtype).transpose(0, 2, 1, 3)
@@ -252,7 +253,7 @@ class CausalAttention(Function):
 
         def share(bs, hs):
             _forward_share(xp, q[bs, hs], k[bs, hs], v[bs, hs], out[bs, hs], lse[bs, hs], scale, p,
-                           _draws(generator, q, k, bs, hs, p), block_size, _compiled(q))
+                           _draws(generator, q, k, bs, hs, p), block_size, compiled)
 
         _by_heads(xp, q, k.shape[2], block_size, share)
         ctx.scale, ctx.p, ctx.generator, ctx.block_size = scale, p, generator, block_size
@@ -266,7 +267,7 @@ class CausalAttention(Function):
     def backward(ctx, g):
         q, k, v = ctx.saved[:3]
         xp = get_array_module(g)
-        zeros = xp.empty_like if _compiled(q) else xp.zeros_like   # compiled shares write dk, dv whole
+        zeros = xp.empty_like if ctx.compiled else xp.zeros_like   # compiled shares write dk, dv whole
         dq, dk, dv = xp.empty_like(q), zeros(k), zeros(v)
         _backward_into(ctx, g, dq, dk, dv)
         return dq, dk, dv
@@ -285,7 +286,7 @@ def _backward_into(ctx, g, dq, dk, dv):
     def share(bs, hs):
         _backward_share(xp, g[bs, hs], q[bs, hs], k[bs, hs], v[bs, hs], out[bs, hs], lse[bs, hs],
                         dq[bs, hs], dk[bs, hs], dv[bs, hs], ctx.scale, ctx.p,
-                        _draws(ctx.generator, q, k, bs, hs, ctx.p), ctx.block_size, _compiled(q))
+                        _draws(ctx.generator, q, k, bs, hs, ctx.p), ctx.block_size, ctx.compiled)
 
     _by_heads(xp, q, k.shape[2], ctx.block_size, share)
 
@@ -353,7 +354,7 @@ class PackedCausalAttention(Function):
             grad[...] = grads.transpose(1, 3, 2, 0, 4)
             return grad
         # the compiled shares write dq, dk and dv whole; the others add into zeros
-        grad = (xp.empty if _compiled(ctx.split_qkv(ctx.saved[0])[0]) else xp.zeros)(ctx.qkv_shape, g.dtype)
+        grad = (xp.empty if ctx.compiled else xp.zeros)(ctx.qkv_shape, g.dtype)
         _backward_into(ctx, g, *_unpack(grad))
         return grad
 
