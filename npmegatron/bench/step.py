@@ -28,13 +28,16 @@ def _synchronize(xp):
 
 
 def model_gemms(cfg, batch, seq):
-    """(count, m, k, n) of every forward GEMM in one step; backward repeats each shape twice
-    (input gradient and weight gradient), measured separately below."""
+    """(count, m, k, n, kind) of every forward GEMM in one step, kind being the profile's kind of
+    op that runs it (OP_KINDS): the Linears' "matmul", attention's batched products "attention";
+    backward repeats each shape twice (input gradient and weight gradient), measured separately
+    below."""
     tokens, h, heads, d = batch * seq, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
-    per_layer = [(1, tokens, h, 3 * h), (1, tokens, h, h), (1, tokens, h, cfg.ffn_hidden_size),
-                 (1, tokens, cfg.ffn_hidden_size, h),
-                 (batch * heads, seq, d, seq), (batch * heads, seq, seq, d)]
-    return [(c * cfg.num_layers, m, k, n) for c, m, k, n in per_layer] + [(1, tokens, h, cfg.vocab_size)]
+    per_layer = [(1, tokens, h, 3 * h, "matmul"), (1, tokens, h, h, "matmul"),
+                 (1, tokens, h, cfg.ffn_hidden_size, "matmul"), (1, tokens, cfg.ffn_hidden_size, h, "matmul"),
+                 (batch * heads, seq, d, seq, "attention"), (batch * heads, seq, seq, d, "attention")]
+    return ([(c * cfg.num_layers, m, k, n, kind) for c, m, k, n, kind in per_layer]
+            + [(1, tokens, h, cfg.vocab_size, "matmul")])
 
 
 class GemmCeiling:
@@ -46,24 +49,26 @@ class GemmCeiling:
     the next (this project's) a step is held against the ceiling of the same moment. Operands
     are made per shape in each round (untimed), so a GPU holds one shape's beside the model. The
     GEMMs are the model's: gemm.matmul in its dtype, or in the 16-bit type where the run holds
-    16-bit arrays (--bf16/--fp16 on a GPU: 16-bit tensor cores), TF32 under --tf32."""
+    16-bit arrays (--bf16/--fp16 on a GPU: 16-bit tensor cores), TF32 under --tf32. `by_kind`
+    holds the last round's seconds split by the kind of op that runs each GEMM in the step, which
+    --profile prints beside that kind's time in the step."""
 
     def __init__(self, cfg, batch, seq, repeats=3):
         self.xp, self.repeats = array_module_for(cfg.device), repeats
         sixteen_bit = precision.holds_16_bit_arrays(self.xp, cfg.storage_format)
         self.dtype = precision.sixteen_bit_dtype(cfg.storage_format) if sixteen_bit else numpy.dtype(cfg.dtype)
-        self.gemms, self.flops = [], 0.0
-        for count, m, k, n in model_gemms(cfg, batch, seq):
+        self.gemms, self.flops, self.by_kind = [], 0.0, {}
+        for count, m, k, n, kind in model_gemms(cfg, batch, seq):
             bmm = count if count > cfg.num_layers else 1     # attention GEMMs are batched
             for shape in ((m, k, n), (m, n, k), (k, m, n)):
-                self.gemms.append((bmm, shape, count // bmm))
+                self.gemms.append((bmm, shape, count // bmm, kind))
                 self.flops += count * 2.0 * shape[0] * shape[1] * shape[2]
         self.round()                                         # warm: BLAS threads, first-touch pages
 
     def round(self):
         """Seconds the GEMMs of one step take alone, each shape at its best of `repeats`."""
-        seconds = 0.0
-        for bmm, (m, k, n), calls in self.gemms:
+        self.by_kind = {}
+        for bmm, (m, k, n), calls, kind in self.gemms:
             lead = (bmm,) if bmm > 1 else ()
             a, b = self.xp.full(lead + (m, k), 0.5, self.dtype), self.xp.full(lead + (k, n), 0.25, self.dtype)
             best = float("inf")
@@ -73,8 +78,8 @@ class GemmCeiling:
                 gemm.matmul(a, b)
                 _synchronize(self.xp)
                 best = min(best, time.perf_counter() - start)
-            seconds += calls * best
-        return seconds
+            self.by_kind[kind] = self.by_kind.get(kind, 0.0) + calls * best
+        return sum(self.by_kind.values())
 
 
 # Functions by kind, for --profile; anything else is "other ops" (embeddings, reshapes, the
@@ -97,12 +102,12 @@ def op_kinds(table):
 
 
 def _timed_steps(run, batch, warmup, iters, profile, ceiling, graphed=None):
-    """(step seconds, GEMM round seconds, optimizer seconds, op table) of the timed steps, a
-    round of the ceiling's GEMMs timed right after each. With `graphed` (--cuda-graph) each step
+    """(step seconds, GEMM round seconds, optimizer seconds, op table, each round's seconds by
+    kind of op) of the timed steps, a round of the ceiling's GEMMs timed right after each. With `graphed` (--cuda-graph) each step
     is its run(): the batch copied in, the scalars written, the graph launched, the loss read;
     the capture is one more untimed step."""
     xp = run.model.xp
-    times, rounds, optimizer_s, table = [], [], 0.0, {}
+    times, rounds, optimizer_s, table, round_kinds = [], [], 0.0, {}, []
     warmup += graphed is not None
     for i in range(warmup + iters):
         timed = i >= warmup
@@ -121,11 +126,12 @@ def _timed_steps(run, batch, warmup, iters, profile, ceiling, graphed=None):
             times.append(time.perf_counter() - start)
             optimizer_s += time.perf_counter() - before_update
             rounds.append(ceiling.round())
+            round_kinds.append(dict(ceiling.by_kind))
             for name, entry in ((ops or {}) if graphed is None else {}).items():
                 total = table.setdefault(name, [0.0, 0.0, 0])
                 for k in range(3):
                     total[k] += entry[k]
-    return times, rounds, optimizer_s, table
+    return times, rounds, optimizer_s, table, round_kinds
 
 
 #: bench step's learning rate (a constant: the step's cost does not depend on it)
@@ -185,7 +191,7 @@ def _bench_step(cfg, batch, seq, warmup, iters, threads, profile, cuda_graph):
         graphed = GraphedStep(run, config) if cuda_graph else None
         ceiling = GemmCeiling(cfg, batch, seq)
         with setup_objects_frozen():
-            times, rounds, optimizer_s, table = _timed_steps(run, (xp.asarray(ids[:, :-1]), xp.asarray(ids[:, 1:])),
+            times, rounds, optimizer_s, table, round_kinds = _timed_steps(run, (xp.asarray(ids[:, :-1]), xp.asarray(ids[:, 1:])),
                                                              warmup, iters, profile and not cuda_graph, ceiling,
                                                              graphed)
     step_s = statistics.median(times)
@@ -212,6 +218,10 @@ def _bench_step(cfg, batch, seq, warmup, iters, threads, profile, cuda_graph):
         kinds["optimizer"] = optimizer_s / iters
         kinds["autograd and Python overhead"] = statistics.fmean(times) - sum(kinds.values())
         result["profile_s"] = kinds
+        # what the same kinds' GEMMs take alone in the ceiling's rounds: how far each kind of op
+        # in the step is from its GEMMs at their best
+        result["profile_gemms_alone_s"] = {kind: statistics.fmean(r[kind] for r in round_kinds)
+                                           for kind in round_kinds[0]}
     return result
 
 
@@ -242,7 +252,9 @@ def format_table(result):
         rows.append((f"PyTorch {name} (same GPU)", peer["error"] if "error" in peer else
                      f"{peer['step_s'] * 1e3:.1f} ms, {peer['tokens_per_s']:,.0f} tokens/s, peak "
                      f"{peer['peak_bytes'] / 2 ** 20:,.0f} MiB; ours / theirs {peer['ours_over_theirs']:.2f}"))
+    alone = result.get("profile_gemms_alone_s") or {}
     for kind, seconds in (result.get("profile_s") or {}).items():
-        rows.append((f"  {kind} (per step)", f"{seconds * 1e3:.1f} ms"))
+        rows.append((f"  {kind} (per step)", f"{seconds * 1e3:.1f} ms" + (
+            f" (its GEMMs alone, best of 3: {alone[kind] * 1e3:.1f} ms)" if kind in alone else "")))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows) + "\n" + json.dumps(result)

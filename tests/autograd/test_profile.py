@@ -36,3 +36,18 @@ def test_bench_step_profile_splits_the_step():
     assert kinds["matmul"] > 0 and kinds["layernorm"] > 0 and kinds["loss"] > 0
     assert sum(v for k, v in kinds.items() if k != "autograd and Python overhead") < 2 * result["step_s"]
     assert result["threads"] == 1 and "matmul (per step)" in format_table(result)
+
+
+def test_bench_step_profile_gives_each_kind_its_gemms_alone():
+    """--profile sets the Linears' and attention's time in the step beside their GEMMs' in the
+    ceiling's rounds; the two parts are the whole round."""
+    cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=2, vocab_size=64,
+                    max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0)
+    result = bench_step(cfg, 2, 16, warmup=1, iters=2, threads=1, profile=True)
+    alone = result["profile_gemms_alone_s"]
+    assert set(alone) == {"matmul", "attention"} and min(alone.values()) > 0
+    rounds = result["gemm_rounds_s"]
+    assert min(rounds) * (1 - 1e-9) <= sum(alone.values()) <= max(rounds) * (1 + 1e-9)
+    table = format_table(result)
+    assert "matmul (per step)" in table and table.count("its GEMMs alone, best of 3") == 2
+    assert "profile_gemms_alone_s" not in bench_step(cfg, 2, 16, warmup=1, iters=1, threads=1)
