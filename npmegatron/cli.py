@@ -280,7 +280,8 @@ def bench_model_config(options):
 @click.option("--iters", type=POSITIVE, default=5, show_default=True, help="Timed steps (median reported).")
 @click.option("--threads", type=POSITIVE, default=None, help="BLAS threads (default: the BLAS library's own).")
 @click.option("--profile", is_flag=True, help="Also print seconds per step by kind of op, the optimizer "
-              "and the autograd's own overhead.")
+              "and the autograd's own overhead, and beside matmul and attention what their GEMMs take "
+              "alone in the ceiling's rounds.")
 @click.option("--model", "preset", type=click.Choice(sorted(MODEL_PRESETS)), default=None,
               help="A model's shape (layers, hidden size, heads, sequence, vocabulary: GPT-2 124M or 350M) "
               "in place of those five flags.")
