@@ -1,4 +1,5 @@
-"""Matrix products, written once for NumPy and for cuBLAS.
+"""Matrix products, written once for NumPy and for cuBLAS (and Intel MKL on the CPU, where the
+`mkl` extra is installed: cpu_blas.py).
 
 `matmul(a, b)` is `a @ b` for a (..., m, k) and b (..., k, n) with broadcast batch dimensions; with
 `out=` it writes there, and with `accumulate=True` it adds to `out` (cuBLAS's beta = 1: no
@@ -29,7 +30,7 @@ import itertools
 
 import numpy
 
-from . import cublas_capture
+from . import cpu_blas, cublas_capture
 from .backend import get_array_module
 
 _settings = {"tf32": False}
@@ -48,9 +49,32 @@ def enable_tf32():
 def matmul(a, b, out=None, accumulate=False, grid=None):
     """a @ b (written to `out` when given, added to it with accumulate=True); grid: the 16-bit
     format both operands lie on, or None (module docstring)."""
-    if get_array_module(a, b) is numpy:
-        return _numpy_matmul(a, b, out, accumulate)
-    return _cublas_matmul(a, b, out, accumulate, grid)
+    if get_array_module(a, b) is not numpy:
+        return _cublas_matmul(a, b, out, accumulate, grid)
+    if _cpu_blas_takes(a, b, out):
+        return _blas_matmul(numpy, a, b, out, accumulate, cpu_blas.run)
+    return _numpy_matmul(a, b, out, accumulate)
+
+
+def _cpu_blas_takes(a, b, out):
+    """Whether MKL (cpu_blas.py) computes this NumPy product: one matrix product (b a matrix, a
+    a matrix or C-contiguous rows of one, as a Linear's input), in one of its dtypes, any `out` a
+    row-major array of that dtype (C-contiguous where rows are folded) apart from both operands
+    (BLAS would write over what it reads), every size within MKL's 32-bit integers. Anything else
+    goes to NumPy, which also words the errors."""
+    if not cpu_blas.available() or b.ndim != 2 or a.ndim < 2 or a.shape[-1] != b.shape[0]:
+        return False
+    if a.dtype not in cpu_blas.DTYPES or b.dtype != a.dtype:
+        return False
+    folded = a.ndim > 2
+    if folded and not a.flags.c_contiguous:
+        return False
+    if out is not None and (out.dtype != a.dtype or out.shape != a.shape[:-1] + b.shape[1:]
+                            or (folded and not out.flags.c_contiguous)
+                            or _layout(out.shape, out.strides, out.itemsize)[0] != 0
+                            or numpy.may_share_memory(out, a) or numpy.may_share_memory(out, b)):
+        return False
+    return max(a.size, b.size, 0 if out is None else out.size) < 2 ** 31
 
 
 def rows(x):
@@ -93,6 +117,13 @@ def _cublas_matmul(a, b, out, accumulate, grid):
     xp = get_array_module(a, b)
     if a.dtype != b.dtype:
         raise TypeError(f"matmul of {a.dtype} and {b.dtype}: cast one operand first")
+    return _blas_matmul(xp, a, b, out, accumulate, lambda *args: _run(*args, grid))
+
+
+def _blas_matmul(xp, a, b, out, accumulate, run):
+    """a @ b by a BLAS that reads strided and transposed operands as they lie: the shapes checked,
+    `out` made, the rows folded or the batch dimensions merged, then run(operands, (m, k, n),
+    batch dimensions, accumulate): cuBLAS's calls (_run) or MKL's (cpu_blas.run)."""
     batch = numpy.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     (m, k), n = a.shape[-2:], b.shape[-1]
     if out is None:
@@ -117,7 +148,7 @@ def _cublas_matmul(a, b, out, accumulate, grid):
     else:
         operands = [_operand(x, batch) for x in (a, b, out)]
         batch_dims = _merge([(size, [op.batch_strides[i] for op in operands]) for i, size in enumerate(batch)])
-    _run(operands, (m, k, n), batch_dims, accumulate, grid)
+    run(operands, (m, k, n), batch_dims, accumulate)
     return out
 
 
@@ -127,7 +158,8 @@ class _Operand:
     dimension)."""
 
     def __init__(self, x, batch_strides, matrix_shape, matrix_strides):
-        self.ptr, self.itemsize, self.dtype = x.data.ptr, x.itemsize, x.dtype
+        self.ptr = x.ctypes.data if isinstance(x, numpy.ndarray) else x.data.ptr
+        self.itemsize, self.dtype = x.itemsize, x.dtype
         self.batch_strides, self.rows = batch_strides, matrix_shape[0]
         self.flag, self.ld = _layout(matrix_shape, matrix_strides, x.itemsize)
 

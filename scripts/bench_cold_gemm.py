@@ -1,6 +1,8 @@
 """The model's Linear GEMMs with their operands in cache, as `bench step`'s ceiling times them (the
 same operands three times, the best kept), and with the operands evicted first, as a training
 step meets them: its weights and saved activations were last touched a layer or a step before.
+The products are gemm.matmul's, so on the BLAS the step uses (MKL with the `mkl` extra; set
+NPMEGATRON_CPU_BLAS=openblas to time NumPy's OpenBLAS instead).
 
 For each shape of the ceiling's rounds (npmegatron/bench/step.py `model_gemms`, the Linears'
 forward shapes and both backward ones) it alternates a warm call, a pass that writes --evict-mib
@@ -14,6 +16,7 @@ import statistics
 import time
 
 # npmegatron before NumPy: it sets OpenBLAS's idle threads to sleep (npmegatron/__init__.py)
+from npmegatron.autograd import cpu_blas, gemm
 from npmegatron.bench.step import model_gemms
 from npmegatron.config import MODEL_PRESETS
 from npmegatron.model import GPTConfig
@@ -23,7 +26,7 @@ from threadpoolctl import threadpool_limits
 
 def timed(a, b, out):
     start = time.perf_counter()
-    numpy.matmul(a, b, out=out)
+    gemm.matmul(a, b, out=out)
     return time.perf_counter() - start
 
 
@@ -64,8 +67,8 @@ def main():
                 totals[1] += count * cold
                 print(f"{str(shape):>20}  x{count:<3} warm {warm * 1e3:7.2f} ms  cold {cold * 1e3:7.2f} ms  "
                       f"({(cold / warm - 1) * 100:+.1f} %)")
-    print(f"a step's Linear GEMMs: warm {totals[0] * 1e3:.0f} ms, cold {totals[1] * 1e3:.0f} ms "
-          f"({(totals[1] / totals[0] - 1) * 100:+.1f} %)")
+    print(f"a step's Linear GEMMs on {cpu_blas.name()}: warm {totals[0] * 1e3:.0f} ms, cold "
+          f"{totals[1] * 1e3:.0f} ms ({(totals[1] / totals[0] - 1) * 100:+.1f} %)")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import time
 
 import numpy
 
-from ..autograd import gemm, precision
+from ..autograd import cpu_blas, gemm, precision
 from ..autograd.backend import array_module_for, to_numpy
 from ..autograd.ops.fused_attention import attention_path
 from ..autograd.profile import op_profile
@@ -212,6 +212,7 @@ def _bench_step(cfg, batch, seq, warmup, iters, threads, profile, cuda_graph):
         "device_name": name, "precision": precision, "tokens_per_s": batch * seq / step_s,
         "peak_flops_per_s": peak, "mfu": None if peak is None else flops / step_s / peak,
         "peak_bytes": peak_bytes(xp, graphed), "attention": _attention(cfg, xp), "cuda_graph": cuda_graph,
+        "blas": cpu_blas.name() if xp is numpy else "cuBLAS",
     }
     if profile:
         kinds = {kind: seconds / iters for kind, seconds in op_kinds(table).items()}
@@ -236,6 +237,7 @@ def format_table(result):
     rows = [("device, precision", f"{result['device_name']}, {result['precision']}"
                                   + (", CUDA graph (one launch a step)" if result.get("cuda_graph") else "")),
             ("attention", result["attention"]),
+            ("BLAS of the Linears' GEMMs", result["blas"]),
             ("parameters", f"{result['parameters']:,}"),
             ("step time (median)", f"{result['step_s'] * 1e3:.1f} ms"),
             ("tokens/s", f"{result['tokens_per_s']:,.0f}"),

@@ -24,5 +24,5 @@ def test_times_each_linear_shape_warm_and_cold(monkeypatch, capsys):
     # the four Linear shapes of a layer and the output layer's, each forward and both backward ways
     assert len(lines) == 5 * 3 + 1
     assert all("warm" in line and "cold" in line and "%" in line for line in lines)
-    assert lines[-1].startswith("a step's Linear GEMMs: warm ")
+    assert lines[-1].startswith("a step's Linear GEMMs on ") and ": warm " in lines[-1]
     assert "(16, 32, 96)" in lines[0] and "x2" in lines[0]
