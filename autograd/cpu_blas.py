@@ -12,9 +12,9 @@ Batched products stay with NumPy (OpenBLAS). These are attention's per-head bloc
 rows, at about 30 us a product, and there a ctypes call and its layout checks cost more than MKL
 saves: through this path a layer's attention took 59 ms against 41 ms.
 
-MKL is loaded once, when this module is imported. Its OpenMP threads use GNU's runtime, which is
-the one numba's kernels use, so the process has one OpenMP runtime and OMP_WAIT_POLICY applies
-to both. Loading it here also lets threadpoolctl find it from the start, so `bench step
+MKL is loaded once, when this module is imported. Its OpenMP threads use GNU's runtime where the
+system has libgomp: the one numba's kernels use when numba runs on OpenMP (its choice here), so
+the process has one OpenMP runtime and OMP_WAIT_POLICY applies to both. Loading it here also lets threadpoolctl find it from the start, so `bench step
 --threads`, the ranks' budget (comm/runtime.py) and attention's one thread a share
 (cpu_blocks.each_share) limit it as they limit OpenBLAS. NPMEGATRON_CPU_BLAS=openblas keeps
 NumPy's own GEMMs.
@@ -43,15 +43,26 @@ def _library_path():
     return str(found[0].locate()) if found else None
 
 
+#: mkl_service.h's layer values: 32-bit integers; Intel's or GNU's OpenMP threads
+INTERFACE_LP64, THREADING_INTEL, THREADING_GNU = 0, 0, 3
+
+
 def _load():
-    """(library, {dtype: cblas_?gemm}), or (None, {}) where MKL is absent or switched off."""
+    """(library, {dtype: cblas_?gemm}), or (None, {}) where MKL is absent, switched off or cannot
+    be loaded (then NumPy's OpenBLAS multiplies, as without the extra)."""
     path = None if os.environ.get(SWITCH, "").lower() == OFF else _library_path()
     if path is None:
         return None, {}
-    # read by MKL as it loads: GNU OpenMP threads, 32-bit integers (the argument types below)
-    os.environ.setdefault("MKL_THREADING_LAYER", "GNU")
-    os.environ.setdefault("MKL_INTERFACE_LAYER", "LP64")
-    library = ctypes.CDLL(path)
+    try:
+        library = ctypes.CDLL(path)
+    except OSError:
+        return None, {}
+    # Set before MKL's first call, whatever the environment says: 32-bit integers (the argument
+    # types below), and GNU's OpenMP where the system has it (the wheel brings only Intel's).
+    library.MKL_Set_Interface_Layer.argtypes = library.MKL_Set_Threading_Layer.argtypes = [ctypes.c_int]
+    if library.MKL_Set_Interface_Layer(INTERFACE_LP64) != INTERFACE_LP64:
+        return None, {}
+    library.MKL_Set_Threading_Layer(THREADING_GNU if _has_gnu_openmp() else THREADING_INTEL)
     routines = {}
     for dtype, routine, scalar in ((DTYPES[0], "cblas_sgemm", ctypes.c_float),
                                    (DTYPES[1], "cblas_dgemm", ctypes.c_double)):
@@ -61,6 +72,14 @@ def _load():
         gemm.restype = None
         routines[dtype] = gemm
     return library, routines
+
+
+def _has_gnu_openmp():
+    try:
+        ctypes.CDLL("libgomp.so.1")
+    except OSError:
+        return False
+    return True
 
 
 _library, _routines = _load()

@@ -3,9 +3,11 @@
 
 `matmul(a, b)` is `a @ b` for a (..., m, k) and b (..., k, n) with broadcast batch dimensions; with
 `out=` it writes there, and with `accumulate=True` it adds to `out` (cuBLAS's beta = 1: no
-temporary, no extra kernel). On NumPy it is `@`. On CuPy it calls cuBLAS itself, through CuPy's
-bindings (cupy.cuda.cublas.gemmEx / gemmStridedBatchedEx), because `cupy.matmul` of more than two
-dimensions (CuPy 14, cupy/_core/_routines_linalg.pyx `matmul`):
+temporary, no extra kernel). On NumPy it is `@`, except that with the `mkl` extra installed a
+single matrix product goes to MKL (cpu_blas.py), laid out as the cuBLAS calls below. On CuPy it
+calls cuBLAS itself, through CuPy's bindings (cupy.cuda.cublas.gemmEx / gemmStridedBatchedEx),
+because `cupy.matmul` of more than two dimensions (CuPy 14, cupy/_core/_routines_linalg.pyx
+`matmul`):
   * copies every operand that is not C-contiguous (`ascontiguousarray`), where cuBLAS reads a
     transposed or strided operand as it lies: attention's q, k and v are strided views of the
     fused QKV output, and k^T and the backward's transposes are views;
@@ -27,6 +29,7 @@ run 16-bit tensor cores with float32 sums. On the grid that conversion is exact,
 the float32 product up to the order of the sums.
 """
 import itertools
+import math
 
 import numpy
 
@@ -51,30 +54,36 @@ def matmul(a, b, out=None, accumulate=False, grid=None):
     format both operands lie on, or None (module docstring)."""
     if get_array_module(a, b) is not numpy:
         return _cublas_matmul(a, b, out, accumulate, grid)
-    if _cpu_blas_takes(a, b, out):
+    if _cpu_blas_takes(a, b, out, accumulate):
         return _blas_matmul(numpy, a, b, out, accumulate, cpu_blas.run)
     return _numpy_matmul(a, b, out, accumulate)
 
 
-def _cpu_blas_takes(a, b, out):
+def _cpu_blas_takes(a, b, out, accumulate):
     """Whether MKL (cpu_blas.py) computes this NumPy product: one matrix product (b a matrix, a
-    a matrix or C-contiguous rows of one, as a Linear's input), in one of its dtypes, any `out` a
-    row-major array of that dtype (C-contiguous where rows are folded) apart from both operands
-    (BLAS would write over what it reads), every size within MKL's 32-bit integers. Anything else
-    goes to NumPy, which also words the errors."""
+    a matrix or C-contiguous rows of one, as a Linear's input), aligned arrays of one of its
+    dtypes, any `out` a writable row-major array of that dtype (C-contiguous where rows are
+    folded) apart from both operands (BLAS would write over what it reads), and every size and
+    stride within MKL's 32-bit integers. Anything else goes to NumPy, which also words the
+    errors."""
     if not cpu_blas.available() or b.ndim != 2 or a.ndim < 2 or a.shape[-1] != b.shape[0]:
         return False
-    if a.dtype not in cpu_blas.DTYPES or b.dtype != a.dtype:
+    if a.dtype not in cpu_blas.DTYPES or b.dtype != a.dtype or (accumulate and out is None):
         return False
     folded = a.ndim > 2
     if folded and not a.flags.c_contiguous:
         return False
     if out is not None and (out.dtype != a.dtype or out.shape != a.shape[:-1] + b.shape[1:]
-                            or (folded and not out.flags.c_contiguous)
+                            or not out.flags.writeable or (folded and not out.flags.c_contiguous)
                             or _layout(out.shape, out.strides, out.itemsize)[0] != 0
                             or numpy.may_share_memory(out, a) or numpy.may_share_memory(out, b)):
         return False
-    return max(a.size, b.size, 0 if out is None else out.size) < 2 ** 31
+    arrays = (a, b) if out is None else (a, b, out)
+    if not all(x.flags.aligned for x in arrays):
+        return False        # a stride that is no multiple of the element size (a record's field)
+    spans = [a.size, b.size, math.prod(a.shape[:-1]) * b.shape[1]]
+    spans += [abs(s) // x.itemsize for x in arrays for s in x.strides]
+    return max(spans) < 2 ** 31
 
 
 def rows(x):

@@ -108,7 +108,15 @@ def test_tf32_reaches_batched_products_too(cp):
     assert {r.fields["compute"] for r in cp._strict.launches("gemm")} == {"32F_FAST_TF32"}
 
 
-def test_numpy_keeps_its_own_product():
+@pytest.fixture
+def numpy_blas(monkeypatch):
+    """NumPy's own GEMMs even where the mkl extra is installed (tests/autograd/test_cpu_blas.py
+    checks MKL's)."""
+    from npmegatron.autograd import cpu_blas
+    monkeypatch.setattr(cpu_blas, "_library", None)
+
+
+def test_numpy_keeps_its_own_product(numpy_blas):
     rng = numpy.random.default_rng(5)
     a, b, out = rng.standard_normal((2, 3, 4)), rng.standard_normal((4, 5)), rng.standard_normal((2, 3, 5))
     expected = out + a @ b
@@ -117,7 +125,7 @@ def test_numpy_keeps_its_own_product():
     numpy.testing.assert_allclose(gemm.matmul(a, b), a @ b, rtol=1e-14)
 
 
-def test_numpy_writes_into_out_bitwise_as_its_own_product_and_falls_back_where_blas_cannot():
+def test_numpy_writes_into_out_bitwise_as_its_own_product_and_falls_back_where_blas_cannot(numpy_blas):
     """out= on the NumPy path: the GEMM writes into out itself where its rows are evenly spaced
     (a slice of a wider array, a batch, rows folded), bitwise the product NumPy returns; a
     transposed out or another dtype still gets the product."""

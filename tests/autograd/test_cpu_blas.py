@@ -30,10 +30,11 @@ def calls(monkeypatch):
 
 def layouts(rng, dtype):
     """(a, b) pairs as the model's Linears pass them: plain, folded rows, transposed views (weight
-    gradients, the tied output layer), strided rows."""
+    gradients, the tied output layer), strided rows; and sizes of 1."""
     r = lambda *shape: rng.standard_normal(shape).astype(dtype)
     return [(r(5, 7), r(7, 4)), (r(2, 3, 7), r(7, 4)), (r(7, 5).T, r(7, 4)), (r(5, 7), r(4, 7).T),
-            (r(7, 5).T, r(4, 7).T), (r(5, 9)[:, :7], r(7, 6)[:, :4]), (r(64, 48), r(48, 80))]
+            (r(7, 5).T, r(4, 7).T), (r(5, 9)[:, :7], r(7, 6)[:, :4]), (r(64, 48), r(48, 80)),
+            (r(1, 1, 7), r(7, 4)), (r(1, 7), r(7, 1)), (r(5, 1), r(1, 4)), (r(9, 1)[::3].T, r(3, 6)[:, ::2])]
 
 
 @needs_mkl
@@ -56,6 +57,20 @@ def test_each_layout_is_numpys_product(dtype, calls):
 
 
 @needs_mkl
+def test_a_strided_out_and_empty_products(calls):
+    rng = np.random.default_rng(3)
+    a, b = rng.standard_normal((3, 4)), rng.standard_normal((4, 5))
+    wide = np.ones((3, 9))
+    gemm.matmul(a, b, out=wide[:, 2:7], accumulate=True)       # rows 9 apart: MKL's ldc
+    np.testing.assert_allclose(wide[:, 2:7], 1 + a @ b, rtol=1e-13)
+    assert (wide[:, :2] == 1).all() and (wide[:, 7:] == 1).all()
+    into = np.full((3, 5), 7.0)
+    gemm.matmul(np.ones((3, 0)), np.ones((0, 5)), out=into)     # k = 0: zeros, no call
+    assert (into == 0).all() and gemm.matmul(np.ones((0, 4)), b).shape == (0, 5)
+    assert calls == [(3, 4, 5)]
+
+
+@needs_mkl
 def test_what_blas_cannot_take_stays_with_numpy(calls):
     rng = np.random.default_rng(1)
     a, b = rng.standard_normal((3, 5, 7)).astype(np.float32), rng.standard_normal((3, 7, 4)).astype(np.float32)
@@ -67,7 +82,13 @@ def test_what_blas_cannot_take_stays_with_numpy(calls):
     big_endian = np.ones((4, 4), ">f4")
     assert (gemm.matmul(big_endian, big_endian) == 4).all()
     strided = a[:, :, ::2][..., :3]                                            # folded rows not C-contiguous
-    np.testing.assert_allclose(gemm.matmul(strided, b[0, :3]), gemm.matmul(strided.copy(), b[0, :3]), rtol=1e-6)
+    np.testing.assert_allclose(gemm.matmul(strided, b[0, :3]), gemm.matmul(strided.copy(), b[0, :3]),
+                               rtol=1e-5, atol=1e-5)
+    read_only = np.broadcast_to(np.zeros(4, np.float32), (5, 4))             # strides (0, 4): writes would land in one row
+    with pytest.raises(ValueError):
+        gemm.matmul(a[0], b[0], out=read_only)                                 # NumPy refuses it
+    record = np.zeros((5, 7), [("x", "f4"), ("y", "f2")])["x"]                 # strides (42, 6): not aligned
+    assert (gemm.matmul(record, b[0]) == 0).all()
     assert calls == [(15, 3, 4)]        # only the copied, C-contiguous folded product
     with pytest.raises(ValueError):
         gemm.matmul(a[0], b[0, :6])     # shapes that disagree: NumPy's own error
