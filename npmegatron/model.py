@@ -187,7 +187,8 @@ class Block(Module):
         self.mlp = ParallelMLP(cfg, xp, dtype, group)
 
     def forward(self, x, cache=None):
-        if cache is None and self.layer_timers.enabled:
+        # training steps only, as the phases they are held against (evaluation runs untimed)
+        if cache is None and self.training and self.layer_timers.enabled:
             return timed_layer(self.layer_timers, self.number, self._layer, x)
         return self._layer(x, cache)
 

@@ -3,10 +3,12 @@ the step, throughput per rank and model-FLOP utilisation against a peak (--peak-
 at start), and measured peak memory beside the plan's prediction (--log-memory)."""
 import json
 
+import numpy as np
 import pytest
 
 from npmegatron.autograd import InputError
-from npmegatron.timers import PHASES
+from npmegatron.model import GPT, GPTConfig
+from npmegatron.timers import PHASES, Timers
 from npmegatron.training import TrainConfig, train
 
 SMALL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, micro_batch_size=4, lr=3e-3,
@@ -52,6 +54,20 @@ def test_memory_is_reported_at_the_first_interval_and_when_it_grows(tmp_path):
     assert 0.8 * first["predicted_bytes"] < first["memory_bytes"] < 2 * first["predicted_bytes"], first
     assert all("memory_bytes" not in r or r["memory_bytes_max"] > first["memory_bytes_max"] for r in logged[1:])
     assert any(line.startswith("memory (the arrays held and the steps' traced peak on top)") for line in said)
+
+
+def test_level_2_times_the_training_steps_layers_not_evaluations():
+    """The phases time the training steps only, so the layers they are held against must too: an
+    evaluation's forward (run before the interval is logged) is not counted."""
+    model = GPT(GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=32,
+                          max_position_embeddings=8, hidden_dropout=0.0, attention_dropout=0.0))
+    timers = Timers()
+    model.blocks[0].layer_timers = timers
+    ids = np.zeros((1, 8), np.int64)
+    model(ids)
+    model.eval()
+    model(ids)
+    assert timers("layer 0 forward").count == 1
 
 
 @pytest.mark.quick_variants("None")
