@@ -155,7 +155,12 @@ def test_a_killed_rank_is_named_once_with_the_checkpoint_to_resume_from(tmp_path
     named = int(re.search(r"\(latest: iter_(\d{7})\)$", lines[0]).group(1))
     latest = int((ck / "latest").read_text()[len("iter_"):])
     assert named in (latest - 1, latest) and named >= 1      # the kill may land between the two writes
-    assert "error stack" not in err and "Traceback" not in err and "Fatal error" not in err, err
+    # The residual race docs/design.md records: the other rank, reading the killed one's memory
+    # (MPICH's single-copy path) as it died, may add MPICH's one fatal line (seen once in CI)
+    others = [line for line in err.splitlines() if "process_vm_readv failed" not in line]
+    assert len(err.splitlines()) - len(others) <= 1, err
+    rest = "\n".join(others)
+    assert "error stack" not in rest and "Traceback" not in rest and "Fatal error" not in rest, err
 
 
 def test_a_killed_rank_without_save_says_no_checkpoint_was_saved(tmp_path):
