@@ -17,6 +17,7 @@ SMALL = {
                    "--micro-batch-size 2",
     "BENCH_ITERS": "--warmup 1 --iters 2",
     "GPU_TESTS": "tests/comm/test_comm_gpu.py",
+    "TEST_SECONDS": "600",     # the limit's watcher is set and, the tests done first, stopped
     "TRAIN_MODEL": "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 "
                    "--global-batch-size 2 --train-iters 4 --log-interval 2 --eval-interval 4 --eval-iters 1",
 }
