@@ -37,7 +37,7 @@ if [ "$tests" != "none" ]; then
     # shellcheck disable=SC2086
     setsid --wait python -m pytest -v -p no:cacheprovider $tests > "$out/tests.txt" 2>&1 &
     pytest_pid=$!
-    trap 'kill -TERM -- -"$pytest_pid" 2>/dev/null' INT TERM
+    trap 'kill -TERM -- -"$pytest_pid" 2>/dev/null; exit 130' INT TERM
     if [ -n "${TEST_SECONDS:-}" ]; then
         # the watcher in a session of its own too, so that stopping it stops its sleep
         setsid bash -c 'sleep "$1"; echo "stopped after TEST_SECONDS=$1 s" >> "$2"
