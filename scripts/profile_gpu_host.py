@@ -16,12 +16,8 @@ import pstats
 import statistics
 import time
 
-import numpy
-
-from npmegatron.autograd.backend import array_module_for
+from npmegatron.bench.step import assembled_run
 from npmegatron.cli import bench_model_config
-from npmegatron.config import TrainConfig
-from npmegatron.run import assemble
 from npmegatron.training.step import setup_objects_frozen, train_step
 
 
@@ -36,13 +32,8 @@ def main():
     options = {"num_layers": args.num_layers, "hidden_size": args.hidden_size, "dtype": "float32",
                "num_attention_heads": args.num_attention_heads, "vocab_size": args.vocab_size, "device": "gpu",
                "tf32": args.tf32, "fp16": args.fp16, "bf16": args.bf16, "seq_length": args.seq_length}
-    cfg = bench_model_config(options)
-    config = TrainConfig(model=cfg, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                         lr=1e-4, min_lr=0.0)
-    run, xp = assemble(config, world_size=1), array_module_for("gpu")
-    ids = numpy.random.default_rng(0).integers(0, args.vocab_size, (args.micro_batch_size, args.seq_length + 1))
-    batch = (xp.asarray(ids[:, :-1]), xp.asarray(ids[:, 1:]))
-    synchronize = xp.cuda.Device().synchronize
+    run, _, batch = assembled_run(bench_model_config(options), args.micro_batch_size, args.seq_length)
+    synchronize = run.model.xp.cuda.Device().synchronize
 
     def step():
         train_step(run.model, run.exchange, [batch], run.buckets, run.schedule)

@@ -179,21 +179,28 @@ def peak_bytes(xp, graphed=None):
     return peak_resident_bytes() if xp is numpy else device_pool_bytes(xp, graphed)
 
 
+def assembled_run(cfg, batch, seq, cuda_graph=False, warmup=2):
+    """(run, its TrainConfig, (inputs, targets) on the model's device): bench step's model as the
+    Trainer's step runs it on the serial layout, one process and one micro-batch of random ids."""
+    config = TrainConfig(model=cfg, seq_length=seq, micro_batch_size=batch, lr=LR, min_lr=0.0,
+                         cuda_graph=cuda_graph, cuda_graph_warmup_steps=max(1, warmup))
+    run = assemble(config, world_size=1)
+    xp = run.model.xp
+    ids = numpy.random.default_rng(cfg.seed).integers(0, cfg.vocab_size, (batch, seq + 1))
+    return run, config, (xp.asarray(ids[:, :-1]), xp.asarray(ids[:, 1:]))
+
+
 def _bench_step(cfg, batch, seq, warmup, iters, threads, profile, cuda_graph):
     from threadpoolctl import threadpool_limits
     with threadpool_limits(limits=threads) if threads else contextlib.nullcontext():
-        # One process, one micro-batch: the Trainer's step on the serial layout.
-        config = TrainConfig(model=cfg, seq_length=seq, micro_batch_size=batch, lr=LR, min_lr=0.0,
-                             cuda_graph=cuda_graph, cuda_graph_warmup_steps=max(1, warmup))
-        run = assemble(config, world_size=1)
+        run, config, inputs = assembled_run(cfg, batch, seq, cuda_graph, warmup)
         model, xp = run.model, run.model.xp
-        ids = numpy.random.default_rng(cfg.seed).integers(0, cfg.vocab_size, (batch, seq + 1))
         graphed = GraphedStep(run, config) if cuda_graph else None
         ceiling = GemmCeiling(cfg, batch, seq)
         with setup_objects_frozen():
-            times, rounds, optimizer_s, table, round_kinds = _timed_steps(run, (xp.asarray(ids[:, :-1]), xp.asarray(ids[:, 1:])),
-                                                             warmup, iters, profile and not cuda_graph, ceiling,
-                                                             graphed)
+            times, rounds, optimizer_s, table, round_kinds = _timed_steps(run, inputs, warmup, iters,
+                                                                          profile and not cuda_graph, ceiling,
+                                                                          graphed)
     step_s = statistics.median(times)
     flops = model_flops(cfg, model.num_parameters(), batch, seq)
     name, precision = device_name(xp), precision_of(cfg)
