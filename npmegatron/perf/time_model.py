@@ -26,9 +26,10 @@ A step on one rank, M micro-batches, V virtual stages, L layers on the rank:
 - DP comm exposed = max(all-reduce of the last bucket, all-reduce of this rank's gradients -
   dp_overlap x the last micro-batch's backward (2/3 of its compute)): gradients are reduced once
   per step, overlapped with the backward of the last micro-batch, and the last bucket starts only
-  when that backward ends; the whole all-reduce without overlap_grad_reduce (Megatron's
-  --no-overlap-grad-reduce, and what the 2019 implementation did); plus, with PP > 1, the tied
-  embedding's all-reduce between the first and last stage, exposed;
+  when that backward ends (last_bucket_elements: at least the word embedding's shard); the
+  whole all-reduce without overlap_grad_reduce (Megatron's --no-overlap-grad-reduce, and what
+  the 2019 implementation did); plus, with PP > 1, the tied embedding's all-reduce between the
+  first and last stage, exposed;
 - optimizer = the bytes AdamW reads and writes per parameter this rank updates / the profile's
   memory_bandwidth_bytes_per_s (memory bound; 0 for a profile without one): float32 reads the
   parameter, gradient and two moments and writes three (28 B); under --fp16/--bf16 the float32
@@ -139,6 +140,19 @@ def optimizer_time(cfg, shape, profile):
     return params / shard * per_parameter / bandwidth
 
 
+def last_bucket_elements(cfg, shape, grad_elements, bucket_elements=2 ** 20):
+    """Gradients all-reduced only after backward ends: the bucket holding the word embedding,
+    whose gradient is complete only when backward reaches the lookup, its last op. Buckets are
+    cut from the parameters in reverse order (data_parallel/buckets.py; PyTorch's DDP, which the
+    2019 code used, orders them the same way), so the last one holds at least the first stage's
+    vocabulary shard and learned position table, and otherwise one bucket's worth."""
+    padded = pad_vocab_size(cfg.vocab_size, shape.tp, cfg.make_vocab_size_divisible_by)
+    embedding = padded // shape.tp * cfg.hidden_size
+    if cfg.position_embedding_type == "learned_absolute":
+        embedding += cfg.max_position_embeddings * cfg.hidden_size
+    return max(min(bucket_elements, grad_elements), embedding)
+
+
 def step_time(cfg, shape, profile):
     """{'compute', 'tp_comm', 'pp_comm', 'bubble', 'dp_comm_exposed', 'total', ...} in seconds."""
     check_shape(cfg, shape)
@@ -184,7 +198,7 @@ def step_time(cfg, shape, profile):
     if d * shape.cp > 1:             # gradients are averaged over DP and CP together
         links = group_links(profile, "all_reduce", *place["dp"])
         dp_total = all_reduce_time(d * shape.cp, grad_bytes, *links)
-        bucket = min(grad_bytes, getattr(shape, "bucket_elements", 2 ** 20) * w)
+        bucket = last_bucket_elements(cfg, shape, grad_bytes // w) * w
         last_backward = compute * 2 / 3 / m
         dp_exposed = max(all_reduce_time(d * shape.cp, bucket, *links),
                          dp_total - profile["dp_overlap"] * last_backward)

@@ -13,8 +13,9 @@ from npmegatron.perf import ParallelShape, load_profile, memory_plan, step_time
 from npmegatron.bench.plan import calibrate as calibrate_module
 from npmegatron.perf.memory import check_shape, layer_activation_bytes, rank_parameters
 from npmegatron.perf.search import paper_weak_scaling, search
-from npmegatron.perf.time_model import all_gather_time, all_reduce_time, p2p_time, rank_flops
+from npmegatron.perf.time_model import all_gather_time, all_reduce_time, last_bucket_elements, p2p_time, rank_flops
 from npmegatron.run import build_model
+from npmegatron.data_parallel.buckets import group_params
 from npmegatron.cli import main
 from npmegatron.comm import ProcessGrid
 from npmegatron.config import GPTConfig
@@ -145,11 +146,17 @@ def test_dgx2h_profile_and_paper_weak_scaling():
     assert rows[0]["time"]["optimizer"] == pytest.approx(1.21e9 * 64 / 9e11, rel=0.01)
     assert all(0.5 < r["efficiency"] <= 1.0 for r in rows)
     assert rows[3]["efficiency"] < rows[2]["efficiency"] < rows[1]["efficiency"]
-    # after backward the whole all-reduce shows; overlapped with it only the last bucket does
+    # after backward the whole all-reduce shows; overlapped with it only the last bucket does: the
+    # word embedding's shard and the position table (3072 x (51200 / 8 + 1024) fp16 values), in
+    # rings of 64 that cross 32 nodes, two members a node (12.5 GB/s a ring)
     assert rows[7]["time"]["dp_comm_exposed"] == rows[7]["time"]["dp_comm"] > 0
-    assert rows[11]["time"]["dp_comm_exposed"] < rows[7]["time"]["dp_comm"] / 100
-    # at 8-way TP the prediction stays 6 points above the paper's 77 % (docs/benchmarks.md)
-    assert rows[3]["efficiency"] - 0.77 == pytest.approx(0.06, abs=0.01)
+    last_bucket = 3072 * (51200 // 8 + 1024) * 2
+    assert rows[11]["time"]["dp_comm_exposed"] == pytest.approx(all_reduce_time(64, last_bucket, 5e-6, 16 / 100e9 / 2))
+    # at 8-way TP, with NVSwitch at the 135.4 GB/s per direction measured on a DGX-2, the
+    # prediction is within 5 points of the paper's 77 % (4.6 above); at 512 GPUs it is not
+    # (docs/benchmarks.md)
+    assert rows[3]["efficiency"] - 0.77 == pytest.approx(0.046, abs=0.005)
+    assert profile["intra"]["all_reduce"]["beta_s_per_byte"] == pytest.approx(1 / 135.4e9)
 
 
 def test_step_time_parts():
@@ -170,6 +177,28 @@ def test_step_time_parts():
     link = profile["intra"]["all_reduce"]
     one_reduce = all_reduce_time(2, 256 * 8 * 512 * 4, link["alpha_s"], link["beta_s_per_byte"])
     assert full["tp_comm"] == pytest.approx((4 * 6 + 2) * one_reduce)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_last_bucket_holds_the_embedding_as_training_groups_it(tp):
+    """The planner's last DP bucket (all-reduced after backward ends) against the buckets
+    training cuts: those holding the embedding's tables, whose gradients are complete only when
+    backward reaches the lookup, hold the word embedding's shard and the position table, plus
+    less than one bucket of other parameters."""
+    cfg = GPTConfig(**dict(SMALL, vocab_size=5000))
+    bucket = 3000
+    model = build_model(cfg, fake_grid(tp, 0, 1, 0))
+    named = dict(model.named_parameters())
+    params, tables = list(model.parameters()), {id(named["wte.weight"]), id(named["wpe"])}
+    after_backward = sum(p.data.size for group in group_params(params, bucket)
+                         if any(id(p) in tables for p in group) for p in group)
+    planned = last_bucket_elements(cfg, ParallelShape(tp=tp), sum(p.data.size for p in params), bucket)
+    assert planned == pad_vocab_size(5000, tp) // tp * 64 + 32 * 64
+    assert planned <= after_backward < planned + bucket
+    # a vocabulary smaller than a bucket: one bucket's worth, or every gradient when fewer
+    small = GPTConfig(**SMALL)
+    assert last_bucket_elements(small, ParallelShape(), 10 ** 6, 2 ** 20) == 10 ** 6
+    assert last_bucket_elements(small, ParallelShape(), 10 ** 7, 2 ** 20) == 2 ** 20
 
 
 def test_search_ranks_and_refuses():
