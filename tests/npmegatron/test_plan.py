@@ -244,7 +244,9 @@ def test_cli_plan_layouts_and_errors():
         assert result.exit_code != 0 and needle in result.output, (args, result.output)
     # train's micro-batch 16 in a global batch of 32: DP 1 or 2, five layouts of 4 ranks
     result = runner.invoke(main, ["plan", "--search", "4", "--global-batch-size", "32"])
-    assert result.exit_code == 0 and result.output.count("\n") == 6, result.output
+    assert result.exit_code == 0 and result.output.count("\n") == 7, result.output
+    # every layout judged against this machine's memory shared by the 4 ranks, and the table says so
+    assert "GB over 4 rank(s); --device gpu judges" in result.output.splitlines()[-1]
     result = runner.invoke(main, ["plan", "--weak-scaling", "paper"])
     assert result.exit_code == 0 and "3072" in result.output
 

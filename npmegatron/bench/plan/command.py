@@ -189,16 +189,22 @@ def plan_command(ctx, layout, recompute, recompute_method, recompute_num_layers,
             base.global_batch = micro_batch * search_ranks // cp
         results = search(cfg, base, machine, search_ranks, memory)
         click.echo(json.dumps(results) if as_json else format_search(results))
-        return
-    result = plan(cfg, base, machine, memory)
-    if as_json:
-        click.echo(json.dumps(result))
-        return
-    click.echo(format_plan(result, cfg, machine))
-    if device == "cpu" and device_memory is None:
-        click.echo(f"(memory: this machine's {machine_memory_bytes() / GB:.1f} GB over {ranks} rank(s); step time: "
-                   f"profile {machine['name']}" + (", a GPU machine's: `npmegatron plan calibrate -o cpu.json` "
-                   "and --profile cpu.json time this one)" if machine["name"] == "dgx2h" else ")"))
+    else:
+        result = plan(cfg, base, machine, memory)
+        click.echo(json.dumps(result) if as_json else format_plan(result, cfg, machine))
+    if device == "cpu" and device_memory is None and not as_json:
+        click.echo(memory_note(machine, ranks))
+
+
+def memory_note(machine, ranks):
+    """Where a CPU run's memory and the step time come from, which a GPU profile's times and this
+    machine's memory would otherwise leave unsaid."""
+    gpu = machine["name"] == "dgx2h"
+    return (f"(memory: this machine's {machine_memory_bytes() / GB:.1f} GB over {ranks} rank(s)"
+            + ("; --device gpu judges each rank against the profile's device memory" if gpu else "")
+            + f"; step time: profile {machine['name']}"
+            + (", a GPU machine's: `npmegatron plan calibrate -o cpu.json` and --profile cpu.json time this one)"
+               if gpu else ")"))
 
 
 def machine_memory_bytes():
