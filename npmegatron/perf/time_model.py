@@ -26,7 +26,7 @@ A step on one rank, M micro-batches, V virtual stages, L layers on the rank:
 - DP comm exposed = max(all-reduce of the last bucket, all-reduce of this rank's gradients -
   dp_overlap x the last micro-batch's backward (2/3 of its compute)): gradients are reduced once
   per step, overlapped with the backward of the last micro-batch, and the last bucket starts only
-  when that backward ends (last_bucket_elements: at least the word embedding's shard); the
+  when that backward ends (last_bucket_elements: at least the embedding's tables); the
   whole all-reduce without overlap_grad_reduce (Megatron's --no-overlap-grad-reduce, and what
   the 2019 implementation did); plus, with PP > 1, the tied embedding's all-reduce between the
   first and last stage, exposed;
@@ -141,16 +141,20 @@ def optimizer_time(cfg, shape, profile):
 
 
 def last_bucket_elements(cfg, shape, grad_elements, bucket_elements=2 ** 20):
-    """Gradients all-reduced only after backward ends: the bucket holding the word embedding,
-    whose gradient is complete only when backward reaches the lookup, its last op. Buckets are
-    cut from the parameters in reverse order (data_parallel/buckets.py; PyTorch's DDP, which the
-    2019 code used, orders them the same way), so the last one holds at least the first stage's
-    vocabulary shard and learned position table, and otherwise one bucket's worth."""
-    padded = pad_vocab_size(cfg.vocab_size, shape.tp, cfg.make_vocab_size_divisible_by)
-    embedding = padded // shape.tp * cfg.hidden_size
+    """Gradients all-reduced only after backward ends. Buckets are cut from the parameters in
+    reverse order and launched in that order (data_parallel/buckets.py; PyTorch's DDP, which the
+    2019 code used, orders them the same way), so the last ones hold the embedding's tables,
+    whose gradients are complete only when backward reaches the lookup, its last op; without
+    PP, an untied output layer, first in that order, shares a bucket with the first layer's
+    last gradients. Those tables are a lower bound; a model whose tables are smaller than a
+    bucket is charged one bucket's worth (at most every gradient)."""
+    vocabulary = pad_vocab_size(cfg.vocab_size, shape.tp, cfg.make_vocab_size_divisible_by) // shape.tp
+    tables = vocabulary * cfg.hidden_size
     if cfg.position_embedding_type == "learned_absolute":
-        embedding += cfg.max_position_embeddings * cfg.hidden_size
-    return max(min(bucket_elements, grad_elements), embedding)
+        tables += cfg.max_position_embeddings * cfg.hidden_size
+    if cfg.untie_embeddings_and_output_weights and shape.pp == 1:
+        tables += vocabulary * cfg.hidden_size
+    return max(min(bucket_elements, grad_elements), tables)
 
 
 def step_time(cfg, shape, profile):
