@@ -31,12 +31,18 @@ def option(default, help, *, aliases=(), choices=None, minimum=None, negatable=F
 def check_minimums(config):
     """Every field with a minimum holds a finite value at least that (None: not given)."""
     for spec in fields(config):
-        minimum, value = spec.metadata.get("minimum"), getattr(config, spec.name)
-        if minimum is None or value is None:
-            continue
-        if not (value >= minimum and math.isfinite(value)):
-            rule = "a positive integer" if minimum == 1 else "a finite number, not negative"
-            raise InputError(f"{spec.name} is {value}; it must be {rule}")
+        check_minimum(spec, getattr(config, spec.name))
+
+
+def check_minimum(spec, value):
+    """One field's value against its minimum (a command that takes a few of a config's flags
+    checks them with this)."""
+    minimum = spec.metadata.get("minimum")
+    if minimum is None or value is None:
+        return
+    if not (value >= minimum and math.isfinite(value)):
+        rule = "a positive integer" if minimum == 1 else "a finite number, not negative"
+        raise InputError(f"{spec.name} is {value}; it must be {rule}")
 
 
 #: What --model-family sets, for each part whose own flag is not given.

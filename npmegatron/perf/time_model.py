@@ -140,7 +140,7 @@ def optimizer_time(cfg, shape, profile):
     return params / shard * per_parameter / bandwidth
 
 
-def last_bucket_elements(cfg, shape, grad_elements, bucket_elements=2 ** 20):
+def last_bucket_elements(cfg, shape, grad_elements, bucket_elements):
     """Gradients all-reduced only after backward ends. Buckets are cut from the parameters in
     reverse order and launched in that order (data_parallel/buckets.py; PyTorch's DDP, which the
     2019 code used, orders them the same way), so the last ones hold the embedding's tables,
@@ -202,7 +202,7 @@ def step_time(cfg, shape, profile):
     if d * shape.cp > 1:             # gradients are averaged over DP and CP together
         links = group_links(profile, "all_reduce", *place["dp"])
         dp_total = all_reduce_time(d * shape.cp, grad_bytes, *links)
-        bucket = last_bucket_elements(cfg, shape, grad_bytes // w) * w
+        bucket = last_bucket_elements(cfg, shape, grad_bytes // w, shape.bucket_elements) * w
         last_backward = compute * 2 / 3 / m
         dp_exposed = max(all_reduce_time(d * shape.cp, bucket, *links),
                          dp_total - profile["dp_overlap"] * last_backward)

@@ -244,9 +244,20 @@ def test_cli_plan_layouts_and_errors():
                          (["--layout", "1x3x1"], "do not split evenly"),
                          (["--layout", "2x2"], "is not TPxPPxDP"),
                          (["--search", "4", "--layout", "2x1x1"], "has 2 ranks but --search asks for 4"),
-                         (["--profile", "nosuch"], "neither a file nor a shipped profile")):
+                         (["--profile", "nosuch"], "neither a file nor a shipped profile"),
+                         (["--cp", "0"], "--context-parallel-size is 0; it must be a positive integer"),
+                         (["--micro-batch-size", "0"], "--micro-batch-size is 0; it must be"),
+                         (["--search", "4", "--global-batch-size", "0"], "--global-batch-size is 0"),
+                         (["--num-layers-per-virtual-pipeline-stage", "0"], "stage is 0"),
+                         (["--ddp-bucket-size", "-1"], "--ddp-bucket-size is -1")):
         result = runner.invoke(main, ["plan"] + args)
-        assert result.exit_code != 0 and needle in result.output, (args, result.output)
+        assert result.exit_code == 1 and needle in result.output, (args, result.output)
+        assert "Traceback" not in result.output and result.output.count("\n") == 1, (args, result.output)
+    # the DP all-reduce left after backward: one bucket's worth when the tables are smaller
+    exposed = [json.loads(runner.invoke(main, ["plan", "--layout", "1x1x2", "--ddp-bucket-size", bucket,
+                                               "--json"]).output)["time"]["dp_comm_exposed"]
+               for bucket in ("1000000000", "1000")]
+    assert exposed[0] > exposed[1] > 0
     # train's micro-batch 16 in a global batch of 32: DP 1 or 2, five layouts of 4 ranks
     result = runner.invoke(main, ["plan", "--search", "4", "--global-batch-size", "32"])
     assert result.exit_code == 0 and result.output.count("\n") == 7, result.output

@@ -1,12 +1,13 @@
 """The click command `npmegatron plan` (and `npmegatron plan calibrate`), added to cli.main."""
 import json
 import os
+from dataclasses import fields
 
 import click
 
 from ...autograd import InputError
 from ...cli_support import Group, config_options, user_errors
-from ...config import TRAIN_MODEL_DEFAULTS, GPTConfig, ParallelConfig, TrainConfig
+from ...config import TRAIN_MODEL_DEFAULTS, GPTConfig, ParallelConfig, TrainConfig, check_minimum
 from ...perf import ParallelShape, load_profile
 from ...perf.search import paper_weak_scaling, plan, search
 from .against import format_against, predicted_against_measured, read_records
@@ -105,7 +106,7 @@ def format_weak(rows):
 @config_options(GPTConfig, only=MODEL_FIELDS, defaults=TRAIN_MODEL_DEFAULTS)      # train's defaults
 @config_options(TrainConfig, only={"seq_length", "micro_batch_size", "global_batch_size"})
 @config_options(ParallelConfig, only={"num_layers_per_virtual_pipeline_stage", "pipeline_schedule",
-                                      "context_parallel_size"})
+                                      "context_parallel_size", "ddp_bucket_size"})
 @click.option("--layout", default="1x1x1", show_default=True, help="TPxPPxDP, e.g. 2x1x4.")
 @click.option("--recompute", type=click.Choice(["none", "selective", "full"]), default="none",
               show_default=True, help="Activation recomputation (training's --recompute-granularity).")
@@ -154,12 +155,16 @@ def plan_command(ctx, layout, recompute, recompute_method, recompute_num_layers,
     if device_memory is not None and not device_memory > 0:
         raise InputError(f"--device-memory {device_memory} must be a positive number of GB")
     memory = None if device_memory is None else device_memory * GB
+    for config_class in (TrainConfig, ParallelConfig):     # GPTConfig checks its own fields
+        for spec in fields(config_class):
+            check_minimum(spec, options.get(spec.name))
     seq = options.pop("seq_length")
     micro_batch = options.pop("micro_batch_size")
     global_batch = options.pop("global_batch_size")
     per_virtual = options.pop("num_layers_per_virtual_pipeline_stage")
     schedule = options.pop("pipeline_schedule")
     cp = options.pop("context_parallel_size")
+    bucket = options.pop("ddp_bucket_size")
     cfg = GPTConfig(**options, max_position_embeddings=seq)
     t, p, d = parse_grid_shape(layout)
     if search_ranks is not None and layout != "1x1x1":
@@ -180,7 +185,8 @@ def plan_command(ctx, layout, recompute, recompute_method, recompute_num_layers,
                   global_batch=global_batch or micro_batch * d, seq=seq,
                   sequence_parallel=cfg.sequence_parallel, recompute=recompute, schedule=schedule,
                   recompute_method=recompute_method, recompute_num_layers=recompute_num_layers,
-                  distributed_optimizer=distributed_optimizer, overlap_grad_reduce=overlap_grad_reduce)
+                  distributed_optimizer=distributed_optimizer, overlap_grad_reduce=overlap_grad_reduce,
+                  bucket_elements=bucket)
     ranks = search_ranks or t * p * d * cp
     if memory is None and device == "cpu":
         memory = machine_memory_bytes() / ranks         # the ranks of a CPU run share this machine
