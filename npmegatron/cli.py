@@ -12,7 +12,7 @@ import click
 from .autograd import InputError
 from . import config_file
 from .cli_support import Group, config_options, relaunch_under_mpiexec, user_errors, with_config_file
-from .config import MODEL_PRESETS, TRAIN_MODEL_DEFAULTS, GPTConfig, ParallelConfig, TrainConfig
+from .config import MODEL_PRESETS, TRAIN_MODEL_DEFAULTS, GPTConfig, ParallelConfig, TrainConfig, check_given
 
 POSITIVE = click.IntRange(min=1)
 BENCH_MODEL_FIELDS = {"num_layers", "hidden_size", "num_attention_heads", "vocab_size", "dtype", "device",
@@ -269,6 +269,7 @@ def bench_model_options(defaults):
 
 def bench_model_config(options):
     """The benchmarks' GPTConfig: their flags, the position table as long as the sequence, no dropout."""
+    check_given(options, TrainConfig)
     return GPTConfig(**{k: options.pop(k) for k in BENCH_MODEL_FIELDS},
                      max_position_embeddings=options["seq_length"], hidden_dropout=0.0, attention_dropout=0.0)
 

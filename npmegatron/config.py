@@ -34,9 +34,16 @@ def check_minimums(config):
         check_minimum(spec, getattr(config, spec.name))
 
 
+def check_given(options, *config_classes):
+    """The minimums of `options` (a command's, by field name) that are fields of config_classes:
+    for a command that takes a few of a config's flags without building that config."""
+    for config_class in config_classes:
+        for spec in fields(config_class):
+            if spec.name in options:
+                check_minimum(spec, options[spec.name])
+
+
 def check_minimum(spec, value):
-    """One field's value against its minimum (a command that takes a few of a config's flags
-    checks them with this)."""
     minimum = spec.metadata.get("minimum")
     if minimum is None or value is None:
         return

@@ -138,6 +138,14 @@ def test_bad_input_is_one_sentence(args, words):
     assert len(lines) == 1 and lines[0].startswith("Error: ") and words in lines[0], result.output
 
 
+@pytest.mark.parametrize("flag", ["--micro-batch-size", "--seq-length"])
+def test_a_zero_batch_flag_is_one_sentence(flag):
+    """Not a ZeroDivisionError from planning the runs (the flags are train's, checked as train checks them)."""
+    result = CliRunner().invoke(main, ["bench", "scaling"] + TINY[:10] + [flag, "0"])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [f"Error: {flag} is 0; it must be a positive integer"], result.output
+
+
 def test_rounds_keep_each_layouts_median_round_and_list_them_all():
     """--rounds N: each layout's row is the round of its median efficiency (lower median for an
     even count), each round's efficiency against that round's own baseline."""

@@ -1,13 +1,12 @@
 """The click command `npmegatron plan` (and `npmegatron plan calibrate`), added to cli.main."""
 import json
 import os
-from dataclasses import fields
 
 import click
 
 from ...autograd import InputError
 from ...cli_support import Group, config_options, user_errors
-from ...config import TRAIN_MODEL_DEFAULTS, GPTConfig, ParallelConfig, TrainConfig, check_minimum
+from ...config import TRAIN_MODEL_DEFAULTS, GPTConfig, ParallelConfig, TrainConfig, check_given
 from ...perf import ParallelShape, load_profile
 from ...perf.search import paper_weak_scaling, plan, search
 from .against import format_against, predicted_against_measured, read_records
@@ -155,9 +154,7 @@ def plan_command(ctx, layout, recompute, recompute_method, recompute_num_layers,
     if device_memory is not None and not device_memory > 0:
         raise InputError(f"--device-memory {device_memory} must be a positive number of GB")
     memory = None if device_memory is None else device_memory * GB
-    for config_class in (TrainConfig, ParallelConfig):     # GPTConfig checks its own fields
-        for spec in fields(config_class):
-            check_minimum(spec, options.get(spec.name))
+    check_given(options, TrainConfig, ParallelConfig)      # GPTConfig checks its own fields
     seq = options.pop("seq_length")
     micro_batch = options.pop("micro_batch_size")
     global_batch = options.pop("global_batch_size")
