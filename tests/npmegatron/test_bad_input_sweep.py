@@ -1,4 +1,4 @@
-"""A sweep of bad input across train, preprocess, generate and bench, as a user meets it: every
+"""A sweep of bad input across train, preprocess, generate, bench and plan, as a user meets it: every
 case must end with a non-zero exit and its one sentence printed once (under mpiexec too), never
 a traceback, a hang, MPI abort noise for an error every rank shares, or a changed checkpoint."""
 import hashlib
@@ -16,7 +16,7 @@ TRAIN = [sys.executable, "scripts/train.py", "--num-layers", "1", "--hidden-size
          "--num-attention-heads", "2", "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "2",
          "--eval-iters", "1", "--lr-warmup-iters", "1", "--sample-tokens", "0"]
 CLI = [sys.executable, "-m", "npmegatron.cli"]
-PREPROCESS, GENERATE, BENCH = CLI + ["preprocess"], CLI + ["generate"], CLI + ["bench"]
+PREPROCESS, GENERATE, BENCH, PLAN = CLI + ["preprocess"], CLI + ["generate"], CLI + ["bench"], CLI + ["plan"]
 USAGE = 2           # click's exit status for a bad flag or value; bad input otherwise exits 1
 
 # (id, ranks (0: no mpiexec), command, the sentence's telling part, exit status)
@@ -159,6 +159,11 @@ CASES = [
     ("bench-comm-mpi-flag", 2, BENCH + ["comm", "--bogus"], "No such option", USAGE),
     ("bench-pipeline-micro-batches", 0, BENCH + ["pipeline", "--num-micro-batches", "0"],
      "Invalid value for '--num-micro-batches'", USAGE),
+    ("bench-scaling-micro-batch-0", 0, BENCH + ["scaling", "--micro-batch-size", "0"],
+     "--micro-batch-size is 0; it must be a positive integer", 1),
+    ("plan-cp-0", 0, PLAN + ["--cp", "0"], "--context-parallel-size is 0; it must be a positive integer", 1),
+    ("plan-search-micro-batch-0", 0, PLAN + ["--search", "4", "--micro-batch-size", "0"],
+     "--micro-batch-size is 0; it must be a positive integer", 1),
 ]
 
 
