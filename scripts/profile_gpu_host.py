@@ -21,10 +21,12 @@ from npmegatron.cli import bench_model_config
 from npmegatron.training.step import setup_objects_frozen, train_step
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def gpu_step_arguments(doc, top):
+    """(arguments, GPTConfig) of the GPU profiling scripts (this one and profile_gpu_step.py):
+    bench step's model flags at GPT-2 124M's shape, a precision and how many rows to print."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     for name, default in (("num-layers", 12), ("hidden-size", 768), ("num-attention-heads", 12),
-                          ("seq-length", 1024), ("vocab-size", 50304), ("micro-batch-size", 8), ("top", 25)):
+                          ("seq-length", 1024), ("vocab-size", 50304), ("micro-batch-size", 8), ("top", top)):
         parser.add_argument(f"--{name}", type=int, default=default)
     for flag in ("tf32", "bf16", "fp16"):
         parser.add_argument(f"--{flag}", action="store_true")
@@ -32,7 +34,12 @@ def main():
     options = {"num_layers": args.num_layers, "hidden_size": args.hidden_size, "dtype": "float32",
                "num_attention_heads": args.num_attention_heads, "vocab_size": args.vocab_size, "device": "gpu",
                "tf32": args.tf32, "fp16": args.fp16, "bf16": args.bf16, "seq_length": args.seq_length}
-    run, _, batch = assembled_run(bench_model_config(options), args.micro_batch_size, args.seq_length)
+    return args, bench_model_config(options)
+
+
+def main():
+    args, cfg = gpu_step_arguments(__doc__, top=25)
+    run, _, batch = assembled_run(cfg, args.micro_batch_size, args.seq_length)
     synchronize = run.model.xp.cuda.Device().synchronize
 
     def step():

@@ -7,23 +7,15 @@ kernels and cuBLAS calls included; PyTorch is an optional peer here, not a depen
 The model is GPT-2 124M's shape (bench step's flags for another); the third step is profiled,
 from its forward to the end of its optimizer step.
 """
-import argparse
-
 import cupy
 from torch.profiler import ProfilerActivity, profile
 
 import npmegatron.bench.step as bench
-from npmegatron.cli import bench_model_config
+from profile_gpu_host import gpu_step_arguments     # scripts/, the folder this script runs from
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name, default in (("num-layers", 12), ("hidden-size", 768), ("num-attention-heads", 12),
-                          ("seq-length", 1024), ("vocab-size", 50304), ("micro-batch-size", 8), ("top", 40)):
-        parser.add_argument(f"--{name}", type=int, default=default)
-    for flag in ("tf32", "bf16", "fp16"):
-        parser.add_argument(f"--{flag}", action="store_true")
-    args = parser.parse_args()
+    args, cfg = gpu_step_arguments(__doc__, top=40)
     profiler = profile(activities=[ProfilerActivity.CUDA])
     state = {"steps": 0, "on": False}
     train_step, gemm_round = bench.train_step, bench.GemmCeiling.round
@@ -43,10 +35,7 @@ def main():
         return gemm_round(self)
 
     bench.train_step, bench.GemmCeiling.round = profiled_step, round_after
-    options = {"num_layers": args.num_layers, "hidden_size": args.hidden_size, "dtype": "float32",
-               "num_attention_heads": args.num_attention_heads, "vocab_size": args.vocab_size, "device": "gpu",
-               "tf32": args.tf32, "fp16": args.fp16, "bf16": args.bf16, "seq_length": args.seq_length}
-    bench.bench_step(bench_model_config(options), args.micro_batch_size, args.seq_length, warmup=2, iters=1)
+    bench.bench_step(cfg, args.micro_batch_size, args.seq_length, warmup=2, iters=1)
     kernels = [e for e in profiler.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
     kernels.sort(key=lambda e: -e.self_device_time_total)
     total = sum(e.self_device_time_total for e in kernels)
