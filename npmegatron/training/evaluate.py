@@ -6,7 +6,7 @@ import math
 
 from ..autograd import InputError
 from ..checkpointing import checkpoint
-from ..config import TrainConfig
+from ..config import GPTConfig, ParallelConfig, TrainConfig, check_given
 from .trainer import Trainer
 
 
@@ -17,7 +17,9 @@ FROM_THE_RUN = ("data_path", "split", "eval_iters", "micro_batch_size", "global_
 
 def evaluation_config(load, **given):
     """The TrainConfig that evaluates checkpoint `load`: the flags given (None: not given), the
-    rest of FROM_THE_RUN from the run that saved it, the model's shape from its manifest."""
+    rest of FROM_THE_RUN from the run that saved it, the model's shape from its manifest. The
+    flags are checked first, so a bad one is named whether or not the checkpoint is there."""
+    check_given(given, TrainConfig, ParallelConfig, GPTConfig)
     if not load:
         raise InputError("evaluate needs the checkpoint to evaluate; pass --load DIR")
     if not checkpoint.holds_checkpoint(load):

@@ -61,6 +61,13 @@ def test_without_a_checkpoint_it_says_so(tmp_path, options, message):
         evaluation_config(load)
 
 
+def test_a_bad_flag_is_named_before_the_checkpoint_is_looked_for(tmp_path):
+    with pytest.raises(InputError, match="micro_batch_size is 0; it must be a positive integer"):
+        evaluation_config(str(tmp_path / "missing"), micro_batch_size=0)
+    with pytest.raises(InputError, match="eval_iters is 0"):
+        evaluation_config(None, eval_iters=0)
+
+
 @pytest.mark.slow
 def test_at_another_layout_under_mpirun(tmp_path):
     folder, printed = trained(tmp_path)
