@@ -2,11 +2,28 @@
 `mpiexec -n N` (this pytest process never initialises MPI), with a timeout so a hang fails the
 test, and every rank's output shown on failure. The helpers behind it (and those test modules
 share: mpiexec_path, rank_environment, launch) live in tests/helpers.py."""
+import compileall
+import os
+import sys
+
 import pytest
 
 from npmegatron.autograd import cublas_capture, fusion, row_kernels     # first: npmegatron sets the BLAS threads before NumPy loads
 from fakes.strict_cupy import strict_cupy  # noqa: E402
-from helpers import run_ranks  # noqa: E402
+from helpers import ROOT, run_ranks  # noqa: E402
+
+#: The source folders whose modules every spawned rank and command imports.
+SOURCE_FOLDERS = ("npmegatron", "autograd", "comm", "scripts", "tests")
+
+
+def pytest_configure(config):
+    """Where Python may not write bytecode (PYTHONDONTWRITEBYTECODE), each of the suite's hundreds
+    of spawned ranks and commands would compile this project's modules from source again (a
+    quarter of a second each): compile them once, into the __pycache__ folders Python reads
+    (ignored by git, as Python itself would write them without that setting)."""
+    if sys.flags.dont_write_bytecode:
+        for folder in SOURCE_FOLDERS:
+            compileall.compile_dir(os.path.join(ROOT, folder), quiet=1)
 
 
 @pytest.fixture

@@ -66,6 +66,7 @@ def check_pipeline(mpirun, n, cases):
     assert worst < 1e-10, result
 
 
+@pytest.mark.slow
 def test_two_rank_pipeline_layouts_on_gpu_equal_the_serial_model(mpirun):
     check_pipeline(mpirun, 2, pipeline_cases(2, device="gpu"))
 
@@ -98,6 +99,7 @@ def test_training_path_tp2_with_sp_checkpoint_and_generation(mpirun, tmp_path):
     assert record["sample"].startswith("sample")
 
 
+@pytest.mark.slow
 def test_training_path_dp2_with_recomputation_and_the_distributed_optimizer(mpirun, tmp_path):
     """Full recomputation and the distributed optimizer's reduce-scatter, sharded AdamW and
     parameter all-gather on CuPy arrays: the NumPy run's losses, norms and parameters, no more

@@ -2,6 +2,7 @@
 one launch per kernel CuPy runs, none for a view, each cuBLAS call with its dtypes, compute type
 and transposes as CuPy 14 chooses them (cupy/_core/_routines_linalg.pyx), the copies CuPy makes
 inside a call, and device bytes; and scripts/count_gpu_work.py reports them per layer and step."""
+import functools
 import json
 import subprocess
 import sys
@@ -112,11 +113,18 @@ def test_allocations_and_the_peak_of_bytes_live(cp):
 
 
 def count(*flags):
+    """The counting script's JSON for the small model with `flags`, each a fresh dict."""
+    return json.loads(_counted(flags))
+
+
+@functools.lru_cache(maxsize=None)
+def _counted(flags):
+    """The script's run per set of flags, once per session: several tests read the same counts."""
     command = [sys.executable, "scripts/count_gpu_work.py", "--hidden-size", "64", "--num-attention-heads", "4",
                "--seq-length", "256", "--vocab-size", "512", "--json", "/dev/stdout", *flags]
     run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
-    return json.loads(run.stdout[run.stdout.index("\n{") + 1:])
+    return run.stdout[run.stdout.index("\n{") + 1:]
 
 
 def test_the_counting_script_reports_per_layer_counts_that_do_not_depend_on_depth():
@@ -131,6 +139,7 @@ def test_the_counting_script_reports_per_layer_counts_that_do_not_depend_on_dept
     assert sum(layer["gemms"].values()) == layer["by_kind"]["gemm"] >= 8     # 4 linears x (forward + 2 backward) at least
 
 
+@pytest.mark.slow
 def test_the_counting_script_sees_tf32_in_every_gemm():
     result = count("--tf32")
     gemms = {**result["layer"]["gemms"], **result["outside_layers"]["gemms"]}

@@ -33,6 +33,7 @@ def test_gpu_files_pass_on_the_strict_stand_in():
 
 @pytest.mark.slow
 def test_slow_gpu_files_pass_on_the_strict_stand_in():
-    """The eight-rank layouts and TP 2 x PP 2 x DP 2 training."""
+    """The eight-rank layouts, the two-rank pipeline layouts, DP 2 training with the distributed
+    optimizer, and TP 2 x PP 2 x DP 2 training."""
     out = run_gpu_files("slow")
     assert "TP 2 x PP 2 x DP 2: host syncs per step [1, 1, 1, 1]" in out, out

@@ -3,6 +3,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from helpers import ROOT, mpiexec_path, rank_environment
 
 ARGS = ["bench", "comm", "--min-bytes", "1024", "--max-bytes", "65536"]
@@ -25,6 +27,7 @@ def test_bench_comm_launched_by_mpiexec():
     check_report(result.stdout, 2)
 
 
+@pytest.mark.slow
 def test_bench_comm_launches_mpiexec_itself():
     result = subprocess.run([sys.executable, "-m", "npmegatron.cli"] + ARGS + ["--ranks", "4"],
                             capture_output=True, text=True, timeout=120, cwd=ROOT, env=rank_environment())

@@ -1,6 +1,8 @@
 """A failing rank ends the whole job quickly with its message printed once, never a hang."""
 import re
 
+import pytest
+
 RANKS = "ranks/failures.py"
 
 
@@ -12,6 +14,7 @@ def test_a_rank_that_raises_aborts_the_job_with_one_message(mpirun):
     assert "[rank 2] ValueError: rank two hit a bad value" in result.stderr
 
 
+@pytest.mark.slow
 def test_an_error_every_rank_shares_is_printed_once(mpirun):
     result = mpirun(4, RANKS, args=["shared-error"], check=False, timeout=60)
     assert result.returncode != 0 and result.seconds < 30, str(result)
@@ -19,6 +22,7 @@ def test_an_error_every_rank_shares_is_printed_once(mpirun):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_a_killed_rank_ends_the_job(mpirun):
     result = mpirun(4, RANKS, args=["kill"], check=False, timeout=60)
     assert result.returncode != 0, str(result)
@@ -35,6 +39,7 @@ def test_mismatched_collectives_in_debug_mode_are_a_clear_error(mpirun):
     assert re.search(r"\[rank 0\] .*CommMismatchError", result.stderr), str(result)
 
 
+@pytest.mark.slow
 def test_mismatched_shapes_in_debug_mode_are_a_clear_error(mpirun):
     result = mpirun(2, RANKS, args=["mismatched-shapes"],
                     env={"NPMEGATRON_DEBUG_COMM": "1"}, check=False, timeout=60)

@@ -92,6 +92,7 @@ def test_strong_scaling_writes_records_and_plots(tmp_path):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_threads_per_rank_sets_the_budget_of_blas_and_the_cpu_engine():
     """--threads-per-rank 1: the single-core serial baseline, even where more cores are free."""
     records = records_of(run(["--layouts", "1x1x1", "--threads-per-rank", "1", "--json"] + TINY))
@@ -172,6 +173,7 @@ def test_rounds_keep_each_layouts_median_round_and_list_them_all():
     assert "3 rounds of the layouts in turn" in table and "90 %" in table and "80 %" in table
 
 
+@pytest.mark.slow
 def test_rounds_from_the_command_line():
     records = records_of(run(["--layouts", "1x1x1,1x1x2", "--rounds", "2", "--json"] + TINY))
     assert [r["layout"] for r in records] == ["1x1x1", "1x1x2"]

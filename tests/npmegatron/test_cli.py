@@ -24,6 +24,7 @@ def test_every_command_has_help(command):
     assert "Usage:" in result.stdout
 
 
+@pytest.mark.slow
 def test_console_script_and_train_script_have_help():
     script = os.path.join(os.path.dirname(sys.executable), "npmegatron")
     assert run([script, "--help"]).returncode == 0
@@ -85,6 +86,7 @@ def test_bench_step_model_presets_and_the_peak_table():
     assert "--model gpt2-124m sets --num-layers; give either the preset or those flags" in lines[0]
 
 
+@pytest.mark.slow
 def test_preprocess_train_on_it_then_generate(tmp_path):
     """The user's path: own text -> token file -> training with checkpoints -> generated text."""
     (tmp_path / "docs").mkdir()

@@ -79,6 +79,7 @@ def test_at_another_layout_under_mpirun(tmp_path):
     assert record["validation"]["loss"] == pytest.approx(printed, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_the_command_prints_a_summary_and_json(tmp_path):
     folder, printed = trained(tmp_path)
     run = subprocess.run([sys.executable, "-m", "npmegatron.cli", "evaluate", "--load", folder], cwd=ROOT,

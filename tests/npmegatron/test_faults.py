@@ -106,6 +106,7 @@ def test_sigterm_with_exit_signal_handler_saves_and_exits_0(tmp_path):
     assert json.loads((ck / f"iter_{iteration:07d}" / "manifest.json").read_text())["iteration"] == iteration
 
 
+@pytest.mark.slow
 def test_sigterm_without_the_flag_ends_the_job_quickly(tmp_path):
     log = str(tmp_path / "log.jsonl")
     job = start(2, FOREVER + ["--tp", "2", "--log-file", log])
@@ -163,6 +164,7 @@ def test_a_killed_rank_is_named_once_with_the_checkpoint_to_resume_from(tmp_path
     assert "error stack" not in rest and "Traceback" not in rest and "Fatal error" not in rest, err
 
 
+@pytest.mark.slow
 def test_a_killed_rank_without_save_says_no_checkpoint_was_saved(tmp_path):
     log = str(tmp_path / "log.jsonl")
     job = start(2, FOREVER + ["--tp", "2", "--log-file", log])
@@ -173,7 +175,7 @@ def test_a_killed_rank_without_save_says_no_checkpoint_was_saved(tmp_path):
     assert err.rstrip().endswith("so the job is ending; no checkpoint was saved (no --save)"), err
 
 
-@pytest.mark.quick_variants("mpiexec")
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["terminal", "mpiexec"])
 def test_ctrl_c_of_four_ranks_is_one_line_and_status_130(tmp_path, target):
     """A terminal's Ctrl-C reaches mpiexec's process group; mpiexec forwards it to every rank."""

@@ -40,6 +40,7 @@ def test_communication_per_layer_is_gpt2s(mpirun):
     assert reports[False]["one_layer_model"]["all_reduce"] == [2 + 1 + 3, 2 + 1]
 
 
+@pytest.mark.slow
 def test_pipeline_schedules_and_data_parallelism_equal_serial(mpirun):
     """PP 2 with each schedule (the untied output layer on the last stage, no embedding
     all-reduce), and TP 2 x DP 2 with its buckets."""

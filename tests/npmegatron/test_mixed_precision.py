@@ -100,6 +100,7 @@ def test_without_loss_scaling_an_overflow_stops_training(monkeypatch):
         t.step()
 
 
+@pytest.mark.slow
 def test_the_first_steps_lower_the_scale_from_two_to_the_32(tmp_path):
     """The default initial scale overflows float16 at once: those steps are skipped and logged."""
     log = tmp_path / "log.jsonl"

@@ -106,6 +106,7 @@ def test_ranks_beyond_the_cores_share_them():
     assert one_thread["gemm"] == pytest.approx(2 * step_time(CFG, shape(), profile)["compute_parts"]["gemm"])
 
 
+@pytest.mark.slow
 def test_the_sharing_factor_is_measured_on_this_machine():
     """Two processes per core against one: at least 1, and not absurd."""
     assert 1.0 <= measure_module.sharing_factor(1, repeats=2, start_delay=0.4) < 10

@@ -56,6 +56,7 @@ def test_a_checkpoint_resumes_at_another_layout(tmp_path, uninterrupted, saved_r
     assert_close(resumed(tmp_path, saved_ranks, saved, loaded_ranks, loaded), uninterrupted)
 
 
+@pytest.mark.slow
 def test_use_checkpoint_args_resumes_from_load_alone(tmp_path, uninterrupted):
     """The second run names no model flag: layers, hidden size, heads and --seq-length come from
     the checkpoint."""

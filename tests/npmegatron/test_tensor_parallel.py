@@ -35,7 +35,7 @@ def test_tensor_parallel_with_the_compiled_loss_equals_serial(mpirun):
     assert [r["sp"] for r in reports] == [False, True]
 
 
-@pytest.mark.quick_variants("2")
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tensor_parallel_through_shared_memory_equals_serial(mpirun, tp):
     """Activations of 64 KiB take comm's shared-memory all-reduce (comm/shared_memory.py)."""

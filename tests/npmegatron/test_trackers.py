@@ -70,6 +70,7 @@ def wandb_records(path):
     return records
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_holds_every_interval(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")

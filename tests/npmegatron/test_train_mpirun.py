@@ -1,6 +1,7 @@
 """scripts/train.py under mpiexec: tensor-parallel training that equals the serial run, output
 from rank 0 only, and bad input reported once with a non-zero exit."""
 import json
+import shutil
 
 import pytest
 
@@ -15,6 +16,7 @@ def losses(path):
     return [json.loads(line)["loss"] for line in open(path)]
 
 
+@pytest.mark.slow
 def test_tensor_parallel_training_follows_the_serial_trajectory(tmp_path):
     serial = launch(0, SMALL + ["--log-file", str(tmp_path / "tp1.jsonl")])
     assert serial.returncode == 0, serial.stderr
@@ -50,23 +52,30 @@ def test_bad_input_under_mpirun_is_one_sentence_from_one_rank(n, args, message):
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """A tiny TP=2 checkpoint, and an empty data file, for the bad-input cases."""
+    """An empty data file for the bad-input cases; the checkpoints some of them load are made on
+    first use (with_checkpoints), so the quick run's cases do not wait for a training run."""
     folder = tmp_path_factory.mktemp("bad-input")
-    run = launch(2, SMALL + ["--tp", "2", "--train-iters", "2", "--sample-tokens", "0",
-                             "--save", str(folder / "ck")])
-    assert run.returncode == 0, run.stderr
     (folder / "empty.bin").write_bytes(b"")
     (folder / "empty.json").write_text(json.dumps({"format": "npmegatron-tokens-1", "dtype": "uint16",
                                                    "num_tokens": 0, "vocab_size": 256,
                                                    "tokenizer": {"type": "bytes"},
                                                    "document_offsets": [0], "sources": []}))
-    shard = folder / "corrupt" / "iter_0000002" / "mp_rank_01_000.safetensors"
-    import shutil
+    return folder
+
+
+def with_checkpoints(folder):
+    """A tiny TP=2 checkpoint in folder/ck, and a copy in folder/corrupt with one shard's byte
+    flipped; made once."""
+    if (folder / "corrupt").exists():
+        return
+    run = launch(2, SMALL + ["--tp", "2", "--train-iters", "2", "--sample-tokens", "0",
+                             "--save", str(folder / "ck")])
+    assert run.returncode == 0, run.stderr
     shutil.copytree(folder / "ck", folder / "corrupt")
+    shard = folder / "corrupt" / "iter_0000002" / "mp_rank_01_000.safetensors"
     data = bytearray(shard.read_bytes())
     data[-3] ^= 0x55
     shard.write_bytes(bytes(data))
-    return folder
 
 
 @pytest.mark.quick_variants("lr", "empty-data")
@@ -88,6 +97,8 @@ def saved(tmp_path_factory):
 ], ids=["no-data", "empty-data", "global-batch", "no-checkpoint", "corrupt-checkpoint",
         "other-model", "lr", "nan"])
 def test_bad_training_input_is_reported_once(saved, args, message):
+    if any(a.startswith(("{d}/ck", "{d}/corrupt")) for a in args):
+        with_checkpoints(saved)
     args = [a.format(d=saved) for a in args]
     result = launch(2, SMALL + ["--tp", "2", "--train-iters", "4"] + args, timeout=90)
     message = message.format(d=saved)

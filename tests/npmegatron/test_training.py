@@ -42,6 +42,7 @@ def test_clip_grad_norm():
     assert math.sqrt((a.grad ** 2).sum()) == pytest.approx(1.0, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_training_on_the_embedded_corpus_lowers_the_loss(tmp_path):
     args = TrainConfig.from_flat(num_layers=2, hidden_size=64, num_attention_heads=2, seq_length=64,
                      micro_batch_size=8, train_iters=60, lr=3e-3, lr_warmup_iters=10,
