@@ -50,6 +50,7 @@ import numpy
 
 from ..autograd import InputError
 from ..autograd.ops.elementwise import compiled_gelu
+from ..config import ParallelConfig, field_default
 from ..pipeline_layout import default_layout, parse_layout, plan_stages
 from ..pipeline.schedules import BACKWARD, build_actions
 from ..recompute import recompute_segments
@@ -75,7 +76,7 @@ class ParallelShape:
     recompute_num_layers: int = 1        # with full: as --recompute-num-layers
     distributed_optimizer: bool = False  # optimizer state sharded over DP (--use-distributed-optimizer)
     overlap_grad_reduce: bool = True     # DP all-reduce hidden behind backward (Megatron's flag)
-    bucket_elements: int = 2 ** 20      # gradients per DP all-reduce (--ddp-bucket-size)
+    bucket_elements: int = field_default(ParallelConfig, "ddp_bucket_size")   # gradients per DP all-reduce
     schedule: str = None             # default: 1f1b, interleaved when virtual > 1
     element_bytes: int = None        # default: the model's dtype; 2 for the paper's fp16
     mask_bytes: int = 1

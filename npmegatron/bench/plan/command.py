@@ -202,7 +202,7 @@ def plan_command(ctx, layout, recompute, recompute_method, recompute_num_layers,
 def memory_note(machine, ranks):
     """Where a CPU run's memory and the step time come from, which a GPU profile's times and this
     machine's memory would otherwise leave unsaid."""
-    gpu = machine["name"] == "dgx2h"
+    gpu = not machine["ranks_share_flops"]      # a device per rank, not this machine shared
     return (f"(memory: this machine's {machine_memory_bytes() / GB:.1f} GB over {ranks} rank(s)"
             + ("; --device gpu judges each rank against the profile's device memory" if gpu else "")
             + f"; step time: profile {machine['name']}"
