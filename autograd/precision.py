@@ -140,8 +140,10 @@ def bf16_widen_bits_(xp, bits, out):
     xp.left_shift(bits.astype(numpy.uint32), 16, out=out)
 
 
-#: float32 arrays at least this large are rounded by the numba kernels on the CPU.
-COMPILED_ROUND_SIZE = 1 << 14
+#: float32 arrays at least this large are rounded by the numba kernels on the CPU: the threshold
+#: of every compiled kernel, below which a process never imports numba (0.65 s to load the
+#: kernels, more than NumPy's cast costs a small model's whole run).
+COMPILED_ROUND_SIZE = 1 << 16
 
 
 def round_(x, fmt):

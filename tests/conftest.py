@@ -20,10 +20,13 @@ def pytest_configure(config):
     """Where Python may not write bytecode (PYTHONDONTWRITEBYTECODE), each of the suite's hundreds
     of spawned ranks and commands would compile this project's modules from source again (a
     quarter of a second each): compile them once, into the __pycache__ folders Python reads
-    (ignored by git, as Python itself would write them without that setting)."""
+    (ignored by git, as Python itself would write them without that setting). This process
+    writes its own from here on: pytest reads the test modules it rewrote for their asserts from
+    bytecode it wrote, and rewrites all of them again (4.5 s) when it may not write."""
     if sys.flags.dont_write_bytecode:
         for folder in SOURCE_FOLDERS:
             compileall.compile_dir(os.path.join(ROOT, folder), quiet=1)
+        sys.dont_write_bytecode = False
 
 
 @pytest.fixture
