@@ -4,7 +4,8 @@
       "name": "dgx2h",                       # free text
       "description": "...",                  # optional: where the numbers come from
       "flops": 39e12,                        # achieved FLOP/s of a whole training step per device
-        # or "peak_flops": 125e12 with "achieved_fraction": 0.312 (flops = their product)
+        # or "peak_flops": 125e12 with "achieved_fraction": 0.312 (flops = their product);
+        # "peak_flops" alone is a device's peak, against which plan reports utilisation
       "published": {"gemm": {"2": [[M, N, K, TFLOP/s], ...], "4": [...]},   # or, for a GPU (cuBLAS's M, N)
         "passes": {tensor: [forward, backward]}, "loss_bytes_per_logit": [f, b],     # known from
         "optimizer_bytes_per_parameter": 64},    # published figures: rates by kind of work
@@ -125,6 +126,9 @@ def normalise(raw, path="<profile>"):
         _number(raw, "flops", path)       # names the missing key
     if profile["flops"] == 0:
         raise InputError(f"profile {path} gives a FLOP rate of 0; it must be positive")
+    if "peak_flops" in raw and _number(raw, "peak_flops", path) == 0:
+        raise InputError(f"profile {path} gives peak_flops = 0; it is a device's peak FLOP/s, the "
+                         "denominator of model-FLOP utilisation, so it must be positive")
     profile["devices_per_node"] = _count(raw, "devices_per_node", path)
     profile["device_memory_bytes"] = _number(raw, "device_memory_bytes", path)
     profile["dp_overlap"] = _number(raw, "dp_overlap", path) if "dp_overlap" in raw else 1.0

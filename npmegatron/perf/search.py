@@ -1,5 +1,6 @@
 """Plans: memory + step time of one shape, every shape of N ranks ranked, and the paper's
 weak-scaling configurations (Shoeybi et al. 2019, Table 1) predicted on a profile."""
+import math
 from dataclasses import replace
 
 from ..autograd import InputError
@@ -11,9 +12,31 @@ from .time_model import step_time
 
 def plan(cfg, shape, profile, device_memory=None):
     device_memory = profile["device_memory_bytes"] if device_memory is None else device_memory
+    timing = step_time(cfg, shape, profile)
     return {"layout": shape.name(), "tp": shape.tp, "pp": shape.pp, "dp": shape.dp, "cp": shape.cp,
             "virtual": shape.virtual, "micro_batches": shape.micro_batches,
-            "memory": memory_plan(cfg, shape, device_memory), "time": step_time(cfg, shape, profile)}
+            "memory": memory_plan(cfg, shape, device_memory), "time": timing,
+            "throughput": throughput(timing, shape, profile)}
+
+
+def throughput(timing, shape, profile):
+    """What a step of this shape yields: tokens a step and a second, and the model-FLOP utilisation
+    against the profile's peak FLOP/s per device (None where the profile gives no peak)."""
+    tokens_per_step = shape.global_batch * shape.seq
+    peak = profile.get("peak_flops")
+    return {"tokens_per_step": tokens_per_step, "tokens_per_s": tokens_per_step / timing["total"],
+            "peak_flops": peak, "mfu": None if peak is None else timing["flops_per_device"] / peak}
+
+
+def training_time(timing, shape, steps=None, tokens=None):
+    """The run's length for `steps` optimizer steps, or for the steps that reach `tokens` (whole
+    steps, rounded up): its steps, tokens, seconds, and rank-hours (seconds x ranks / 3600)."""
+    tokens_per_step = shape.global_batch * shape.seq
+    if steps is None:
+        steps = math.ceil(tokens / tokens_per_step)
+    seconds = steps * timing["total"]
+    return {"steps": steps, "tokens": steps * tokens_per_step, "seconds": seconds,
+            "rank_hours": seconds * shape.ranks / 3600}
 
 
 def shapes_of(n):
@@ -70,6 +93,7 @@ def paper_weak_scaling(profile):
             rows.append({"hidden": h, "heads": a, "layers": layers, "tp": t, "dp": dp, "gpus": t * dp,
                          "overlap_grad_reduce": overlap, "parameters": cfg_params(cfg), "step_s": timing["total"],
                          "tflops_per_gpu": timing["flops_per_device"] / 1e12,
+                         "mfu": throughput(timing, shape, profile)["mfu"],
                          "efficiency": timing["flops_per_device"] / base,
                          "paper_efficiency": PAPER_EFFICIENCY.get((t, dp, overlap)),
                          "mixed_precision_memory_gb": memory["ranks"][0]["mixed_precision_total"] / 1e9,

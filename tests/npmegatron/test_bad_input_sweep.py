@@ -164,6 +164,11 @@ CASES = [
     ("plan-cp-0", 0, PLAN + ["--cp", "0"], "--context-parallel-size is 0; it must be a positive integer", 1),
     ("plan-search-micro-batch-0", 0, PLAN + ["--search", "4", "--micro-batch-size", "0"],
      "--micro-batch-size is 0; it must be a positive integer", 1),
+    ("plan-train-iters-0", 0, PLAN + ["--train-iters", "0"], "--train-iters is 0; it must be a positive integer", 1),
+    ("plan-train-tokens-inf", 0, PLAN + ["--train-tokens", "inf"],
+     "--train-tokens inf is not a positive number of tokens; give e.g. 300e9", 1),
+    ("plan-run-length-twice", 0, PLAN + ["--train-iters", "5", "--train-tokens", "1e9"],
+     "--train-iters and --train-tokens both give the run's length; give one of the two", 1),
 ]
 
 

@@ -11,6 +11,7 @@ from click.testing import CliRunner
 from npmegatron.autograd import InputError
 from npmegatron.perf import ParallelShape, load_profile, memory_plan, step_time
 from npmegatron.bench.plan import calibrate as calibrate_module
+from npmegatron.bench.plan.command import format_duration
 from npmegatron.perf.memory import check_shape, layer_activation_bytes, rank_parameters
 from npmegatron.perf.search import paper_weak_scaling, search
 from npmegatron.perf.time_model import (all_gather_time, all_reduce_time, last_bucket_elements, p2p_time,
@@ -249,7 +250,11 @@ def test_cli_plan_layouts_and_errors():
                          (["--micro-batch-size", "0"], "--micro-batch-size is 0; it must be"),
                          (["--search", "4", "--global-batch-size", "0"], "--global-batch-size is 0"),
                          (["--num-layers-per-virtual-pipeline-stage", "0"], "stage is 0"),
-                         (["--ddp-bucket-size", "-1"], "--ddp-bucket-size is -1")):
+                         (["--ddp-bucket-size", "-1"], "--ddp-bucket-size is -1"),
+                         (["--train-iters", "-3"], "--train-iters is -3; it must be a positive integer"),
+                         (["--train-tokens", "0.5"], "--train-tokens 0.5 is not a positive number of tokens"),
+                         (["--train-tokens", "nan"], "--train-tokens nan is not a positive number"),
+                         (["--train-iters", "2", "--train-tokens", "9"], "give one of the two")):
         result = runner.invoke(main, ["plan"] + args)
         assert result.exit_code == 1 and needle in result.output, (args, result.output)
         assert "Traceback" not in result.output and result.output.count("\n") == 1, (args, result.output)
@@ -265,6 +270,42 @@ def test_cli_plan_layouts_and_errors():
     assert "GB over 4 rank(s); --device gpu judges" in result.output.splitlines()[-1]
     result = runner.invoke(main, ["plan", "--weak-scaling", "paper"])
     assert result.exit_code == 0 and "3072" in result.output
+
+
+def test_plan_gives_the_throughput_utilisation_and_length_of_a_run(tmp_path):
+    """Tokens a second, utilisation of the profile's peak, and the steps, time and rank-hours a
+    number of tokens takes: what sizing a run asks of the step time."""
+    runner = CliRunner()
+    paper = ["plan", "--layout", "8x1x64", "--device", "gpu", "--num-layers", "72", "--hidden-size", "3072",
+             "--num-attention-heads", "32", "--vocab-size", "51200", "--seq-length", "1024", "--micro-batch-size",
+             "8", "--global-batch-size", "512", "--fp16", "--recompute", "full"]
+    result = runner.invoke(main, paper + ["--train-tokens", "1e9", "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output)
+    step, rate, run = plan["time"]["total"], plan["throughput"], plan["training"]
+    assert rate["tokens_per_step"] == 512 * 1024 and rate["tokens_per_s"] == pytest.approx(512 * 1024 / step)
+    # the DGX-2H's 2.1 PFLOP/s over 16 GPUs: model FLOPs a GPU a second over that peak
+    assert rate["peak_flops"] == 2.1e15 / 16
+    assert rate["mfu"] == pytest.approx(plan["time"]["flops_per_device"] / 131.25e12)
+    assert run["steps"] == 1908 and run["tokens"] == 1908 * 524288 >= 1e9 > 1907 * 524288
+    assert run["seconds"] == pytest.approx(1908 * step) and run["rank_hours"] == pytest.approx(run["seconds"] * 512 / 3600)
+    text = runner.invoke(main, paper + ["--train-iters", "300000"]).output.splitlines()
+    assert text[-2] == (f"throughput {512 * 1024 / step:,.0f} tokens/s (524,288 tokens a step), model-FLOP "
+                        f"utilisation {rate['mfu'] * 100:.1f} % of the profile's 131.25 TFLOP/s peak per rank")
+    days, hours = 300000 * step / 86400, 300000 * step / 3600
+    assert text[-1] == (f"training 300,000 steps, 157,286,400,000 tokens: {days:.1f} days ({hours:,.0f} h) on "
+                        f"512 ranks, {hours * 512:,.0f} rank-hours")
+    # a profile without a peak (a calibrated CPU's) gives tokens a second alone
+    links = {"alpha_s": 1e-5, "beta_s_per_byte": 1e-9}
+    no_peak = tmp_path / "no_peak.json"
+    no_peak.write_text(json.dumps({"flops": 1e10, "devices_per_node": 2, "device_memory_bytes": 1e9,
+                                   "intra": links, "inter": links}))
+    text = runner.invoke(main, ["plan", "--profile", str(no_peak)]).output
+    assert "tokens/s (2,048 tokens a step)\n" in text and "utilisation" not in text
+    rows = paper_weak_scaling(load_profile("dgx2h"))
+    assert rows[0]["mfu"] == pytest.approx(rows[0]["tflops_per_gpu"] * 1e12 / 131.25e12)
+    assert [format_duration(s) for s in (59.94, 600, 36000, 200000)] == [
+        "59.9 s", "10.0 min", "10.0 h", "2.3 days (56 h)"]
 
 
 def fake_bench(args, threads=None):

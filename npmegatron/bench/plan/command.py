@@ -8,7 +8,7 @@ from ...autograd import InputError
 from ...cli_support import Group, config_options, user_errors
 from ...config import TRAIN_MODEL_DEFAULTS, GPTConfig, ParallelConfig, TrainConfig, check_given
 from ...perf import ParallelShape, load_profile
-from ...perf.search import paper_weak_scaling, plan, search
+from ...perf.search import paper_weak_scaling, plan, search, training_time
 from .against import format_against, predicted_against_measured, read_records
 from .calibrate import calibrate
 
@@ -30,6 +30,33 @@ def parse_grid_shape(text):
 
 def gb(n):
     return f"{n / GB:.3f} GB"
+
+
+def format_throughput(result):
+    """Tokens a second, and the utilisation of the profile's peak where it gives one."""
+    rate = result["throughput"]
+    line = f"throughput {rate['tokens_per_s']:,.0f} tokens/s ({rate['tokens_per_step']:,} tokens a step)"
+    if rate["mfu"] is not None:
+        line += (f", model-FLOP utilisation {rate['mfu'] * 100:.1f} % of the profile's "
+                 f"{rate['peak_flops'] / 1e12:.2f} TFLOP/s peak per rank")
+    return line
+
+
+def format_training(run, ranks):
+    return (f"training {run['steps']:,} steps, {run['tokens']:,} tokens: {format_duration(run['seconds'])} on "
+            f"{ranks} rank{'s' if ranks > 1 else ''}, {run['rank_hours']:,.{0 if run['rank_hours'] >= 10 else 2}f} "
+            "rank-hours")
+
+
+def format_duration(seconds):
+    """Seconds in the unit a person sizing a run reads: s, min, h, or days with the hours."""
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.1f} min"
+    if seconds < 48 * 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:,.1f} days ({seconds / 3600:,.0f} h)"
 
 
 def format_plan(result, cfg, profile):
@@ -60,6 +87,9 @@ def format_plan(result, cfg, profile):
                 for part, seconds in t["compute_parts"].items():
                     lines.append(f"    {COMPUTE_PART_NAMES[part]:<32}{seconds * 1e3:>11.2f} ms "
                                  f"{seconds / t['total'] * 100 if t['total'] else 0.0:>6.1f} %")
+    lines.append(format_throughput(result))
+    if "training" in result:
+        lines.append(format_training(result["training"], result["ranks"]))
     return "\n".join(lines)
 
 
@@ -91,13 +121,14 @@ def format_weak(rows):
     lines = ["weak scaling (Shoeybi et al. 2019 configurations, fp16, full recomputation), predicted, with the "
              "efficiency measured where published:",
              f"{'hidden':>6}{'heads':>6}{'layers':>7}{'params':>8}{'TP':>4}{'DP':>4}{'GPUs':>6}{'DP all-reduce':>15}"
-             f"{'step s':>8}{'TFLOP/s/GPU':>13}{'efficiency':>12}{'measured':>10}"]
+             f"{'step s':>8}{'TFLOP/s/GPU':>13}{'MFU':>7}{'efficiency':>12}{'measured':>10}"]
     for r in rows:
         reduce = "-" if r["dp"] == 1 else ("overlapped" if r["overlap_grad_reduce"] else "after")
         paper = "" if r["paper_efficiency"] is None else f"{r['paper_efficiency'] * 100:.0f}%"
+        mfu = "-" if r["mfu"] is None else f"{r['mfu'] * 100:.1f}%"
         lines.append(f"{r['hidden']:>6}{r['heads']:>6}{r['layers']:>7}{r['parameters'] / 1e9:>7.2f}B{r['tp']:>4}"
                      f"{r['dp']:>4}{r['gpus']:>6}{reduce:>15}{r['step_s']:>8.3f}{r['tflops_per_gpu']:>13.1f}"
-                     f"{r['efficiency'] * 100:>11.1f}%{paper:>10}")
+                     f"{mfu:>7}{r['efficiency'] * 100:>11.1f}%{paper:>10}")
     return "\n".join(lines)
 
 
@@ -133,12 +164,17 @@ def format_weak(rows):
 @click.option("--against", "against", default=None, metavar="RESULTS_JSONL",
               help="Predict every run a `npmegatron bench scaling` results.jsonl records, beside its measured "
                    "step time (use a profile from `npmegatron plan calibrate` on the same machine).")
+@click.option("--train-iters", type=int, default=None,
+              help="Optimizer steps of the run (train's flag): plan adds how long they take.")
+@click.option("--train-tokens", type=float, default=None,
+              help="Tokens to train on, e.g. 300e9: plan adds the steps they take (global batch x seq-length "
+                   "tokens a step, rounded up to whole steps) and how long.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
 @user_errors
 def plan_command(ctx, layout, recompute, recompute_method, recompute_num_layers, distributed_optimizer,
-                 overlap_grad_reduce, profile, device, device_memory, search_ranks, weak_scaling, against, as_json,
-                 **options):
+                 overlap_grad_reduce, profile, device, device_memory, search_ranks, weak_scaling, against,
+                 train_iters, train_tokens, as_json, **options):
     """Predict memory per rank and step time of a model on a layout from a machine profile."""
     if ctx.invoked_subcommand is not None:
         return
@@ -153,6 +189,7 @@ def plan_command(ctx, layout, recompute, recompute_method, recompute_num_layers,
         return
     if device_memory is not None and not device_memory > 0:
         raise InputError(f"--device-memory {device_memory} must be a positive number of GB")
+    check_run_length(train_iters, train_tokens)
     memory = None if device_memory is None else device_memory * GB
     check_given(options, TrainConfig, ParallelConfig)      # GPTConfig checks its own fields
     seq = options.pop("seq_length")
@@ -194,9 +231,21 @@ def plan_command(ctx, layout, recompute, recompute_method, recompute_num_layers,
         click.echo(json.dumps(results) if as_json else format_search(results))
     else:
         result = plan(cfg, base, machine, memory)
+        if train_iters or train_tokens:
+            result["ranks"] = ranks
+            result["training"] = training_time(result["time"], base, train_iters, train_tokens)
         click.echo(json.dumps(result) if as_json else format_plan(result, cfg, machine))
     if device == "cpu" and device_memory is None and not as_json:
         click.echo(memory_note(machine, ranks))
+
+
+def check_run_length(train_iters, train_tokens):
+    if train_iters is not None and train_tokens is not None:
+        raise InputError("--train-iters and --train-tokens both give the run's length; give one of the two")
+    if train_iters is not None and train_iters < 1:
+        raise InputError(f"--train-iters is {train_iters}; it must be a positive integer")
+    if train_tokens is not None and not (train_tokens >= 1 and train_tokens < float("inf")):
+        raise InputError(f"--train-tokens {train_tokens:g} is not a positive number of tokens; give e.g. 300e9")
 
 
 def memory_note(machine, ranks):
