@@ -295,6 +295,13 @@ def test_plan_gives_the_throughput_utilisation_and_length_of_a_run(tmp_path):
     days, hours = 300000 * step / 86400, 300000 * step / 3600
     assert text[-1] == (f"training 300,000 steps, 157,286,400,000 tokens: {days:.1f} days ({hours:,.0f} h) on "
                         f"512 ranks, {hours * 512:,.0f} rank-hours")
+    # --search gives each layout's tokens a second, and with a run length its duration
+    rows = json.loads(runner.invoke(main, ["plan", "--search", "4", "--train-iters", "1000", "--json"]).output)
+    text = runner.invoke(main, ["plan", "--search", "4", "--train-iters", "1000"]).output.splitlines()
+    assert text[0].split()[-5:] == ["tokens/s", "peak", "mem", "run", "fit"]
+    for row, line in zip(rows, text[1:]):
+        assert line.split()[-3:] == [f"{row['training']['seconds']:.1f}", "s", "yes"], line
+        assert f"{row['throughput']['tokens_per_s']:,.0f}" in line.split()
     # a profile without a peak (a calibrated CPU's) gives tokens a second alone
     links = {"alpha_s": 1e-5, "beta_s_per_byte": 1e-9}
     no_peak = tmp_path / "no_peak.json"

@@ -106,14 +106,18 @@ TIME_TERMS = (("compute", "compute"), ("tp_comm", "TP communication"), ("cp_comm
 
 
 def format_search(results):
+    """One line a layout; with a run length (--train-iters or --train-tokens) its duration too."""
+    run = "training" in results[0]
     lines = [f"{'layout':<12}{'step ms':>10}{'compute':>10}{'TP':>9}{'PP':>9}{'bubble':>9}{'DP exp':>9}"
-             f"{'peak mem':>12}  fit"]
+             f"{'tokens/s':>12}{'peak mem':>12}" + (f"{'run':>20}" if run else "") + "  fit"]
     for r in results:
         t, m = r["time"], r["memory"]
         fit = "-" if m["fits"] is None else ("yes" if m["fits"] else "no")
+        length = f"{format_duration(r['training']['seconds']):>20}" if run else ""
         lines.append(f"{r['layout']:<12}{t['total'] * 1e3:>10.2f}{t['compute'] * 1e3:>10.2f}"
                      f"{t['tp_comm'] * 1e3:>9.2f}{t['pp_comm'] * 1e3:>9.2f}{t['bubble'] * 1e3:>9.2f}"
-                     f"{t['dp_comm_exposed'] * 1e3:>9.2f}{gb(m['peak']):>12}  {fit}")
+                     f"{t['dp_comm_exposed'] * 1e3:>9.2f}{r['throughput']['tokens_per_s']:>12,.0f}"
+                     f"{gb(m['peak']):>12}{length}  {fit}")
     return "\n".join(lines)
 
 
@@ -228,6 +232,9 @@ def plan_command(ctx, layout, recompute, recompute_method, recompute_num_layers,
         if global_batch is None:
             base.global_batch = micro_batch * search_ranks // cp
         results = search(cfg, base, machine, search_ranks, memory)
+        if train_iters or train_tokens:
+            for result in results:
+                result["training"] = training_time(result["time"], base, train_iters, train_tokens)
         click.echo(json.dumps(results) if as_json else format_search(results))
     else:
         result = plan(cfg, base, machine, memory)
