@@ -30,12 +30,12 @@ def throughput(timing, shape, profile):
 
 def training_time(timing, shape, steps=None, tokens=None):
     """The run's length for `steps` optimizer steps, or for the steps that reach `tokens` (whole
-    steps, rounded up): its steps, tokens, seconds, and rank-hours (seconds x ranks / 3600)."""
+    steps, rounded up): its steps, tokens, seconds, ranks, and rank-hours (seconds x ranks / 3600)."""
     tokens_per_step = shape.global_batch * shape.seq
     if steps is None:
         steps = math.ceil(tokens / tokens_per_step)
     seconds = steps * timing["total"]
-    return {"steps": steps, "tokens": steps * tokens_per_step, "seconds": seconds,
+    return {"steps": steps, "tokens": steps * tokens_per_step, "seconds": seconds, "ranks": shape.ranks,
             "rank_hours": seconds * shape.ranks / 3600}
 
 

@@ -287,7 +287,7 @@ def test_plan_gives_the_throughput_utilisation_and_length_of_a_run(tmp_path):
     # the DGX-2H's 2.1 PFLOP/s over 16 GPUs: model FLOPs a GPU a second over that peak
     assert rate["peak_flops"] == 2.1e15 / 16
     assert rate["mfu"] == pytest.approx(plan["time"]["flops_per_device"] / 131.25e12)
-    assert run["steps"] == 1908 and run["tokens"] == 1908 * 524288 >= 1e9 > 1907 * 524288
+    assert run["steps"] == 1908 and run["tokens"] == 1908 * 524288 >= 1e9 > 1907 * 524288 and run["ranks"] == 512
     assert run["seconds"] == pytest.approx(1908 * step) and run["rank_hours"] == pytest.approx(run["seconds"] * 512 / 3600)
     text = runner.invoke(main, paper + ["--train-iters", "300000"]).output.splitlines()
     assert text[-2] == (f"throughput {512 * 1024 / step:,.0f} tokens/s (524,288 tokens a step), model-FLOP "

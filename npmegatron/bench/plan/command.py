@@ -42,9 +42,9 @@ def format_throughput(result):
     return line
 
 
-def format_training(run, ranks):
+def format_training(run):
     return (f"training {run['steps']:,} steps, {run['tokens']:,} tokens: {format_duration(run['seconds'])} on "
-            f"{ranks} rank{'s' if ranks > 1 else ''}, {run['rank_hours']:,.{0 if run['rank_hours'] >= 10 else 2}f} "
+            f"{run['ranks']} rank{'s' if run['ranks'] > 1 else ''}, {run['rank_hours']:,.{0 if run['rank_hours'] >= 10 else 2}f} "
             "rank-hours")
 
 
@@ -89,7 +89,7 @@ def format_plan(result, cfg, profile):
                                  f"{seconds / t['total'] * 100 if t['total'] else 0.0:>6.1f} %")
     lines.append(format_throughput(result))
     if "training" in result:
-        lines.append(format_training(result["training"], result["ranks"]))
+        lines.append(format_training(result["training"]))
     return "\n".join(lines)
 
 
@@ -232,15 +232,12 @@ def plan_command(ctx, layout, recompute, recompute_method, recompute_num_layers,
         if global_batch is None:
             base.global_batch = micro_batch * search_ranks // cp
         results = search(cfg, base, machine, search_ranks, memory)
-        if train_iters or train_tokens:
-            for result in results:
-                result["training"] = training_time(result["time"], base, train_iters, train_tokens)
+        for result in results:
+            add_run_length(result, base, train_iters, train_tokens)
         click.echo(json.dumps(results) if as_json else format_search(results))
     else:
         result = plan(cfg, base, machine, memory)
-        if train_iters or train_tokens:
-            result["ranks"] = ranks
-            result["training"] = training_time(result["time"], base, train_iters, train_tokens)
+        add_run_length(result, base, train_iters, train_tokens)
         click.echo(json.dumps(result) if as_json else format_plan(result, cfg, machine))
     if device == "cpu" and device_memory is None and not as_json:
         click.echo(memory_note(machine, ranks))
@@ -253,6 +250,13 @@ def check_run_length(train_iters, train_tokens):
         raise InputError(f"--train-iters is {train_iters}; it must be a positive integer")
     if train_tokens is not None and not (train_tokens >= 1 and train_tokens < float("inf")):
         raise InputError(f"--train-tokens {train_tokens:g} is not a positive number of tokens; give e.g. 300e9")
+
+
+def add_run_length(result, shape, train_iters, train_tokens):
+    """A plan's "training" entry where the run's length was given (search's layouts share the
+    rank count and global batch of `shape`)."""
+    if train_iters or train_tokens:
+        result["training"] = training_time(result["time"], shape, train_iters, train_tokens)
 
 
 def memory_note(machine, ranks):
