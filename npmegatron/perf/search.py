@@ -28,13 +28,13 @@ def throughput(timing, shape, profile):
             "peak_flops": peak, "mfu": None if peak is None else timing["flops_per_device"] / peak}
 
 
-def training_time(timing, shape, steps=None, tokens=None):
-    """The run's length for `steps` optimizer steps, or for the steps that reach `tokens` (whole
-    steps, rounded up): its steps, tokens, seconds, ranks, and rank-hours (seconds x ranks / 3600)."""
-    tokens_per_step = shape.global_batch * shape.seq
+def training_time(planned, shape, steps=None, tokens=None):
+    """The length of a run of `planned` steps (a plan()), `steps` of them or those that reach
+    `tokens` (whole steps, rounded up): its steps, tokens, seconds, ranks, and rank-hours."""
+    tokens_per_step = planned["throughput"]["tokens_per_step"]
     if steps is None:
         steps = math.ceil(tokens / tokens_per_step)
-    seconds = steps * timing["total"]
+    seconds = steps * planned["time"]["total"]
     return {"steps": steps, "tokens": steps * tokens_per_step, "seconds": seconds, "ranks": shape.ranks,
             "rank_hours": seconds * shape.ranks / 3600}
 

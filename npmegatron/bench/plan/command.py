@@ -256,7 +256,7 @@ def add_run_length(result, shape, train_iters, train_tokens):
     """A plan's "training" entry where the run's length was given (search's layouts share the
     rank count and global batch of `shape`)."""
     if train_iters or train_tokens:
-        result["training"] = training_time(result["time"], shape, train_iters, train_tokens)
+        result["training"] = training_time(result, shape, train_iters, train_tokens)
 
 
 def memory_note(machine, ranks):
