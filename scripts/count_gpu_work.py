@@ -8,7 +8,8 @@ and transposes, the copies CuPy makes inside calls, host synchronisations and de
     python scripts/count_gpu_work.py --model-family llama --num-query-groups 4
 
 Per layer is the difference between a model of two layers and one of one layer, so it holds
-for any depth; each count is of the third step (the first two allocate what later steps reuse).
+for any depth; each count is of the second step (the first allocates what later steps reuse: the
+gradients and the optimizer's state; a third step counts the same, for every flag the tests pass).
 No GPU is used: the stand-in computes with NumPy and records what CuPy would launch; its cudnn
 stand-in stands for nvidia-cudnn-frontend, so attention is cuDNN's fused attention wherever a GPU
 with the gpu extra would run it (--blockwise-attention counts the blockwise path there instead).
@@ -35,11 +36,11 @@ from npmegatron.training.step import clip_after_step, setup_objects_frozen, trai
 
 STRICT = cupy._strict
 ATTENTION_CORE = ("CausalAttention.", "PackedCausalAttention.", "FusedCausalAttention.")
-STEPS = 3
+STEPS = 2
 
 
 def count_step(cfg, batch, seq):
-    """{phase: [Launch]} of the third step of `cfg` on the stand-in, and its memory and syncs; the
+    """{phase: [Launch]} of the second step of `cfg` on the stand-in, and its memory and syncs; the
     optimizer step includes the Trainer's loss sum, gradient norm and clipping."""
     run = assemble(TrainConfig(model=cfg, seq_length=seq, micro_batch_size=batch, lr=1e-4, min_lr=0.0),
                    world_size=1)
