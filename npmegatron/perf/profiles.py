@@ -26,14 +26,15 @@
         # kinds), "bandwidth_bytes_per_s", "layer_overhead_s", "micro_batch_overhead_s"; and the
         # slowdown of processes time-sliced two to a core
       "intra": {"alpha_s": 2e-6, "beta_s_per_byte": 6.67e-12},     # one pair for every collective
-      "inter": {"all_reduce": {"alpha_s": ..., "beta_s_per_byte": ...},   # or one per collective:
-                "all_gather": {...}, "reduce_scatter": {...}, "sendrecv": {...}}
+      "inter": {"all_reduce": {"alpha_s": ..., "beta_s_per_byte": ..., "base_s": ...},  # or one
+                "all_gather": {...}, "reduce_scatter": {...}, "sendrecv": {...}}  # per collective
     }
 
 alpha_s and beta_s_per_byte are per ring step and per byte sent by one device (the link
-parameters of the ring formulas in time_model.py), not the fit of a whole collective. "intra"
-applies to groups within one node; "inter" to groups spanning nodes, its beta being one device's
-share of the node's network bandwidth (node bandwidth / devices per node).
+parameters of the ring formulas in time_model.py), not the fit of a whole collective; the
+optional base_s (default 0) is a whole call's own latency, as NCCL's latency model has one.
+"intra" applies to groups within one node; "inter" to groups spanning nodes, its beta being one
+device's share of the node's network bandwidth (node bandwidth / devices per node).
 """
 import json
 import math
@@ -99,10 +100,16 @@ def _links(raw, path, name):
         raise InputError(f"profile {path} lacks the key {name!r} (an object with alpha_s and "
                          "beta_s_per_byte, or one such object per collective); add it")
     if "alpha_s" in section or "beta_s_per_byte" in section:
-        pair = {k: _number(section, k, path, f"{name}.") for k in ("alpha_s", "beta_s_per_byte")}
+        pair = _link(section, path, f"{name}.")
         return {op: dict(pair) for op in COLLECTIVES}
-    return {op: {k: _number(section.get(op), k, path, f"{name}.{op}.")
-                 for k in ("alpha_s", "beta_s_per_byte")} for op in COLLECTIVES}
+    return {op: _link(section.get(op), path, f"{name}.{op}.") for op in COLLECTIVES}
+
+
+def _link(raw, path, where):
+    """One link's alpha_s and beta_s_per_byte, and its base_s (0 where not given)."""
+    link = {k: _number(raw, k, path, where) for k in ("alpha_s", "beta_s_per_byte")}
+    link["base_s"] = _number(raw, "base_s", path, where) if "base_s" in raw else 0.0
+    return link
 
 
 def normalise(raw, path="<profile>"):

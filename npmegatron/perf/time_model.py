@@ -1,8 +1,9 @@
 """Step time from an alpha-beta + roofline model.
 
 Ring costs, for n ranks and a buffer of S bytes (alpha per ring step, beta per byte one device
-sends):  all-reduce 2(n-1) alpha + 2(n-1)/n S beta;  all-gather / reduce-scatter (S the full
-buffer) (n-1) alpha + (n-1)/n S beta;  point-to-point alpha + S beta.
+sends, base a collective call's own latency, 0 unless the profile gives one: NCCL's model has
+one):  all-reduce base + 2(n-1) alpha + 2(n-1)/n S beta;  all-gather / reduce-scatter (S the
+full buffer) base + (n-1) alpha + (n-1)/n S beta;  point-to-point alpha + S beta.
 
 A step on one rank, M micro-batches, V virtual stages, L layers on the rank:
 - compute, for a profile with this machine's measured rates ("measured", from `plan calibrate`):
@@ -52,28 +53,28 @@ from .work import measured_compute, measured_rates, nearest_count
 RECOMPUTE_COST = {"none": 1.0, "selective": 1.0, "full": 4.0 / 3.0}
 
 
-def all_reduce_time(n, nbytes, alpha, beta):
-    return 0.0 if n <= 1 else 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes * beta
+def all_reduce_time(n, nbytes, alpha, beta, base=0.0):
+    return 0.0 if n <= 1 else base + 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes * beta
 
 
-def all_gather_time(n, nbytes, alpha, beta):
-    return 0.0 if n <= 1 else (n - 1) * alpha + (n - 1) / n * nbytes * beta
+def all_gather_time(n, nbytes, alpha, beta, base=0.0):
+    return 0.0 if n <= 1 else base + (n - 1) * alpha + (n - 1) / n * nbytes * beta
 
 
 reduce_scatter_time = all_gather_time
 
 
-def p2p_time(nbytes, alpha, beta):
-    return alpha + nbytes * beta
+def p2p_time(nbytes, alpha, beta, base=0.0):
+    return base + alpha + nbytes * beta
 
 
 def group_links(profile, op, span, members_per_node):
-    """(alpha, beta) of a group whose ranks cover `span` consecutive rank positions."""
+    """(alpha, beta, base) of a group whose ranks cover `span` consecutive rank positions."""
     if span <= profile["devices_per_node"]:
         link = profile["intra"][op]
-        return link["alpha_s"], link["beta_s_per_byte"]
+        return link["alpha_s"], link["beta_s_per_byte"], link["base_s"]
     link = profile["inter"][op]
-    return link["alpha_s"], link["beta_s_per_byte"] / max(1, members_per_node)
+    return link["alpha_s"], link["beta_s_per_byte"] / max(1, members_per_node), link["base_s"]
 
 
 def placement(shape, profile):
