@@ -154,7 +154,7 @@ def count_gpt2(*flags):
 
 @functools.lru_cache(maxsize=None)
 def _counted_gpt2(flags):
-    """The script's run at GPT-2 124M's shapes per set of flags, once per session (about 35 s on
+    """The script's run at GPT-2 124M's shapes per set of flags, once per session (about 25 s on
     two cores): the float32 run's counts serve both its budget test and the 16-bit one's."""
     command = [sys.executable, "scripts/count_gpu_work.py", "--json", "/dev/stdout", *flags]
     run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -3,7 +3,7 @@
 Ring costs, for n ranks and a buffer of S bytes (alpha per ring step, beta per byte one device
 sends, base a collective call's own latency, 0 unless the profile gives one: NCCL's model has
 one):  all-reduce base + 2(n-1) alpha + 2(n-1)/n S beta;  all-gather / reduce-scatter (S the
-full buffer) base + (n-1) alpha + (n-1)/n S beta;  point-to-point alpha + S beta.
+full buffer) base + (n-1) alpha + (n-1)/n S beta;  point-to-point base + alpha + S beta.
 
 A step on one rank, M micro-batches, V virtual stages, L layers on the rank:
 - compute, for a profile with this machine's measured rates ("measured", from `plan calibrate`):
