@@ -112,17 +112,20 @@ def test_allocations_and_the_peak_of_bytes_live(cp):
     del a, c
 
 
+SMALL_MODEL = ("--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "256", "--vocab-size", "512")
+
+
 def count(*flags):
     """The counting script's JSON for the small model with `flags`, each a fresh dict."""
-    return json.loads(_counted(flags))
+    return json.loads(_counted(SMALL_MODEL + flags))
 
 
 @functools.lru_cache(maxsize=None)
-def _counted(flags):
-    """The script's run per set of flags, once per session: several tests read the same counts."""
-    command = [sys.executable, "scripts/count_gpu_work.py", "--hidden-size", "64", "--num-attention-heads", "4",
-               "--seq-length", "256", "--vocab-size", "512", "--json", "/dev/stdout", *flags]
-    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+def _counted(args):
+    """The script's run per set of arguments, once per session: several tests read the same counts
+    (at GPT-2 124M's shapes a run takes about 25 s on two cores)."""
+    command = [sys.executable, "scripts/count_gpu_work.py", "--json", "/dev/stdout", *args]
+    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     return run.stdout[run.stdout.index("\n{") + 1:]
 
@@ -148,18 +151,9 @@ def test_the_counting_script_sees_tf32_in_every_gemm():
 
 def count_gpt2(*flags):
     """The counts at GPT-2 124M's layer shapes (the script's defaults: hidden 768, 12 heads,
-    seq 1024, vocab 50,304, micro-batch 1), each a fresh dict."""
-    return json.loads(_counted_gpt2(flags))
-
-
-@functools.lru_cache(maxsize=None)
-def _counted_gpt2(flags):
-    """The script's run at GPT-2 124M's shapes per set of flags, once per session (about 25 s on
-    two cores): the float32 run's counts serve both its budget test and the 16-bit one's."""
-    command = [sys.executable, "scripts/count_gpu_work.py", "--json", "/dev/stdout", *flags]
-    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr
-    return run.stdout[run.stdout.index("\n{") + 1:]
+    seq 1024, vocab 50,304, micro-batch 1), each a fresh dict; the float32 run's counts serve
+    both its budget test and the 16-bit one's."""
+    return json.loads(_counted(flags))
 
 
 #: Launches per transformer layer (forward + backward) outside attention's core at GPT-2 124M's
