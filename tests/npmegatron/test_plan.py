@@ -159,13 +159,15 @@ def test_dgx2h_profile_and_paper_weak_scaling():
     last_bucket = 3072 * (51200 // 8 + 1024) * 2
     ring = (6.6e-6, 16 / (8 * 12.2e9) / 2, 8.4e-6)
     assert rows[11]["time"]["dp_comm_exposed"] == pytest.approx(all_reduce_time(64, last_bucket, *ring))
-    # at 8-way TP, with NVSwitch at the 135.4 GB/s per direction measured on a DGX-2 and NCCL
-    # 2.5.6's latencies (8.4 us a call, 5.7 us a ring step on NVLink, 6.6 across nodes), the
-    # prediction is within 5 points of the paper's 77 % (3.3 above); at 512 GPUs it is not
+    # with NCCL 2.5.6's own model of its ring over NVSwitch (six 21 GB/s channels, 8.4 us a call,
+    # 5.7 us a ring step on NVLink, 6.6 across nodes), both of the paper's configurations come
+    # within 5 points: 8-way TP 2.3 above its 77 %, 512 GPUs overlapped 4.9 above its 74 %
     # (docs/benchmarks.md)
-    assert rows[3]["efficiency"] - 0.77 == pytest.approx(0.033, abs=0.005)
+    assert rows[3]["efficiency"] - 0.77 == pytest.approx(0.023, abs=0.002)
+    assert rows[11]["efficiency"] - 0.74 == pytest.approx(0.049, abs=0.002)
+    assert 0 < rows[11]["efficiency"] - 0.74 < 0.05
     intra, inter = profile["intra"], profile["inter"]
-    assert intra["all_reduce"]["beta_s_per_byte"] == pytest.approx(1 / 135.4e9)
+    assert all(link["beta_s_per_byte"] == pytest.approx(1 / (6 * 21e9)) for link in intra.values())
     assert intra["all_reduce"]["alpha_s"] == 5.7e-6 and inter["all_reduce"]["alpha_s"] == 6.6e-6
     assert {intra[op]["base_s"] for op in ("all_reduce", "all_gather", "reduce_scatter")} == {8.4e-6}
     assert intra["sendrecv"]["base_s"] == 0 == inter["sendrecv"]["base_s"]
