@@ -11,8 +11,9 @@ import click
 
 from .autograd import InputError
 from . import config_file
-from .cli_support import Group, config_options, relaunch_under_mpiexec, user_errors, with_config_file
-from .config import MODEL_PRESETS, TRAIN_MODEL_DEFAULTS, GPTConfig, ParallelConfig, TrainConfig, check_given
+from .cli_support import (Group, config_options, model_preset_option, relaunch_under_mpiexec, user_errors,
+                          with_config_file, with_model_preset)
+from .config import TRAIN_MODEL_DEFAULTS, GPTConfig, ParallelConfig, TrainConfig, check_given
 
 POSITIVE = click.IntRange(min=1)
 BENCH_MODEL_FIELDS = {"num_layers", "hidden_size", "num_attention_heads", "vocab_size", "dtype", "device",
@@ -283,9 +284,7 @@ def bench_model_config(options):
 @click.option("--profile", is_flag=True, help="Also print seconds per step by kind of op, the optimizer "
               "and the autograd's own overhead, and beside matmul and attention what their GEMMs take "
               "alone in the ceiling's rounds.")
-@click.option("--model", "preset", type=click.Choice(sorted(MODEL_PRESETS)), default=None,
-              help="A model's shape (layers, hidden size, heads, sequence, vocabulary: GPT-2 124M or 350M) "
-              "in place of those five flags.")
+@model_preset_option
 @click.option("--torch/--no-torch", "with_torch", default=True, show_default=True,
               help="With --device gpu, also time the same model in PyTorch (eager with SDPA and fused AdamW, "
               "and torch.compile) on the same GPU, where torch is installed.")
@@ -304,13 +303,7 @@ def bench_step_command(preset, with_torch, cuda_graph, **options):
         raise click.ClickException(f"bench step times one process, but mpirun started "
                                    f"{comm.launch_size()} ranks; run it without mpirun")
     from .bench.step import bench_step, format_table
-    if preset:
-        given = [name for name in MODEL_PRESETS[preset]
-                 if click.get_current_context().get_parameter_source(name).name == "COMMANDLINE"]
-        if given:
-            raise InputError(f"--model {preset} sets {', '.join('--' + n.replace('_', '-') for n in given)}; "
-                             "give either the preset or those flags")
-        options.update(MODEL_PRESETS[preset])
+    options = with_model_preset(preset, options)
     cfg = bench_model_config(options)
     click.echo(format_table(bench_step(cfg, options["micro_batch_size"], options["seq_length"],
                                        options["warmup"], options["iters"], options["threads"],

@@ -12,7 +12,7 @@ import click
 
 from . import comm, config_file
 from .autograd import InputError
-from .config import field_default
+from .config import MODEL_PRESETS, field_default
 from .perf.fit import out_of_memory
 
 
@@ -23,6 +23,26 @@ def config_options(config_class, only=None, skip=(), defaults=None):
                   for spec in fields(config_class) if "help" in spec.metadata
                   and spec.name not in skip and (only is None or spec.name in only)]
     return lambda command: functools.reduce(lambda f, option: option(f), reversed(decorators), command)
+
+
+def model_preset_option(command):
+    """--model: a named model's shape (config.MODEL_PRESETS) in place of its five flags."""
+    return click.option("--model", "preset", type=click.Choice(sorted(MODEL_PRESETS)), default=None,
+                        help="A model's shape (layers, hidden size, heads, sequence, vocabulary: GPT-2 124M "
+                             "or 350M) in place of those five flags.")(command)
+
+
+def with_model_preset(preset, options):
+    """`options` (a command's, by field name) with --model's shape, refusing a flag it would override."""
+    if preset is None:
+        return options
+    ctx = click.get_current_context()
+    given = [name for name in MODEL_PRESETS[preset]
+             if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE]
+    if given:
+        raise InputError(f"--model {preset} sets {', '.join('--' + n.replace('_', '-') for n in given)}; "
+                         "give either the preset or those flags")
+    return {**options, **MODEL_PRESETS[preset]}
 
 
 def click_option(spec, default):

@@ -451,3 +451,23 @@ def test_an_untied_output_layer_has_no_embedding_all_reduce_and_sp_under_cp_name
                                          "multiple of 32$"):
         check_shape(GPTConfig(**dict(LLAMA, num_query_groups=8, max_position_embeddings=64)),
                     ParallelShape(tp=8, cp=2, seq=24, sequence_parallel=True))
+
+
+def test_plan_takes_bench_steps_model_presets():
+    """`plan --model gpt2-124m` plans the shape `bench step --model gpt2-124m` times: the same plan
+    as its five flags, and a flag beside the preset that would override it is refused."""
+    runner = CliRunner()
+    common = ["plan", "--layout", "2x1x4", "--device", "gpu", "--micro-batch-size", "8", "--json"]
+    preset = runner.invoke(main, common + ["--model", "gpt2-124m"])
+    flags = runner.invoke(main, common + ["--num-layers", "12", "--hidden-size", "768", "--num-attention-heads",
+                                          "12", "--seq-length", "1024", "--vocab-size", "50304"])
+    assert preset.exit_code == 0 == flags.exit_code, preset.output + flags.output
+    assert json.loads(preset.output) == json.loads(flags.output)
+    serial = json.loads(runner.invoke(main, ["plan", "--model", "gpt2-124m", "--json"]).output)
+    assert serial["memory"]["ranks"][0]["parameter_count"] == gpt_num_parameters(
+        GPTConfig(num_layers=12, hidden_size=768, num_attention_heads=12, vocab_size=50304,
+                  max_position_embeddings=1024)) == 124_475_904
+    refused = runner.invoke(main, ["plan", "--model", "gpt2-124m", "--seq-length", "2048"])
+    assert refused.exit_code != 0
+    assert refused.output.strip() == ("Error: --model gpt2-124m sets --seq-length; give either the preset or "
+                                      "those flags")

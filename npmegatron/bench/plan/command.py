@@ -5,7 +5,7 @@ import os
 import click
 
 from ...autograd import InputError
-from ...cli_support import Group, config_options, user_errors
+from ...cli_support import Group, config_options, model_preset_option, user_errors, with_model_preset
 from ...config import TRAIN_MODEL_DEFAULTS, GPTConfig, ParallelConfig, TrainConfig, check_given
 from ...perf import ParallelShape, load_profile
 from ...perf.search import paper_weak_scaling, plan, search, training_time
@@ -141,6 +141,7 @@ def format_weak(rows):
 @config_options(TrainConfig, only={"seq_length", "micro_batch_size", "global_batch_size"})
 @config_options(ParallelConfig, only={"num_layers_per_virtual_pipeline_stage", "pipeline_schedule",
                                       "context_parallel_size", "ddp_bucket_size"})
+@model_preset_option
 @click.option("--layout", default="1x1x1", show_default=True, help="TPxPPxDP, e.g. 2x1x4.")
 @click.option("--recompute", type=click.Choice(["none", "selective", "full"]), default="none",
               show_default=True, help="Activation recomputation (training's --recompute-granularity).")
@@ -176,7 +177,7 @@ def format_weak(rows):
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
 @user_errors
-def plan_command(ctx, layout, recompute, recompute_method, recompute_num_layers, distributed_optimizer,
+def plan_command(ctx, preset, layout, recompute, recompute_method, recompute_num_layers, distributed_optimizer,
                  overlap_grad_reduce, profile, device, device_memory, search_ranks, weak_scaling, against,
                  train_iters, train_tokens, as_json, **options):
     """Predict memory per rank and step time of a model on a layout from a machine profile."""
@@ -195,6 +196,7 @@ def plan_command(ctx, layout, recompute, recompute_method, recompute_num_layers,
         raise InputError(f"--device-memory {device_memory} must be a positive number of GB")
     check_run_length(train_iters, train_tokens)
     memory = None if device_memory is None else device_memory * GB
+    options = with_model_preset(preset, options)
     check_given(options, TrainConfig, ParallelConfig)      # GPTConfig checks its own fields
     seq = options.pop("seq_length")
     micro_batch = options.pop("micro_batch_size")
