@@ -46,7 +46,7 @@ setup(
                  "tensorboard>=2.10", "wandb>=0.16"],
         "wandb": ["wandb>=0.16"],                 # --wandb-project
         # Intel MKL for the CPU's Linear GEMMs (autograd/cpu_blas.py): PyTorch's CPU BLAS, faster than
-        # NumPy's OpenBLAS on Intel CPUs (2026.2 the release tested)
+        # NumPy's OpenBLAS on some CPUs and slower on others (2026.2 the release tested)
         "mkl": ["mkl>=2026.2"],
         # cupy-cuda13x for CUDA 13. CuPy pinned to the versions whose NCCL API comm uses (13: the
         # unique id is a tuple, 14: bytes; comm passes it through unchanged); libnccl itself does

@@ -1,9 +1,10 @@
 """Intel MKL for the CPU's large GEMMs, where the `mkl` package is installed (the `mkl` extra).
 
 NumPy's wheels multiply with OpenBLAS and cannot be pointed at another BLAS. PyTorch's CPU wheels
-multiply with MKL, which on this project's Intel CPUs runs GPT-2 124M's Linear GEMMs about 10 %
-faster than OpenBLAS on 2 threads (1-16 % by shape; docs/benchmarks.md). So gemm.py calls MKL's
-CBLAS itself, through ctypes, for float32 and float64 products that are one matrix product: a
+multiply with MKL. Which of the two is faster depends on the CPU: on 2 threads of one AMD EPYC
+instance MKL ran GPT-2 124M's Linear GEMMs about 10 % faster than OpenBLAS (1-16 % by shape), on a
+Zen 4 instance 11-13 % slower (1-28 % by shape; docs/benchmarks.md). With the extra installed,
+gemm.py calls MKL's CBLAS itself, through ctypes, for float32 and float64 products that are one matrix product: a
 Linear's (b, t, k) @ (k, n) with its rows folded, or any two matrices. The call is laid out like
 gemm.py's cuBLAS calls: column-major with the operands swapped, so a transposed or strided operand
 is read as it lies, and `accumulate` adds into `out` with beta = 1.
