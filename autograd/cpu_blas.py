@@ -4,21 +4,21 @@ NumPy's wheels multiply with OpenBLAS and cannot be pointed at another BLAS. PyT
 multiply with MKL. Which of the two is faster depends on the CPU: on 2 threads of one AMD EPYC
 instance MKL ran GPT-2 124M's Linear GEMMs about 10 % faster than OpenBLAS (1-16 % by shape), on a
 Zen 4 instance 11-13 % slower (1-28 % by shape; docs/benchmarks.md). With the extra installed,
-gemm.py calls MKL's CBLAS itself, through ctypes, for float32 and float64 products that are one matrix product: a
-Linear's (b, t, k) @ (k, n) with its rows folded, or any two matrices. The call is laid out like
-gemm.py's cuBLAS calls: column-major with the operands swapped, so a transposed or strided operand
-is read as it lies, and `accumulate` adds into `out` with beta = 1.
+gemm.py calls MKL's CBLAS itself, through ctypes, for float32 and float64 products that are one
+matrix product: a Linear's (b, t, k) @ (k, n) with its rows folded, or any two matrices. The call
+is laid out like gemm.py's cuBLAS calls: column-major with the operands swapped, so a transposed
+or strided operand is read as it lies, and `accumulate` adds into `out` with beta = 1.
 
 Batched products stay with NumPy (OpenBLAS). These are attention's per-head blocks of 128 query
 rows, at about 30 us a product, and there a ctypes call and its layout checks cost more than MKL
 saves: through this path a layer's attention took 59 ms against 41 ms.
 
 MKL is loaded once, when this module is imported. Its OpenMP threads use GNU's runtime where the
-system has libgomp: the one numba's kernels use when numba runs on OpenMP (its choice here), so
-the process has one OpenMP runtime and OMP_WAIT_POLICY applies to both. Loading it here also lets threadpoolctl find it from the start, so `bench step
---threads`, the ranks' budget (comm/runtime.py) and attention's one thread a share
-(cpu_blocks.each_share) limit it as they limit OpenBLAS. NPMEGATRON_CPU_BLAS=openblas keeps
-NumPy's own GEMMs.
+system has libgomp: the one numba's kernels use when numba runs on OpenMP (its choice here), so the
+process has one OpenMP runtime and OMP_WAIT_POLICY applies to both. Loading it here also lets
+threadpoolctl find it from the start, so `bench step --threads`, the ranks' budget
+(comm/runtime.py) and attention's one thread a share (cpu_blocks.each_share) limit it as they limit
+OpenBLAS. NPMEGATRON_CPU_BLAS=openblas keeps NumPy's own GEMMs.
 """
 import ctypes
 import importlib.metadata
