@@ -29,6 +29,7 @@ try:
 except ImportError:
     ml_dtypes = None
 
+from . import bf16_bits
 from .backend import get_array_module
 from .fusion import fused
 
@@ -93,14 +94,14 @@ def sixteen_bit_dtype(fmt):
 def to_16_bit(x, fmt, out=None):
     """x (float32) rounded to a 16-bit array of format fmt (into `out` when given), in one kernel:
     exact for values on the grid. For bfloat16 on a GPU the rounding is integer arithmetic on
-    the float32 bits (bf16_round_bits_'s, shifted down), which on an H200 runs at memory speed
-    where CuPy's float32 -> bfloat16 cast measured about a third of it."""
+    the float32 bits (bf16_bits.py), where CuPy's float32 -> bfloat16 cast measured about a third
+    of memory speed on an H200."""
     xp = get_array_module(x)
     out = xp.empty(x.shape, sixteen_bit_dtype(fmt)) if out is None else out
     if fmt == "fp16" or xp is numpy or x.dtype != numpy.float32:
         out[...] = x
     else:
-        bf16_top_bits_(x.view(numpy.uint32), out.view(numpy.uint16))
+        bf16_bits.top_bits(x.view(numpy.uint32), out.view(numpy.uint16))
     return out
 
 
@@ -123,21 +124,8 @@ def to_float32(x):
     if x.dtype.name != "bfloat16" or xp is numpy:
         return x.astype(numpy.float32)
     wide = xp.empty(x.shape, numpy.uint32)
-    bf16_widen_bits_(x.view(numpy.uint16), wide)
+    bf16_bits.widen(x.view(numpy.uint16), wide)
     return wide.view(numpy.float32)
-
-
-@fused
-def bf16_top_bits_(xp, bits, out):
-    """out (uint16) = float32 `bits` rounded to bfloat16 (nearest even, NaN kept), as
-    bf16_round_bits_ rounds: on the grid the top 16 bits as they are."""
-    xp.right_shift(bits + _nearest_even_increment(xp, bits)[0], 16, out=out)
-
-
-@fused
-def bf16_widen_bits_(xp, bits, out):
-    """out (uint32) = bfloat16 `bits` as the float32 of the same value."""
-    xp.left_shift(bits.astype(numpy.uint32), 16, out=out)
 
 
 #: float32 arrays at least this large are rounded by the numba kernels on the CPU: the threshold
@@ -167,7 +155,7 @@ def round_(x, fmt):
         return x
     if xp is not numpy and (fmt == "fp16" or x.dtype == numpy.float32):
         # one kernel on a GPU, strided views too (the generic code is 2 kernels for fp16, 9 for bf16)
-        fp16_round_(x) if fmt == "fp16" else bf16_round_bits_(x.view(xp.uint32))
+        fp16_round_(x) if fmt == "fp16" else bf16_bits.round_in_place(x.view(xp.uint32))
     elif fmt == "fp16":
         with numpy.errstate(over="ignore"):     # past 65504 is inf, as in float16
             x[...] = x.astype(xp.float16)
@@ -189,7 +177,7 @@ def round_keeping_copy(x, fmt):
     if fmt == "fp16":
         fp16_round_copy_(x, copy)
     else:
-        bf16_round_bits_copy_(x.view(numpy.uint32), copy.view(numpy.uint16))
+        bf16_bits.round_keeping_copy(x.view(numpy.uint32), copy.view(numpy.uint16))
     return copy
 
 
@@ -202,37 +190,10 @@ def fp16_round_copy_(xp, x, copy):
 
 
 @fused
-def bf16_round_bits_copy_(xp, bits, copy):
-    """bf16_round_bits_, the bfloat16 bits (the rounded top 16) also written to `copy` (uint16)."""
-    _round_bits_in_place(xp, bits)
-    xp.right_shift(bits, 16, out=copy)
-
-
-@fused
 def fp16_round_(xp, x):
     """x rounded in place to float16's grid (past 65504: inf); the multiply by 1 is exact and is
     how a chain writes an argument."""
     xp.multiply(x.astype(numpy.float16), 1.0, out=x)
-
-
-@fused
-def bf16_round_bits_(xp, bits):
-    """float32 bits rounded in place to bfloat16's grid, in one kernel."""
-    _round_bits_in_place(xp, bits)
-
-
-def _nearest_even_increment(xp, bits):
-    """(what float32 `bits` gain before their low 16 bits are dropped, whether they are a number):
-    _round_bf16_'s nearest-even on the top 16 bits, NaN kept. Every constant fits in 31 bits, so
-    it is a weak scalar of the uint32 array on both paths. Called inside the chains below."""
-    number = xp.less_equal(xp.bitwise_and(bits, 0x7FFFFFFF), 0x7F800000)
-    return (xp.bitwise_and(xp.right_shift(bits, 16), 1) + 0x7FFF) * number, number
-
-
-def _round_bits_in_place(xp, bits):
-    increment, number = _nearest_even_increment(xp, bits)
-    xp.add(bits, increment, out=bits)
-    xp.subtract(bits, xp.bitwise_and(bits, 0xFFFF) * number, out=bits)
 
 
 def _round_bf16_(xp, x):

@@ -183,3 +183,66 @@ def test_arrays_kept_in_16_bits_are_the_casts_of_their_values_and_come_back_whol
         back = precision.to_float32(kept)
         assert back.dtype == numpy.float32
         assert bool((back.view(numpy.uint32) == cupy.ascontiguousarray(x).view(numpy.uint32)).all())
+
+
+
+def bit_kernels_against_chains(bits, offset):
+    """Each bf16_bits kernel on arrays starting `offset` elements into their allocations, against
+    its chain run directly; returns the rounded bits, the 16-bit copy and the widened top bits."""
+    from npmegatron.autograd import bf16_bits
+    n = bits.size
+
+    def placed(host_or_dtype):
+        if isinstance(host_or_dtype, numpy.ndarray):
+            whole = cupy.empty(n + offset, host_or_dtype.dtype)
+            whole[offset:] = cupy.asarray(host_or_dtype)
+        else:
+            whole = cupy.empty(n + offset, host_or_dtype)
+        return whole[offset:]
+
+    x, chained = placed(bits), cupy.asarray(bits)
+    bf16_bits.round_in_place(x)
+    bf16_bits.bf16_round_bits_(chained)
+    assert bool((x == chained).all())
+    y, copy, chained_copy = placed(bits), placed(numpy.uint16), cupy.empty(n, numpy.uint16)
+    bf16_bits.round_keeping_copy(y, copy)
+    bf16_bits.bf16_round_bits_copy_(cupy.asarray(bits), chained_copy)
+    assert bool((y == x).all()) and bool((copy == chained_copy).all())
+    top, chained_top = placed(numpy.uint16), cupy.empty(n, numpy.uint16)
+    bf16_bits.top_bits(placed(bits), top)
+    bf16_bits.bf16_top_bits_(cupy.asarray(bits), chained_top)
+    assert bool((top == chained_top).all())
+    wide, chained_wide = placed(numpy.uint32), cupy.empty(n, numpy.uint32)
+    bf16_bits.widen(top, wide)
+    bf16_bits.bf16_widen_bits_(chained_top, chained_wide)
+    assert bool((wide == chained_wide).all())
+    return x.get(), copy.get(), wide.get()
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 8, 4099, (1 << 20) + 3])
+def test_the_bf16_bit_kernels_equal_their_chains_bit_for_bit(n, monkeypatch):
+    """autograd/bf16_bits.py's vectorised kernels against the fused chains they stand in for and
+    the NumPy reference, on random bits (NaNs with payloads, infinities, subnormals, ties) and
+    lengths that leave each remainder of four; arrays one element past an aligned address take
+    the chains, with the same numbers."""
+    from npmegatron.autograd import bf16_bits, precision
+    rng = numpy.random.default_rng(n)
+    bits = rng.integers(0, 1 << 32, n, dtype=numpy.uint64).astype(numpy.uint32)
+    bits[:4] = [0x3F808000, 0x3F818000, 0x7F7FFFFF, 0x7F800001][:n]    # ties both ways, to inf, a NaN
+    reference = precision._round_bf16_(numpy, bits.copy().view(numpy.float32)).view(numpy.uint32)
+    for offset in (0, 1):
+        with monkeypatch.context() as patch:
+            for kernel in bf16_bits.KERNELS.values():
+                # aligned arrays must take the kernels; misaligned ones must take the chains
+                patch.setattr(kernel, "chain", _refuse("chain") if offset == 0 else kernel.chain)
+                patch.setattr(kernel, "_compiled", kernel._compiled if offset == 0 else _refuse("kernel"))
+            rounded, copy, wide = bit_kernels_against_chains(bits, offset)
+        assert numpy.array_equal(rounded, reference)
+        assert numpy.array_equal(copy, (reference >> 16).astype(numpy.uint16))
+        assert numpy.array_equal(wide, reference & 0xFFFF0000)         # NaNs lose their low bits
+
+
+def _refuse(what):
+    def refused(*args, **kwargs):
+        raise AssertionError(f"the {what} ran where the other path should have")
+    return refused
