@@ -188,8 +188,24 @@ def _vectorisable(arrays):
 #: Every kernel by name (a test's fresh CuPy stand-in forgets what an earlier one compiled).
 KERNELS = {}
 
-round_in_place = BitsKernel("bf16_round_bits", bf16_round_bits_)
-"""float32 `bits` (uint32) rounded in place to bfloat16's grid."""
+_round_kernel = BitsKernel("bf16_round_bits", bf16_round_bits_)
+
+
+def round_in_place(bits):
+    """float32 `bits` (uint32) rounded in place to bfloat16's grid. Rounding in place does not
+    care in which order the values lie, so an array whose axes are a permutation of a C-ordered
+    one (a transposed gradient) is rounded as that C-ordered view of the same memory."""
+    _round_kernel(_c_ordered_permutation(bits))
+
+
+def _c_ordered_permutation(a):
+    """a with its axes ordered by falling stride, where that view is C-ordered; else a itself."""
+    if a.flags.c_contiguous or a.ndim < 2:
+        return a
+    permuted = a.transpose(tuple(sorted(range(a.ndim), key=lambda axis: -a.strides[axis])))
+    return permuted if permuted.flags.c_contiguous else a
+
+
 round_keeping_copy = BitsKernel("bf16_round_bits_copy", bf16_round_bits_copy_)
 """round_in_place, the bfloat16 bits also written to `copy` (uint16)."""
 top_bits = BitsKernel("bf16_top_bits", bf16_top_bits_)

@@ -62,7 +62,7 @@ def test_strided_and_misaligned_arrays_take_the_chain_with_the_same_numbers(cp):
     bits = host_bits(4 * 64 + 1).reshape(1, -1)
     whole = cp.asarray(bits)
     misaligned = whole[0, 1:]                   # 4 bytes past an aligned address
-    strided = cp.asarray(bits[0, 1:].reshape(32, 8))[:, ::2]
+    strided = cp.asarray(bits[0, 1:].reshape(32, 8))[:, ::2]       # every other column: gaps
     for view, host in ((misaligned, bits[0, 1:]), (strided, bits[0, 1:].reshape(32, 8)[:, ::2])):
         assert calls(cp, bf16_bits.round_in_place, (view,)) == [("fused", "bf16_round_bits_")]
         assert numpy.array_equal(cp.asnumpy(view), rounded(numpy.ascontiguousarray(host)))
@@ -95,3 +95,13 @@ def test_every_kernel_source_names_its_twin_and_defines_its_kernel():
     for name, kernel in bf16_bits.KERNELS.items():
         assert f"// twin: {bf16_bits.__name__}:" in kernel.source
         assert f'extern "C" __global__ void {name}(' in kernel.source
+
+
+def test_a_transposed_array_is_rounded_by_the_kernel_over_its_memory(cp):
+    """A permutation of a C-ordered array's axes (attention's heads-first gradient, the tied
+    embedding's transposed gradient) lies in memory without gaps: one kernel rounds it in place."""
+    bits = host_bits(2 * 3 * 5 * 4, seed=3).reshape(2, 3, 5, 4)
+    x = cp.asarray(bits).transpose(0, 2, 1, 3)
+    assert not x.flags.c_contiguous
+    assert calls(cp, bf16_bits.round_in_place, (x,)) == [("raw", "bf16_round_bits")]
+    assert numpy.array_equal(cp.asnumpy(x), rounded(bits.reshape(-1)).reshape(bits.shape).transpose(0, 2, 1, 3))

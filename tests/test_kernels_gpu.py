@@ -246,3 +246,16 @@ def _refuse(what):
     def refused(*args, **kwargs):
         raise AssertionError(f"the {what} ran where the other path should have")
     return refused
+
+
+def test_a_transposed_array_is_rounded_in_place_by_the_kernel(monkeypatch):
+    """A permutation of a C-ordered array's axes goes to the kernel as that C-ordered view."""
+    from npmegatron.autograd import bf16_bits, precision
+    bits = numpy.random.default_rng(5).integers(0, 1 << 32, 8 * 12 * 16 * 8, dtype=numpy.uint64).astype(numpy.uint32)
+    bits = bits.reshape(8, 16, 12, 8)
+    for kernel in bf16_bits.KERNELS.values():
+        monkeypatch.setattr(kernel, "chain", _refuse("chain"))
+    x = cupy.asarray(bits).transpose(0, 2, 1, 3)
+    bf16_bits.round_in_place(x)
+    reference = precision._round_bf16_(numpy, bits.copy().view(numpy.float32)).view(numpy.uint32)
+    assert numpy.array_equal(x.get(), reference.transpose(0, 2, 1, 3))
