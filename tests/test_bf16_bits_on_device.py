@@ -68,6 +68,7 @@ def test_strided_and_misaligned_arrays_take_the_chain_with_the_same_numbers(cp):
         assert numpy.array_equal(cp.asnumpy(view), rounded(numpy.ascontiguousarray(host)))
     half = cp.empty(4 * 64 + 1, numpy.uint16)[1:]    # 2 bytes past: a 16-bit array must sit at 8
     assert calls(cp, bf16_bits.top_bits, (cp.asarray(bits[0, 1:]), half)) == [("fused", "bf16_top_bits_")]
+    assert numpy.array_equal(cp.asnumpy(half), (rounded(bits[0, 1:]) >> 16).astype(numpy.uint16))
 
 
 def test_precision_routes_bfloat16_rounding_through_the_kernels(cp):
