@@ -52,8 +52,9 @@ def enable_tf32():
 def matmul(a, b, out=None, accumulate=False, grid=None):
     """a @ b (written to `out` when given, added to it with accumulate=True); grid: the 16-bit
     format both operands lie on, or None (module docstring)."""
-    if get_array_module(a, b) is not numpy:
-        return _cublas_matmul(a, b, out, accumulate, grid)
+    if type(a) is not numpy.ndarray or type(b) is not numpy.ndarray:
+        if get_array_module(a, b) is not numpy:
+            return _cublas_matmul(a, b, out, accumulate, grid)
     if _cpu_blas_takes(a, b, out, accumulate):
         return _blas_matmul(numpy, a, b, out, accumulate, cpu_blas.run)
     return _numpy_matmul(a, b, out, accumulate)
@@ -123,10 +124,72 @@ def _blas_writes(a, b, out, fold):
 # --- cuBLAS ------------------------------------------------------------------------------------
 
 def _cublas_matmul(a, b, out, accumulate, grid):
-    xp = get_array_module(a, b)
-    if a.dtype != b.dtype:
-        raise TypeError(f"matmul of {a.dtype} and {b.dtype}: cast one operand first")
-    return _blas_matmul(xp, a, b, out, accumulate, lambda *args: _run(*args, grid))
+    """a @ b by the cached plan of its layout (_GemmPlan), made on the first product of that
+    layout: a step's products repeat the same few layouts, so the host's work per product is a
+    dict lookup and the cuBLAS calls, not the layout's analysis again."""
+    key = (a.shape, a.strides, a.dtype, b.shape, b.strides, b.dtype, accumulate, grid, _settings["tf32"],
+           None if out is None else (out.shape, out.strides, out.dtype))
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) >= MAX_PLANS:
+            _plans.clear()      # shapes that keep changing (a growing KV cache): start again
+        plan = _plans[key] = _GemmPlan.make(a, b, out, accumulate, grid)
+    if plan is _UNPLANNED:
+        return _blas_matmul(get_array_module(a, b), a, b, out, accumulate, lambda *args: _run(*args, grid))
+    return plan.run(a, b, out)
+
+
+#: layout key -> _GemmPlan (or _UNPLANNED: an operand cuBLAS cannot read as it lies, an empty product)
+_plans = {}
+MAX_PLANS = 4096
+_UNPLANNED = object()
+
+
+class _GemmPlan:
+    """The cuBLAS calls of one layout of (a, b, out): each call's arguments with the three
+    pointers left out, and where each pointer lies from its array's start (batch offsets)."""
+
+    def __init__(self, out_shape, out_dtype, calls):
+        self.out_shape, self.out_dtype, self.calls = out_shape, out_dtype, calls
+
+    @classmethod
+    def make(cls, a, b, out, accumulate, grid):
+        """The plan of this layout, from one dry run of _blas_matmul whose calls are recorded
+        rather than made (the products' arguments, pointers as offsets), or _UNPLANNED."""
+        if a.dtype != b.dtype:
+            raise TypeError(f"matmul of {a.dtype} and {b.dtype}: cast one operand first")
+        if any(_layout(x.shape, x.strides, x.itemsize)[0] is None for x in (a, b)):
+            return _UNPLANNED       # a copy first: rare, and not worth a plan
+        xp = get_array_module(a, b)
+        recorded = []
+        target = out if out is not None else xp.empty(numpy.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+                                                     + (a.shape[-2], b.shape[-1]), a.dtype)
+        _blas_matmul(xp, a, b, target, accumulate,
+                     lambda *args: recorded.append(_run(*args, grid, record=True)))
+        if not recorded:
+            return _UNPLANNED       # no product to make: an empty result, or k = 0
+        bases = (a.data.ptr, b.data.ptr, target.data.ptr)
+        calls = [(routine, c_routine, args, [(i, operand, ptr - bases[operand]) for i, operand, ptr in pointers])
+                 for routine, c_routine, args, pointers in recorded[0]]
+        return cls(target.shape, target.dtype, calls)
+
+    def run(self, a, b, out):
+        import cupy
+        if out is None:
+            out = cupy.empty(self.out_shape, self.out_dtype)
+        bases = (a.data.ptr, b.data.ptr, out.data.ptr)
+        cublas = cupy.cuda.cublas
+        handle = cupy.cuda.device.get_cublas_handle()
+        captured = cublas_capture.capturing(cupy)
+        for routine, c_routine, args, pointers in self.calls:
+            args = list(args)
+            for i, operand, offset in pointers:
+                args[i] = bases[operand] + offset
+            if captured:
+                cublas_capture.call(cupy, handle, c_routine, *args)
+            else:
+                getattr(cublas, routine)(handle, *args)
+        return out
 
 
 def _blas_matmul(xp, a, b, out, accumulate, run):
@@ -231,10 +294,11 @@ def _layout(shape, strides, itemsize):
     return None, None
 
 
-def _run(operands, shape, batch_dims, accumulate, grid):
+def _run(operands, shape, batch_dims, accumulate, grid, record=False):
     """The cuBLAS calls: one per index of the batch dimensions that could not be merged into the
     innermost one, each a gemmEx (no batch left) or a gemmStridedBatchedEx. cuBLAS is column-major,
-    so it computes out^T = b^T a^T: our b is its A and our a its B."""
+    so it computes out^T = b^T a^T: our b is its A and our a its B. With `record`, the calls are
+    returned instead of made: (routine, C routine, arguments, [(argument index, operand, pointer)])."""
     import cupy
     cublas, runtime = cupy.cuda.cublas, cupy.cuda.runtime
     a, b, out = operands
@@ -243,9 +307,10 @@ def _run(operands, shape, batch_dims, accumulate, grid):
     outer = batch_dims[:-1]
     compute, alpha, beta = _compute(cublas, a.dtype, out.dtype, accumulate, grid)
     types = [_cuda_type(runtime, op.dtype) for op in operands]
-    handle = cupy.cuda.device.get_cublas_handle()
+    recorded = []
+    handle = None if record else cupy.cuda.device.get_cublas_handle()
     # CuPy's bindings refuse cuBLAS while a graph is captured; cublas_capture calls it there
-    captured = cublas_capture.capturing(cupy)
+    captured = not record and cublas_capture.capturing(cupy)
     for index in itertools.product(*(range(size) for size, _ in outer)):
         ptr_a, ptr_b, ptr_out = (op.ptr + op.itemsize * sum(i * strides[j] for i, (_, strides) in zip(index, outer))
                                  for j, op in enumerate(operands))
@@ -257,10 +322,14 @@ def _run(operands, shape, batch_dims, accumulate, grid):
                 b.flag, a.flag, n, m, k, alpha, ptr_b, types[1], b.ld, inner_strides[1],
                 ptr_a, types[0], a.ld, inner_strides[0], beta, ptr_out, types[2], out.ld, inner_strides[2],
                 inner, compute, cublas.CUBLAS_GEMM_DEFAULT)
-        if captured:
+        if record:
+            at = (6, 9, 13) if inner == 1 else (6, 10, 15)      # our b, a, out: their A, B, C
+            recorded.append((routine, c_routine, args, [(at[0], 1, ptr_b), (at[1], 0, ptr_a), (at[2], 2, ptr_out)]))
+        elif captured:
             cublas_capture.call(cupy, handle, c_routine, *args)
         else:
             getattr(cublas, routine)(handle, *args)
+    return recorded
 
 
 #: alpha and beta as cuBLAS reads them (host memory, in the compute type's precision): 0 and 1
