@@ -112,6 +112,103 @@ def test_allocations_and_the_peak_of_bytes_live(cp):
     del a, c
 
 
+def moved(cp):
+    """(read_bytes, written_bytes) of each launch since the last reset."""
+    return [(launch.fields["read_bytes"], launch.fields["written_bytes"]) for launch in cp._strict.launches()]
+
+
+def test_each_launch_records_the_bytes_it_reads_and_writes(cp):
+    x, y = cp.ones((4, 8), cp.float32), cp.ones((4, 8), cp.float32)
+    row = cp.ones(8, cp.float32)
+    cp._strict.reset()
+    x + y                                  # two (4, 8) float32 operands read, one written
+    x + row                                # the broadcast row is read once: its 8 elements
+    x + 2.0                                # a scalar moves nothing
+    x += y                                 # in place: x read and written
+    x.sum(axis=0)                          # a reduction: (4, 8) in, (8,) out
+    x.astype(ml_dtypes.bfloat16)           # a cast: float32 in, 16 bits out
+    x[:, 1:].copy()                        # a view counts its own elements
+    x.fill(0)
+    assert moved(cp) == [(256, 128), (160, 128), (128, 128), (256, 128), (128, 32), (128, 64), (112, 112),
+                         (0, 128)]
+
+
+def test_a_gemm_reads_its_operands_and_writes_its_product(cp):
+    x, w = cp.ones((32, 16), cp.float32), cp.ones((8, 16), cp.float32)
+    cp._strict.reset()
+    x @ w.T
+    assert moved(cp) == [((32 * 16 + 8 * 16) * 4, 32 * 8 * 4)]
+
+
+def test_a_direct_cublas_gemm_reads_c_too_when_it_accumulates(cp):
+    from cupy.cuda import cublas, runtime
+    a, b, c = cp.ones((4, 8), cp.float32), cp.ones((8, 2), cp.float32), cp.zeros((4, 2), cp.float32)
+    cp._strict.reset()
+    for beta in (0.0, 1.0):     # C = A B (+ C): column-major, so C^T = B^T A^T
+        cublas._gemm_on("gemmEx", 0, 0, 2, 4, 8, 1.0, b.data.ptr, runtime.CUDA_R_32F, 2, 0, a.data.ptr,
+                        runtime.CUDA_R_32F, 8, 0, beta, c.data.ptr, runtime.CUDA_R_32F, 2, 0, 1,
+                        cublas.CUBLAS_COMPUTE_32F)
+    assert moved(cp) == [(128 + 64, 32), (128 + 64 + 32, 32)]
+
+
+def test_a_fused_call_reads_the_arguments_its_body_reads_and_writes_its_outputs(cp):
+    @cp.fuse
+    def scaled_sum(a, b, out):
+        out[...] = a * 2.0              # `out` is written, not read; `b` is passed but unused
+        return a + 1.0
+
+    @cp.fuse
+    def add_into(a, b):
+        a += b                           # read and written
+
+    @cp.fuse
+    def squares_sum(a, b):
+        return cp.sum((a - b) * (a - b))
+
+    a, b, out = cp.ones((4, 8), cp.float32), cp.ones((4, 8), cp.float32), cp.empty((4, 8), cp.float32)
+    cp._strict.reset()
+    scaled_sum(a, b, out)
+    add_into(a, b)
+    squares_sum(a, b)
+    assert moved(cp) == [(128, 256), (256, 128), (256, 4)]
+
+
+def add_into_twin(x, out, n):
+    """The twin of the raw kernel below: out += x."""
+    out += x
+
+
+ADD_INTO = r"""
+// twin: test_gpu_work_counts:add_into_twin
+extern "C" __global__ void add_into(const float* x, float* out, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] += x[i];
+}
+"""
+
+
+def copy_twin(x, out, n):
+    out[...] = x
+
+
+COPY = r"""
+// twin: test_gpu_work_counts:copy_twin
+extern "C" __global__ void copy(const float* x, float* out, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = x[i];
+}
+"""
+
+
+def test_a_raw_kernel_reads_its_const_pointers_and_the_outputs_it_adds_into(cp):
+    x, out = cp.ones((4, 8), cp.float32), cp.ones((4, 8), cp.float32)
+    cp._strict.reset()
+    cp.RawKernel(ADD_INTO, "add_into")((1,), (32,), (x, out, numpy.int64(32)))
+    cp.RawKernel(COPY, "copy")((1,), (32,), (x, out, numpy.int64(32)))
+    assert moved(cp) == [(256, 128), (128, 128)]
+    assert float(out.sum()) == 32.0
+
+
 SMALL_MODEL = ("--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "256", "--vocab-size", "512")
 
 

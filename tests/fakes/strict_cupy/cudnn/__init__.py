@@ -268,7 +268,9 @@ class pygraph:
             _view(_pointer(workspace), [size], [1], numpy.dtype(numpy.uint8), handle)[...] = 0xA5
         arrays = {t.uid: _view(_pointer(variant_pack[t]), t.dim, t.stride, _numpy_dtype(t.data_type), handle)
                   for t in needed}
-        _strict.launch("cudnn", f"sdpa_{kind}", shape=tuple(inputs[0].dim), dtype=self.io_data_type.name)
+        _strict.launch("cudnn", f"sdpa_{kind}", read=[arrays[t.uid] for t in inputs if t is not None],
+                       written=[arrays[t.uid] for t in outputs if t is not None],
+                       shape=tuple(inputs[0].dim), dtype=self.io_data_type.name)
         values = [arrays[t.uid].astype(numpy.float64) for t in inputs if t is not None]
         results = (_forward if kind == "forward" else _backward)(values, scale, causal)
         for t, r in zip(outputs, results):

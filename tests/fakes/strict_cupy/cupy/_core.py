@@ -294,12 +294,14 @@ def _binary(ufunc, reflected=False, inplace=False):
             return NotImplemented
         check_device(self)
         o = elementwise_operand(other)
-        _strict.launch("elementwise", ufunc.__name__)
         with quiet():
             if inplace:
                 ufunc(self._a, o, out=self._a)
+                _strict.launch("elementwise", ufunc.__name__, read=(self._a, o), written=(self._a,))
                 return self
-            return wrap_result(ufunc(o, self._a) if reflected else ufunc(self._a, o))
+            result = wrap_result(ufunc(o, self._a) if reflected else ufunc(self._a, o))
+        _strict.launch("elementwise", ufunc.__name__, read=(self._a, o), written=(result,))
+        return result
     op.__name__ = ufunc.__name__
     return op
 
@@ -325,9 +327,10 @@ def _unary(ufunc):
     @_strict.device_work
     def op(self):
         check_device(self)
-        _strict.launch("elementwise", ufunc.__name__)
         with quiet():
-            return wrap_result(ufunc(self._a))
+            result = wrap_result(ufunc(self._a))
+        _strict.launch("elementwise", ufunc.__name__, read=(self._a,), written=(result,))
+        return result
     return op
 
 
@@ -473,17 +476,19 @@ class ndarray:
 
     @_strict.device_work
     def __deepcopy__(self, memo):
-        _strict.launch("copy", "copy")
-        return wrap(numpy.array(self._a), device=self._device)
+        result = wrap(numpy.array(self._a), device=self._device)
+        _strict.launch("copy", "copy", read=(self._a,), written=(result,))
+        return result
 
     # -- indexing --
     @_strict.device_work
     def __getitem__(self, key):
         check_device(self)
         k = index(key)
-        if advanced(k):
-            _strict.launch("elementwise", "take")
-        return wrap_result(self._a[k])
+        result = wrap_result(self._a[k])
+        if advanced(k):     # reads the elements it gathers, and the indices
+            _strict.launch("elementwise", "take", read=(result, *indices(k)), written=(result,))
+        return result
 
     @_strict.device_work
     def __setitem__(self, key, value):
@@ -491,9 +496,12 @@ class ndarray:
         if isinstance(value, numpy.ndarray) and value.ndim == 0:
             value = value.item()
         k = index(key)
-        _strict.launch("elementwise", "scatter" if advanced(k) else "copy" if type(value) is ndarray else "fill")
+        v = elementwise_operand(value)
+        target = self._a[k]     # the elements written (a copy of them for an advanced index)
+        _strict.launch("elementwise", "scatter" if advanced(k) else "copy" if type(value) is ndarray else "fill",
+                       read=(v, *indices(k)), written=(target.size * target.itemsize,))
         with quiet():
-            self._a[k] = elementwise_operand(value)
+            self._a[k] = v
 
     # -- arithmetic --
     __add__, __radd__, __iadd__ = (_binary(numpy.add), _binary(numpy.add, True),
@@ -539,16 +547,18 @@ class ndarray:
     @_strict.device_work
     def copy(self, order="C"):
         """To the current device, from any device (CuPy copies across devices)."""
-        _strict.launch("copy", "copy")
-        return wrap(numpy.array(self._a, order=order))
+        result = wrap(numpy.array(self._a, order=order))
+        _strict.launch("copy", "copy", read=(self._a,), written=(result,))
+        return result
 
     @_strict.device_work
     def astype(self, dtype, order="K", casting=None, subok=None, copy=True):
         check_device(self)
         if not copy and numpy.dtype(dtype) == self.dtype:
             return self
-        _strict.launch("copy", "astype", dtype=str(numpy.dtype(dtype)))
-        return wrap(self._a.astype(dtype, order=order, casting=casting or "unsafe"))
+        result = wrap(self._a.astype(dtype, order=order, casting=casting or "unsafe"))
+        _strict.launch("copy", "astype", read=(self._a,), written=(result,), dtype=str(numpy.dtype(dtype)))
+        return result
 
     def view(self, dtype=None, array_class=None):
         check_device(self)
@@ -568,7 +578,7 @@ class ndarray:
             value = value.item()
         elif not isinstance(value, SCALARS):
             raise TypeError(f"Unsupported type {type(value)}")
-        _strict.launch("elementwise", "fill")
+        _strict.launch("elementwise", "fill", written=(self._a,))
         self._a.fill(value)
 
     @_strict.device_work
@@ -577,20 +587,22 @@ class ndarray:
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])
         result = self._a.reshape(shape, order=order)
-        if _root(result) is not _root(self._a):
-            _strict.launch("copy", "reshape")
-        return wrap(result)
+        result = wrap(result)
+        if _root(result._a) is not _root(self._a):
+            _strict.launch("copy", "reshape", read=(self._a,), written=(result,))
+        return result
 
     def nonzero(self):
         check_device(self)
         _strict.note("sync", "nonzero")
-        _strict.launch("elementwise", "nonzero")
-        return wrap_result(self._a.nonzero())
+        result = wrap_result(self._a.nonzero())
+        _strict.launch("elementwise", "nonzero", read=(self._a,), written=result)
+        return result
 
     def compress(self, condition, axis=None, out=None):
         check_device(self)
         _strict.note("sync", "compress")
-        return call(self._a.compress, (condition,), {"axis": axis, "out": out})
+        return call(self._a.compress, (condition,), {"axis": axis, "out": out}, self)
 
     def dot(self, b, out=None):
         if type(b) is not ndarray:
@@ -642,7 +654,8 @@ class ndarray:
 @_strict.device_work
 def call(fn, args, kwargs, *more_arrays, allow_host=False, launches=True):
     """Run a NumPy callable on unwrapped arguments and wrap its result; `out=` writes into the
-    given cupy array's buffer and returns that very array. One kernel launch is recorded when
+    given cupy array's buffer and returns that very array; `more_arrays` (checked for their device)
+    are read too (the array a bound method belongs to). One kernel launch is recorded when
     the call writes `out=` or makes a new array (a view of its inputs launches nothing), unless
     `launches` is False."""
     for x in more_arrays:
@@ -654,15 +667,27 @@ def call(fn, args, kwargs, *more_arrays, allow_host=False, launches=True):
     with quiet():
         result = fn(*args, **kwargs)
     name = getattr(fn, "__name__", "call")
+    read = arrays((more_arrays, args, {k: v for k, v in kwargs.items() if k != "out"}))
     if type(out) is ndarray and result is out._a:
         if launches:
-            _strict.launch(kernel_kind(name), name)
+            _strict.launch(kernel_kind(name), name, read=read, written=(out,))
         return out
     before = _strict.memory()["allocations"]
     wrapped = wrap_result(result)
     if launches and _strict.memory()["allocations"] > before:
-        _strict.launch(kernel_kind(name), name)
+        _strict.launch(kernel_kind(name), name, read=read, written=arrays(wrapped))
     return wrapped
+
+
+def arrays(obj):
+    """The NumPy and cupy arrays in nested lists, tuples and dicts (what a call reads or writes)."""
+    if isinstance(obj, (numpy.ndarray, ndarray)):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [a for x in obj for a in arrays(x)]
+    if isinstance(obj, dict):
+        return arrays(list(obj.values()))
+    return []
 
 
 #: Functions and methods CuPy runs as reduction kernels (the rest are elementwise).
@@ -676,6 +701,11 @@ def kernel_kind(name):
     return "reduction" if name in REDUCTION_NAMES else "elementwise"
 
 
+def indices(key):
+    """The index arrays of a NumPy index (from index()): what a gather or scatter also reads."""
+    return [k for k in key if isinstance(k, numpy.ndarray)]
+
+
 def advanced(key):
     """Whether a NumPy index (from index()) is advanced: a gather or scatter kernel, not a view."""
     return any(isinstance(k, (numpy.ndarray, list)) for k in key)
@@ -684,8 +714,7 @@ def advanced(key):
 def _method(name):
     """A method of numpy.ndarray with CuPy's argument rules (cupy arrays only)."""
     def method(self, *args, **kwargs):
-        check_device(self)
-        return call(getattr(self._a, name), args, kwargs)
+        return call(getattr(self._a, name), args, kwargs, self)
     method.__name__ = method.__qualname__ = name
     return method
 
@@ -705,9 +734,12 @@ def scatter(ufunc, a, slices, value):
     check_device(a)
     if isinstance(value, numpy.ndarray) and value.ndim:
         refuse_host(value, "value")
-    _strict.launch("elementwise", f"scatter_{ufunc.__name__}")
+    k, v = index(slices), elementwise_operand(value)
+    target = a._a[k]        # each element it adds into is read and written
+    _strict.launch("elementwise", f"scatter_{ufunc.__name__}", read=(v, *indices(k), target.size * target.itemsize),
+                   written=(target.size * target.itemsize,))
     with quiet():
-        ufunc.at(a._a, index(slices), elementwise_operand(value))
+        ufunc.at(a._a, k, v)
 
 
 from . import _gemm as _routines_linalg      # noqa: E402  (it uses this module's wrap and checks)

@@ -3,8 +3,9 @@ rules (cupy arrays in, cupy arrays out, NumPy arrays refused, syncs counted)."""
 import numpy
 
 from . import _fusion, _gemm, _strict
-from ._core import (call, check_device, elementwise_operand, garbage, index,
+from ._core import (arrays, call, check_device, elementwise_operand, garbage, index,
                     ndarray, quiet, unwrap, wrap, wrap_result)
+from ._core import indices as index_arrays
 from ._cupy_names import CUPY_NAMES, FROM_NUMPY
 
 #: CuPy sizes these outputs on the host (cupy/_indexing, _sorting, _manipulation): a sync.
@@ -49,16 +50,20 @@ def _to_device(obj, dtype, copy, order, ndmin=0):
         raise TypeError("cupy.asarray/array of a value inside cupy.fuse")
     if type(obj) is ndarray:
         if copy or (dtype is not None and numpy.dtype(dtype) != obj.dtype) or obj.ndim < ndmin:
-            _strict.launch("copy", "array")
-            return wrap(numpy.array(obj._a, dtype=dtype, order=order or "K", ndmin=ndmin))
+            result = wrap(numpy.array(obj._a, dtype=dtype, order=order or "K", ndmin=ndmin))
+            _strict.launch("copy", "array", read=(obj,), written=(result,))
+            return result
         return obj
-    if not _only_device_arrays(obj):
+    upload = not _only_device_arrays(obj)
+    if upload:
         _strict.note("upload", "asarray")
-        _strict.launch("memcpy", "host to device")
-    else:
-        _strict.launch("copy", "array")
     host = unwrap(obj, allow_host=True)
-    return wrap(numpy.array(host, dtype=dtype, order=order or "K", ndmin=ndmin))
+    result = wrap(numpy.array(host, dtype=dtype, order=order or "K", ndmin=ndmin))
+    if upload:
+        _strict.launch("memcpy", "host to device", written=(result,))
+    else:
+        _strict.launch("copy", "array", read=arrays(host), written=(result,))
+    return result
 
 
 def asarray(a, dtype=None, order=None, *, blocking=False):
@@ -133,13 +138,15 @@ class ufunc:
                 raise TypeError(f"Output arguments must be cupy.ndarray, got {type(o)}")
             check_device(o)
         values = [elementwise_operand(a) for a in args[:self.nin]]
-        _strict.launch("elementwise", self.name)
         with quiet():
             result = self._np(*values, out=tuple(o._a for o in outs) or None, dtype=dtype,
                               casting=casting)
         if outs:
+            _strict.launch("elementwise", self.name, read=values, written=outs)
             return outs[0] if len(outs) == 1 else tuple(outs)
-        return wrap_result(result)
+        result = wrap_result(result)
+        _strict.launch("elementwise", self.name, read=values, written=arrays(result))
+        return result
 
     def _method(self, name, *args, **kwargs):
         return call(getattr(self._np, name), args, kwargs)
@@ -163,9 +170,13 @@ class ufunc:
             raise TypeError(f"{self.name}.at needs a cupy array, got {type(a)}")
         check_device(a)
         extra = () if b is None else (elementwise_operand(b),)
-        _strict.launch("elementwise", f"scatter_{self.name}")
+        k = index(indices)
+        target = a._a[k]
+        region = target.size * target.itemsize      # each element it updates is read and written
+        _strict.launch("elementwise", f"scatter_{self.name}", read=(*extra, *index_arrays(k), region),
+                       written=(region,))
         with quiet():
-            self._np.at(a._a, index(indices), *extra)
+            self._np.at(a._a, k, *extra)
 
 
 # --- NumPy's functions under CuPy's rules --------------------------------------------------

@@ -54,7 +54,10 @@ def fusing():
 
 @contextlib.contextmanager
 def _tracing():
+    """A trace; `_trace.read` and `_trace.written` collect the ids of the NumPy arrays its
+    operations read and write (the call's bytes are those of the arguments among them)."""
     _trace.active, _trace.reduced = True, False
+    _trace.read, _trace.written = set(), set()
     try:
         yield
     finally:
@@ -115,6 +118,7 @@ class Proxy:
         if not copy and self.dtype == dtype:
             return self
         _check_phase(self)
+        _trace.read.add(id(self._v))
         value = numpy.asarray(self._v).astype(dtype)
         return make(value if isinstance(self._v, numpy.ndarray) else value[()], weak=False)
 
@@ -208,6 +212,7 @@ def _operand(x):
     """A proxy's value, or a constant; concrete arrays refused."""
     if isinstance(x, Proxy):
         _check_phase(x)
+        _trace.read.add(id(x._v))
         return x._v
     if isinstance(x, (ndarray, numpy.ndarray)):
         raise TypeError("Concrete ndarray is not supported in fusion: an array captured from "
@@ -245,6 +250,7 @@ def call_ufunc(ufunc, name, args, kwargs):
         if outs:
             for o in outs:
                 _check_phase(o)
+                _trace.written.add(id(o._v))
             ufunc(*values, out=tuple(o._v for o in outs) if len(outs) > 1 else outs[0]._v)
             return outs[0] if len(outs) == 1 else tuple(outs)
         result = ufunc(*values)
@@ -267,6 +273,7 @@ def call_reduction(name, arg, axis=None, dtype=None, out=None, keepdims=False):
     if _trace.reduced:
         raise NotImplementedError("Multiple reduction is not implemented yet")
     _check_phase(arg)
+    _trace.read.add(id(arg._v))
     with quiet():
         result = REDUCTIONS[name](arg._v, axis=axis)
     _trace.reduced = True
@@ -366,15 +373,19 @@ class Fusion:
         _strict.log_event("fuse.call", name=self.name)
         if fusing() or not any(isinstance(a, ndarray) for a in args):
             return self.func(*args)
-        _strict.launch("fused", self.name)
         shape = numpy.broadcast_shapes(*[a.shape for a in args if isinstance(a, ndarray)])
         with _tracing():            # arguments are pre-reduction values of this trace
             returned = self.func(*[_argument(a) for a in args])
+            read, written = _trace.read, _trace.written
+        results = () if returned is None else tuple(_result(r, shape) for r in (
+            returned if isinstance(returned, tuple) else (returned,)))
+        # the kernel reads the arguments its body reads and writes those it writes, and its results
+        arrays = [a for a in args if isinstance(a, ndarray)]
+        _strict.launch("fused", self.name, read=[a for a in arrays if id(a._a) in read],
+                       written=[a for a in arrays if id(a._a) in written] + list(results))
         if returned is None:
             return None
-        if isinstance(returned, tuple):
-            return tuple(_result(r, shape) for r in returned)
-        return _result(returned, shape)
+        return results if isinstance(returned, tuple) else results[0]
 
     def clear_cache(self):
         pass

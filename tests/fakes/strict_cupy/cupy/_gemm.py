@@ -59,7 +59,8 @@ def _cublas_compute(dtype):
 
 def _hidden_copy(a, why, dtype=None):
     """A copy CuPy makes inside the call: a launch and a temporary allocation."""
-    _strict.launch("copy", "hidden copy", hidden=why, dtype=str(dtype or a.dtype), shape=a.shape)
+    _strict.launch("copy", "hidden copy", read=(a,), written=(a.size * numpy.dtype(dtype or a.dtype).itemsize,),
+                   hidden=why, dtype=str(dtype or a.dtype), shape=a.shape)
     _strict.allocated(a.size * numpy.dtype(dtype or a.dtype).itemsize)
     _strict.freed(a.size * numpy.dtype(dtype or a.dtype).itemsize)
 
@@ -91,14 +92,16 @@ def dot(a, b, out=None):
     dtype = numpy.promote_types(a.dtype, b.dtype)
     if out is not None and (not out.flags.c_contiguous or out.dtype != dtype):
         result = dot(a, b)
-        _strict.launch("copy", "hidden copy", hidden="out= of another layout or dtype", dtype=str(out.dtype), shape=out.shape)
+        _strict.launch("copy", "hidden copy", read=(result,), written=(out,), hidden="out= of another layout or dtype",
+                       dtype=str(out.dtype), shape=out.shape)
         out._a[...] = result._a
         return out
     left = a._a.reshape(1, -1) if a.ndim == 1 else a._a
     right = b._a.reshape(-1, 1) if b.ndim == 1 else b._a
     n, k, m = left.shape[0], left.shape[1], right.shape[1]
+    written = (n * m * dtype.itemsize,)       # the (n, m) product
     if n == 1 and m == 1:
-        _strict.launch("reduction", "_tensordot_core_mul_sum", dtype=str(dtype))
+        _strict.launch("reduction", "_tensordot_core_mul_sum", read=(a, b), written=written, dtype=str(dtype))
         return _result(a, b, dtype, out)
     for operand in (a, b):
         if operand.dtype != dtype:
@@ -112,11 +115,12 @@ def dot(a, b, out=None):
                 _hidden_copy(operand, "operand neither C- nor F-contiguous", dtype)
             transposes.append(1 - transpose)
     if dtype.kind in "biu":
-        _strict.launch("elementwise", "_integral_tensordot_core", dtype=str(dtype))
+        _strict.launch("elementwise", "_integral_tensordot_core", read=(a, b), written=written, dtype=str(dtype))
     else:
         flag = "NT"
         _strict.refuse_cublas_in_capture()
-        _strict.launch("gemm", "gemmEx", routine="gemmEx", a=str(dtype), b=str(dtype), c=str(dtype),
+        _strict.launch("gemm", "gemmEx", read=(a, b), written=written, routine="gemmEx", a=str(dtype), b=str(dtype),
+                       c=str(dtype),
                        compute=_cublas_compute(dtype), transa=flag[transposes[1]], transb=flag[transposes[0]],
                        m=m, n=n, k=k, batch=1)
     return _result(a, b, dtype, out)
@@ -143,18 +147,24 @@ def matmul(a, b, out=None):
     n, k, m = left.shape[-2], left.shape[-1], right.shape[-1]
     fields = dict(a=str(dtype), b=str(dtype), c=str(dtype), transa="N", transb="N", m=m, n=n, k=k,
                   batch=int(numpy.prod(batch_shape)))
+    product = fields["batch"] * n * m * dtype.itemsize
+    # the operands as the GEMM reads them: in the compute dtype (a cast or copy's result)
+    read = [x.size * dtype.itemsize if x.dtype != dtype or not x._a.flags.c_contiguous else x for x in (a, b)]
     if dtype.char not in "efdFD":
-        _strict.launch("elementwise", "_integral_tensordot_core_batched", dtype=str(dtype), shape=batch_shape)
+        _strict.launch("elementwise", "_integral_tensordot_core_batched", read=read, written=(product,),
+                       dtype=str(dtype), shape=batch_shape)
     elif broadcast:
         for _ in range(3):
             _strict.launch("elementwise", "cupy_mat_ptrs")
         routine = {"float32": "sgemmBatched", "float64": "dgemmBatched"}.get(dtype.name, "gemmBatched")
         _strict.refuse_cublas_in_capture()
-        _strict.launch("gemm", routine, routine=routine, compute=CUDA_NAMES[dtype.name], **fields)
+        _strict.launch("gemm", routine, read=read, written=(product,), routine=routine, compute=CUDA_NAMES[dtype.name],
+                       **fields)
     else:
         _strict.refuse_cublas_in_capture()
-        _strict.launch("gemm", "gemmStridedBatchedEx", routine="gemmStridedBatchedEx",
+        _strict.launch("gemm", "gemmStridedBatchedEx", read=read, written=(product,), routine="gemmStridedBatchedEx",
                        compute=CUDA_NAMES[dtype.name], **fields)
     if dtype != ret_dtype or (out is not None and (out.dtype != dtype or not out.flags.c_contiguous)):
-        _strict.launch("copy", "hidden copy", hidden=f"result from {dtype} to {ret_dtype}", dtype=str(ret_dtype))
+        _strict.launch("copy", "hidden copy", read=(product,), written=(product // dtype.itemsize * ret_dtype.itemsize,),
+                       hidden=f"result from {dtype} to {ret_dtype}", dtype=str(ret_dtype))
     return _result(a, b, ret_dtype, out)

@@ -7,7 +7,14 @@ launch ("raw") and runs the twin on the arrays' NumPy data. Other sources are re
 construction, as anything else the stand-in does not emulate. CuPy's launch rules that catch bugs
 are kept: grid and block are tuples, a block holds at most 1024 threads, arguments are a tuple of
 device arrays (on the current device, C-ordered: a kernel indexes raw memory) and NumPy scalars
-(a Python scalar's C type would be CuPy's guess, not the kernel's)."""
+(a Python scalar's C type would be CuPy's guess, not the kernel's).
+
+The bytes a call reads and writes (cupy._strict.traffic) follow the kernel's parameters: an array
+passed as a `const` pointer is read; one passed as another pointer is written, and read as well
+when the twin's results depend on what it held before (the twin is run once more on copies of
+the arguments with that array's bytes inverted: a kernel that adds into its output, or rounds an
+array in place, reads it; one that only stores into it does not). Each distinct array counts its
+bytes once (a kernel given the same array for two parameters reads it once)."""
 import importlib
 import re
 
@@ -31,6 +38,7 @@ class RawKernel:
                              "(CuPy's first launch would fail in cuModuleGetFunction)")
         self.code, self.name = code, name
         self.twin = getattr(importlib.import_module(found.group(1)), found.group(2))
+        self.const = _const_pointers(code, name)
 
     @_strict.device_work
     def __call__(self, grid, block, args, *, shared_mem=0, stream=None, enable_cooperative_groups=False):
@@ -55,5 +63,35 @@ class RawKernel:
             else:
                 raise TypeError(f"argument {i} of {self.name} is a {type(a).__name__}: pass device arrays "
                                 "and NumPy scalars (numpy.int32, numpy.float64, ...)")
-        _strict.launch("raw", self.name)
+        if _strict.replaying():
+            self.twin(*values)
+            return
+        before = [v.copy() if isinstance(v, numpy.ndarray) else v for v in values]
         self.twin(*values)
+        read, written = [], []
+        for i, v in enumerate(values):
+            if not isinstance(v, numpy.ndarray):
+                continue
+            if i < len(self.const) and self.const[i]:
+                read.append(v)
+                continue
+            written.append(v)
+            if self._reads(before, values, i):
+                read.append(v)
+        _strict.launch("raw", self.name, read=read, written=written)
+
+    def _reads(self, before, after, i):
+        """Whether the twin's results depend on what array argument `i` held before the call."""
+        trial = [v.copy() if isinstance(v, numpy.ndarray) else v for v in before]
+        bits = trial[i].reshape(-1).view(numpy.uint8)
+        numpy.invert(bits, out=bits)
+        with numpy.errstate(all="ignore"):
+            self.twin(*trial)
+        return any(isinstance(v, numpy.ndarray) and (j < len(self.const) and not self.const[j])
+                   and v.tobytes() != w.tobytes() for j, (v, w) in enumerate(zip(trial, after)))
+
+
+def _const_pointers(code, name):
+    """Per parameter of the kernel `name` in `code`: whether it is a `const` pointer."""
+    found = re.search(rf"__global__\s+void\s+{re.escape(name)}\s*\(([^)]*)\)", code)
+    return [p.strip().startswith("const") and "*" in p for p in found.group(1).split(",")]

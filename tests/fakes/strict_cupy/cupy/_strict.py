@@ -28,7 +28,24 @@ The work the device would be asked to do (``launches()``, ``memory()``):
   and output dtypes, compute type, transposes, m/n/k, leading dimensions, batch), ``random``,
   ``memcpy`` (host to device), ``nccl`` (a collective or point-to-point call); views, reshapes
   that need no copy and ``empty`` launch nothing. ``op`` is the autograd Function whose
-  ``forward`` or ``backward`` made the launch ("Linear.backward"), else ``where``'s function;
+  ``forward`` or ``backward`` made the launch ("Linear.backward"), else ``where``'s function.
+  Every launch's fields hold ``read_bytes`` and ``written_bytes``, the device memory it reads and
+  writes, from its operands' sizes (``traffic``): itemsize x elements of each distinct array read
+  (or written), a view counting its own elements, not its base's, a broadcast operand (a stride
+  of 0) its elements once, scalars nothing. Each launch site names what it reads and writes:
+  an elementwise kernel its array operands and its outputs (an in-place operator reads and writes
+  its left operand); a reduction its input and its result; a gather (``take``) the elements it
+  gathers and the indices, a scatter or fill the elements it writes (a scatter-add also reads
+  them) and the indices and values; a cast or copy its source and its result; a ``cupy.fuse``
+  call the arguments its body reads and the arguments it writes (in-place operators, ``out=``,
+  ``x[...] = v``) and the arrays it returns; a raw kernel (``_raw``) its ``const`` pointer
+  arguments as read, the others as written, and those also as read when its twin's results
+  depend on what they held before; a GEMM A and B (and C when beta is not 0) read, C written; a
+  cuDNN graph its inputs read and outputs written (not its workspace); NCCL its send buffer read
+  and its receive buffer written (a broadcast's root reads, the others write); a host-to-device
+  copy the bytes it writes. A CUDA graph's launch (kind ``graph``) holds no bytes: its captured
+  launches held them. An approximation of the traffic a GPU's kernels make: caches, an operand
+  read twice in one kernel, or partial reads of a strided view are not modelled;
 * allocations: how many, their bytes, and the peak of bytes live (``reset()`` starts the peak
   from what is live then).
 """
@@ -145,11 +162,13 @@ def expect(**exact):
 
 # --- kernel launches and allocations -------------------------------------------------------
 
-def launch(kind, name, **fields):
-    """Record one kernel launch (or cuBLAS / NCCL call, or host-to-device copy); while a stream is
-    capturing, into its graph (it must be the current stream); while a graph replays, nothing."""
+def launch(kind, name, read=(), written=(), **fields):
+    """Record one kernel launch (or cuBLAS / NCCL call, or host-to-device copy) that reads the
+    arrays (or byte counts) in `read` and writes those in `written`; while a stream is capturing,
+    into its graph (it must be the current stream); while a graph replays, nothing."""
     if getattr(_local, "replaying", False):
         return
+    fields["read_bytes"], fields["written_bytes"] = traffic(read), traffic(written)
     where = caller(2)
     record = Launch(kind, name, where, operation(sys._getframe(1)) or where.rsplit(" in ", 1)[-1], fields)
     if _capture is not None:
@@ -163,6 +182,30 @@ def launch(kind, name, **fields):
         _capture.last_work[stream] = len(_capture.launches)
         return
     _launches.append(record)
+
+
+def traffic(operands):
+    """Device bytes of `operands`: cupy or NumPy arrays (each distinct one once: the same memory,
+    shape, strides and dtype count once; an axis of stride 0 once, as a broadcast operand's
+    elements are read once), byte counts given as ints; scalars and None count 0."""
+    seen, total = set(), 0
+    for x in operands:
+        if isinstance(x, int) and not isinstance(x, bool):
+            total += x
+            continue
+        a = getattr(x, "_a", x)
+        if not isinstance(a, numpy.ndarray):
+            continue
+        key = (a.__array_interface__["data"][0], a.shape, a.strides, a.dtype.str)
+        if key in seen:
+            continue
+        seen.add(key)
+        elements = 1
+        for n, stride in zip(a.shape, a.strides):
+            if stride or n == 0:
+                elements *= n
+        total += elements * a.itemsize
+    return total
 
 
 def operation(frame):

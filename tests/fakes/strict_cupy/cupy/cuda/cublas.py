@@ -128,7 +128,8 @@ def _gemm_on(routine, transa, transb, m, n, k, alpha, A, Atype, lda, strideA, B,
     a = _matrix(A, dtypes[0], *((k, m) if transa else (m, k)), lda, strideA, batch, "A")
     b = _matrix(B, dtypes[1], *((n, k) if transb else (k, n)), ldb, strideB, batch, "B")
     c = _matrix(C, dtypes[2], m, n, ldc, strideC, batch, "C")
-    _strict.launch("gemm", routine, routine=routine, a=dtypes[0].name, b=dtypes[1].name, c=dtypes[2].name,
+    _strict.launch("gemm", routine, read=(a, b, c) if beta else (a, b), written=(c,),      # C is read when beta != 0
+                   routine=routine, a=dtypes[0].name, b=dtypes[1].name, c=dtypes[2].name,
                    compute=COMPUTE_NAMES[compute], transa="NT"[transa], transb="NT"[transb], m=m, n=n, k=k,
                    batch=batch, lda=lda, ldb=ldb, ldc=ldc, strides=(strideA, strideB, strideC), direct=True)
     _check_on_grid(compute, a, b)

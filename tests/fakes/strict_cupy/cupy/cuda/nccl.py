@@ -320,9 +320,10 @@ class NcclCommunicator:
             raise NcclError(INVALID_ARGUMENT, f"unknown reduction op {op}")
         return OPS[op]
 
-    def _submit(self, name, run, buf=None, **fields):
+    def _submit(self, name, run, buf=None, moved=(0, 0), **fields):
         """Log the call and run it now, or at the outermost groupEnd inside a group call
-        (`buf`: the buffer a send/recv moves, which the group posts itself)."""
+        (`buf`: the buffer a send/recv moves, which the group posts itself; `moved`: the bytes
+        it reads from its send buffer and writes to its receive buffer on this rank)."""
         self._check_alive()
         queue = _group_queue()
         if _strict.capturing() and (queue is not None or name in ("send", "recv")):
@@ -330,7 +331,7 @@ class NcclCommunicator:
                                              "a stream captures: the stand-in captures collectives only")
         _strict.log_event(f"nccl.{name}", comm=self._label, rank=self._rank,
                           grouped=queue is not None, **fields)
-        _strict.launch("nccl", name, stream=fields.get("stream"))
+        _strict.launch("nccl", name, read=moved[:1], written=moved[1:], stream=fields.get("stream"))
         if queue is not None:
             queue.append((self, name, run, buf, fields))
         elif name in ("send", "recv") and fields["stream"] != 0 and self._mpi is not None:
@@ -348,7 +349,7 @@ class NcclCommunicator:
         _refuse_overlap(send, recv, in_place=send.ptr == recv.ptr)
         how = self._op(op)
         self._submit("allReduce", lambda: self._reduce_to(recv, self._gather(send), how),
-                     count=count, dtype=_name(dt), op=how, stream=self._stream(stream),
+                     moved=(send.nbytes, recv.nbytes), count=count, dtype=_name(dt), op=how, stream=self._stream(stream),
                      sendbuf=send.ptr, recvbuf=recv.ptr)
 
     @_strict.device_work
@@ -359,7 +360,7 @@ class NcclCommunicator:
         _refuse_overlap(send, recv, in_place=recv.ptr == send.ptr + self._rank * recv.nbytes)
         how = self._op(op)
         self._submit("reduceScatter", lambda: self._reduce_to(recv, self._alltoall(send), how),
-                     count=recvcount, dtype=_name(dt), op=how, stream=self._stream(stream),
+                     moved=(send.nbytes, recv.nbytes), count=recvcount, dtype=_name(dt), op=how, stream=self._stream(stream),
                      sendbuf=send.ptr, recvbuf=recv.ptr)
 
     @_strict.device_work
@@ -369,7 +370,7 @@ class NcclCommunicator:
         recv = self._buffer(recvbuf, _integer(count, "count") * self._size, dt, "recvbuf")
         _refuse_overlap(send, recv, in_place=send.ptr == recv.ptr + self._rank * send.nbytes)
         self._submit("allGather", lambda: _copy(recv.host(), self._gather(send)),
-                     count=count, dtype=_name(dt), stream=self._stream(stream),
+                     moved=(send.nbytes, recv.nbytes), count=count, dtype=_name(dt), stream=self._stream(stream),
                      sendbuf=send.ptr, recvbuf=recv.ptr)
 
     @_strict.device_work
@@ -378,6 +379,7 @@ class NcclCommunicator:
         buf = self._buffer(buff, count, dt, "buff")
         root = self._peer(root, "root")
         self._submit("bcast", lambda: self._bcast(buf, root), count=count, dtype=_name(dt),
+                     moved=(buf.nbytes, 0) if self._rank == root else (0, buf.nbytes),
                      root=root, stream=self._stream(stream), buff=buf.ptr)
 
     @_strict.device_work
@@ -392,6 +394,8 @@ class NcclCommunicator:
                 recv.host()[...] = send.host()
             self._bcast(recv, root)
         self._submit("broadcast", run, count=count, dtype=_name(dt), root=root,
+                     moved=(send.nbytes, 0 if send.ptr == recv.ptr else recv.nbytes) if send is not None
+                     else (0, recv.nbytes),
                      stream=self._stream(stream), recvbuff=recv.ptr)
 
     @_strict.device_work
@@ -407,6 +411,7 @@ class NcclCommunicator:
             if recv is not None:
                 self._reduce_to(recv, gathered, how)
         self._submit("reduce", run, count=count, dtype=_name(dt), op=how, root=root,
+                     moved=(send.nbytes, 0 if recv is None else recv.nbytes),
                      stream=self._stream(stream))
 
     # -- point to point --
@@ -414,14 +419,14 @@ class NcclCommunicator:
         dt = _datatype(datatype)
         buf = self._buffer(sendbuf, count, dt, "sendbuf")
         peer = self._peer(peer, "peer")
-        self._submit("send", lambda: self._send_now(buf, peer), buf, count=count,
+        self._submit("send", lambda: self._send_now(buf, peer), buf, moved=(buf.nbytes, 0), count=count,
                      dtype=_name(dt), peer=peer, stream=self._stream(stream), sendbuf=buf.ptr)
 
     def recv(self, recvbuf, count, datatype, peer, stream):
         dt = _datatype(datatype)
         buf = self._buffer(recvbuf, count, dt, "recvbuf")
         peer = self._peer(peer, "peer")
-        self._submit("recv", lambda: self._recv_now(buf, peer), buf, count=count,
+        self._submit("recv", lambda: self._recv_now(buf, peer), buf, moved=(0, buf.nbytes), count=count,
                      dtype=_name(dt), peer=peer, stream=self._stream(stream), recvbuf=buf.ptr)
 
     def _send_now(self, buf, peer):
