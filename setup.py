@@ -42,8 +42,12 @@ setup(
         "hf": ["tokenizers>=0.15"],     # a local Hugging Face tokenizer.json for preprocess
         # ml_dtypes: the bfloat16 reference; hypothesis: the hostile-file tests; import-linter: the layers
         # tensorboard and wandb: their own readers check what --tensorboard-dir and --wandb-project wrote
+        # cuda-bindings, nvidia-cuda-nvrtc-cu12 and nvidia-cuda-runtime-cu12 (its headers): NVRTC without
+        # a GPU, compiling every CUDA source for sm_80 and sm_90 (tests/test_cuda_sources_compile.py);
+        # CUDA 12, the gpu extra's (about 100 MB of wheels)
         "test": ["pytest>=7", "tokenizers>=0.15", "ml_dtypes>=0.3", "hypothesis>=6.80", "import-linter>=2.1",
-                 "tensorboard>=2.10", "wandb>=0.16"],
+                 "tensorboard>=2.10", "wandb>=0.16", "cuda-bindings>=12.9,<13", "nvidia-cuda-nvrtc-cu12>=12.9,<13",
+                 "nvidia-cuda-runtime-cu12>=12.9,<13"],
         "wandb": ["wandb>=0.16"],                 # --wandb-project
         # Intel MKL for the CPU's Linear GEMMs (autograd/cpu_blas.py): PyTorch's CPU BLAS, faster than
         # NumPy's OpenBLAS on some CPUs and slower on others (2026.2 the release tested)

@@ -212,3 +212,9 @@ top_bits = BitsKernel("bf16_top_bits", bf16_top_bits_)
 """out (uint16) = float32 `bits` rounded to bfloat16."""
 widen = BitsKernel("bf16_widen_bits", bf16_widen_bits_)
 """out (uint32) = bfloat16 `bits` as float32."""
+
+
+def all_sources():
+    """(kernel name, CUDA source) of every kernel here, for the NVRTC compile in CI
+    (tests/test_cuda_sources_compile.py)."""
+    return [(kernel.name, kernel.source) for kernel in KERNELS.values()]

@@ -200,6 +200,16 @@ class RowKernel:
             f"{self.name}_{name}"
 
 
+def all_sources():
+    """(kernel name, CUDA source) of every variant `RowKernel.code` makes: each kernel for each
+    dtype, kept format and weight format (a superset: the column sums are launched with weight None
+    only). CI compiles them all with NVRTC on a GPU-less machine (tests/test_cuda_sources_compile.py),
+    so a compile error never reaches a GPU."""
+    formats = (None, *_SIXTEEN_BIT)
+    return [kernel.code(dtype, keep, weight)[::-1] for kernel in KERNELS.values()
+            for dtype in _TYPES for keep in formats for weight in formats]
+
+
 def threads_for(cols):
     """Threads a block: about four values each, whole warps, at most 1024."""
     return min(1024, max(32, -(-cols // 128) * 32))
