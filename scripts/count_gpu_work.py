@@ -1,6 +1,8 @@
 """What one training step asks of a GPU, counted on the strict CuPy stand-in (tests/fakes/strict_cupy):
 kernel launches by kind and by autograd Function, cuBLAS calls with their dtypes, compute types
-and transposes, the copies CuPy makes inside calls, host synchronisations and device bytes.
+and transposes, the copies CuPy makes inside calls, host synchronisations, device bytes, the bytes
+the kernels read and write (outside the GEMMs and attention's core too, by Function), and the
+Python calls the host makes in the project's own code per step.
 
     python scripts/count_gpu_work.py                     # GPT-2 124M's layer shapes, float32
     python scripts/count_gpu_work.py --tf32 --hidden-dropout 0.1 --attention-dropout 0.1
@@ -10,15 +12,22 @@ and transposes, the copies CuPy makes inside calls, host synchronisations and de
 Per layer is the difference between a model of two layers and one of one layer, so it holds
 for any depth; each count is of the second step (the first allocates what later steps reuse: the
 gradients and the optimizer's state; a third step counts the same, for every flag the tests pass).
+The Python calls are cProfile's call counts (primitive and recursive) of the functions in the
+repository's files outside tests/ (so neither the stand-in, NumPy nor the standard library) during
+that step's train_step, clip_after_step and optimizer step; at 12 layers they are extrapolated,
+calls(1 layer) + 11 x (calls(2 layers) - calls(1 layer)) (--check-python-calls N profiles N
+layers to compare).
 No GPU is used: the stand-in computes with NumPy and records what CuPy would launch; its cudnn
 stand-in stands for nvidia-cudnn-frontend, so attention is cuDNN's fused attention wherever a GPU
 with the gpu extra would run it (--blockwise-attention counts the blockwise path there instead).
 """
 import argparse
+import cProfile
 import collections
 import dataclasses
 import json
 import os
+import pstats
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,6 +46,7 @@ from npmegatron.training.step import clip_after_step, setup_objects_frozen, trai
 STRICT = cupy._strict
 ATTENTION_CORE = ("CausalAttention.", "PackedCausalAttention.", "FusedCausalAttention.")
 STEPS = 2
+GPT2_LAYERS = 12
 
 
 def count_step(cfg, batch, seq):
@@ -46,18 +56,40 @@ def count_step(cfg, batch, seq):
                    world_size=1)
     ids = numpy.random.default_rng(cfg.seed).integers(0, cfg.vocab_size, (batch, seq + 1))
     tokens = (ids[:, :-1], ids[:, 1:])     # host arrays, as the Trainer gives them: checked before the upload
+    profiler = cProfile.Profile()
     with setup_objects_frozen():
         for step in range(STEPS):
-            if step == STEPS - 1:
+            last = step == STEPS - 1
+            if last:
                 STRICT.reset()
+                profiler.enable()       # the stand-in's own calls in between are under tests/: not counted
             loss_sum = train_step(run.model, run.exchange, [tokens], run.buckets, run.schedule)
             forward_backward, syncs = STRICT.launches(), STRICT.counters()["sync"]
             STRICT.reset()
             clip_after_step(run.model, run.params, loss_sum, run.norm_skip, 1.0, run.optimizer)
             run.optimizer.step()
+            if last:
+                profiler.disable()
     return {"forward_backward": forward_backward, "optimizer": STRICT.launches(),
             "syncs_forward_backward": syncs, "syncs_optimizer": STRICT.counters()["sync"],
-            "peak_bytes": STRICT.memory()["peak_bytes"]}
+            "peak_bytes": STRICT.memory()["peak_bytes"], "python_calls": project_calls(profiler)}
+
+
+def project_calls(profiler):
+    """{"file:line name": calls} of the functions in the repository's own files (not under tests/)
+    that `profiler` saw called, calls being primitive and recursive ones (pstats' nc)."""
+    tests = os.path.join(ROOT, "tests") + os.sep
+    calls = collections.Counter()
+    for (file, line, name), (_, nc, _, _, _) in pstats.Stats(profiler).stats.items():
+        path = os.path.abspath(file)     # built-ins ("~") and frozen modules have no path: not counted
+        if os.path.isabs(file) and path.startswith(ROOT + os.sep) and not path.startswith(tests):
+            calls[f"{os.path.relpath(path, ROOT)}:{line} {name}"] += nc
+    return calls
+
+
+def python_calls(cfg, batch, seq, layers):
+    """Project Python calls in one step of the `layers`-layer model of `cfg`."""
+    return sum(count_step(dataclasses.replace(cfg, num_layers=layers), batch, seq)["python_calls"].values())
 
 
 def kept_for_backward(cfg, batch, seq):
@@ -73,15 +105,29 @@ def kept_for_backward(cfg, batch, seq):
 
 
 def summary(launches):
-    """Counts of a list of Launch records."""
+    """Counts of a list of Launch records; bytes are those the launches read plus those they write,
+    all of them and those outside the GEMMs (kind "gemm") and attention's core (ATTENTION_CORE),
+    the latter also by autograd Function."""
     gemms = [launch for launch in launches if launch.kind == "gemm"]
+    rest = [launch for launch in launches if launch.kind != "gemm" and not launch.op.startswith(ATTENTION_CORE)]
+    by_op = collections.Counter()
+    for launch in rest:
+        by_op[launch.op] += moved(launch)
     return {"launches": len(launches),
+            "bytes": sum(map(moved, launches)),
+            "bytes_outside_gemms_and_attention": sum(by_op.values()),
+            "bytes_outside_gemms_and_attention_by_op": dict(by_op.most_common()),
             "by_kind": dict(collections.Counter(launch.kind for launch in launches)),
             "by_op": dict(collections.Counter(launch.op for launch in launches).most_common()),
             "hidden_copies": sum(1 for launch in launches if "hidden" in launch.fields),
             # GEMMs cupy.matmul/dot chose (upcasts, dtype as compute type) rather than autograd/gemm.py
             "gemms_through_cupy_matmul": sum(1 for launch in gemms if not launch.fields.get("direct")),
             "gemms": dict(collections.Counter(_gemm_key(launch) for launch in gemms).most_common())}
+
+
+def moved(launch):
+    """The bytes a launch reads and writes (a CUDA graph's launch: none of its own)."""
+    return launch.fields.get("read_bytes", 0) + launch.fields.get("written_bytes", 0)
 
 
 def _gemm_key(launch):
@@ -108,9 +154,10 @@ def _identity(launch):
     return launch.kind, launch.op, launch.name, json.dumps(launch.fields, sort_keys=True, default=str)
 
 
-def measure(cfg, batch, seq, check_depth=False):
+def measure(cfg, batch, seq, check_depth=False, check_python_calls=None):
     """The counts per layer, for the rest of the model, for the optimizer step and per step;
-    with check_depth, also whether a third layer adds the same launches as the second."""
+    with check_depth, also whether a third layer adds the same launches as the second; with
+    check_python_calls (a depth), also that model's Python calls per step, measured."""
     one = count_step(dataclasses.replace(cfg, num_layers=1), batch, seq)
     two = count_step(dataclasses.replace(cfg, num_layers=2), batch, seq)
     layer = difference(two["forward_backward"], one["forward_backward"])
@@ -125,12 +172,25 @@ def measure(cfg, batch, seq, check_depth=False):
     core = [launch for launch in layer if launch.op.startswith(ATTENTION_CORE)]
     rest = [launch for launch in layer if not launch.op.startswith(ATTENTION_CORE)]
     outside = difference(one["forward_backward"], layer)
+    calls_one, calls_two = one["python_calls"], two["python_calls"]
+    calls_layer = collections.Counter({key: calls_two[key] - calls_one[key] for key in calls_two})
+    per_layer = sum(calls_two.values()) - sum(calls_one.values())
+    outside_calls = sum(calls_one.values()) - per_layer
+    calls = {"per_layer": per_layer, "outside_layers": outside_calls,
+             "one_layer": sum(calls_one.values()), "two_layers": sum(calls_two.values()),
+             "per_step_12_layers": outside_calls + GPT2_LAYERS * per_layer,
+             "per_layer_top_25": {key: n for key, n in calls_layer.most_common(25) if n}}
+    if check_python_calls:
+        calls["measured_at_depth"] = {"layers": check_python_calls,
+                                      "measured": python_calls(cfg, batch, seq, check_python_calls),
+                                      "extrapolated": outside_calls + check_python_calls * per_layer}
+    layer_summary, outside_summary, optimizer_summary = summary(layer), summary(outside), summary(two["optimizer"])
     return {"config": {"hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_attention_heads,
                        "seq_length": seq, "vocab_size": cfg.vocab_size, "micro_batch_size": batch,
                        "dtype": cfg.dtype, "tf32": cfg.tf32, "storage": cfg.storage_format,
                        "hidden_dropout": cfg.hidden_dropout, "attention_dropout": cfg.attention_dropout},
-            "layer": summary(layer), "layer_attention_core": summary(core), "layer_without_attention_core": summary(rest),
-            "outside_layers": summary(outside), "optimizer_step": summary(two["optimizer"]),
+            "layer": layer_summary, "layer_attention_core": summary(core), "layer_without_attention_core": summary(rest),
+            "outside_layers": outside_summary, "optimizer_step": optimizer_summary,
             "step_two_layers": summary(two["forward_backward"] + two["optimizer"]),
             "syncs_per_step": two["syncs_forward_backward"] + two["syncs_optimizer"],
             "third_layer_adds_the_same_launches": same_at_depth_3,
@@ -138,7 +198,8 @@ def measure(cfg, batch, seq, check_depth=False):
             "kept_for_backward_per_layer": sum(kept_layer.values()),
             "kept_for_backward_per_layer_by_function": {k: v for k, v in kept_layer.items() if v},
             "kept_for_backward_two_layers": sum(kept_two.values()),
-            "parameter_bytes_two_layers": param_bytes}
+            "parameter_bytes_two_layers": param_bytes,
+            "python_calls": calls, "python_calls_per_step_12_layers": calls["per_step_12_layers"]}
 
 
 def format_report(result):
@@ -147,14 +208,17 @@ def format_report(result):
              f"{c['vocab_size']}, micro-batch {c['micro_batch_size']}; {c['dtype']}"
              f"{' --tf32' if c['tf32'] else ''}{' --' + c['storage'] if c['storage'] else ''}, dropout "
              f"{c['hidden_dropout']}/{c['attention_dropout']}; TP 1, on the strict CuPy stand-in", "",
-             f"{'':<42}{'launches':>9}{'GEMMs':>7}{'hidden copies':>15}"]
+             f"{'':<42}{'launches':>9}{'GEMMs':>7}{'hidden copies':>15}{'bytes':>15}{'bytes outside':>15}"]
     for label, key in (("per layer, forward + backward", "layer"), ("  attention's core", "layer_attention_core"),
                        ("  the rest of the layer", "layer_without_attention_core"),
                        ("embedding, final LayerNorm, head, loss", "outside_layers"),
                        ("optimizer step", "optimizer_step"), ("whole step, 2 layers", "step_two_layers")):
         s = result[key]
-        lines.append(f"{label:<42}{s['launches']:>9}{s['by_kind'].get('gemm', 0):>7}{s['hidden_copies']:>15}")
-    lines += [f"host synchronisations per step: {result['syncs_per_step']}",
+        lines.append(f"{label:<42}{s['launches']:>9}{s['by_kind'].get('gemm', 0):>7}{s['hidden_copies']:>15}"
+                     f"{s['bytes']:>15,}{s['bytes_outside_gemms_and_attention']:>15,}")
+    calls = result["python_calls"]
+    lines += ["(bytes: read + written by the launches; outside: outside the GEMMs and attention's core)",
+              f"host synchronisations per step: {result['syncs_per_step']}",
               f"peak device bytes (2 layers): {result['peak_bytes_two_layers']:,}",
               f"bytes kept for backward (parameters excluded): {result['kept_for_backward_per_layer']:,} per "
               f"layer, {result['kept_for_backward_two_layers']:,} for the 2-layer model; by Function, per layer: "
@@ -164,6 +228,17 @@ def format_report(result):
                                                             result["layer_without_attention_core"]["by_kind"].items()),
               "", "launches per layer by autograd Function (attention's core included):"]
     lines += [f"  {n:>5}  {op}" for op, n in result["layer"]["by_op"].items()]
+    lines += ["", "bytes read + written per layer outside the GEMMs and attention's core, by autograd Function:"]
+    lines += [f"  {n:>13,}  {op}" for op, n in result["layer"]["bytes_outside_gemms_and_attention_by_op"].items()]
+    lines += ["", f"project Python calls per step: {calls['one_layer']:,} at 1 layer, {calls['two_layers']:,} at 2 "
+              f"layers: {calls['per_layer']:,} per layer, {calls['outside_layers']:,} outside the layers"]
+    if "measured_at_depth" in calls:
+        depth = calls["measured_at_depth"]
+        lines.append(f"project Python calls per step at {depth['layers']} layers, measured: {depth['measured']:,} "
+                     f"(extrapolated: {depth['extrapolated']:,})")
+    lines += [f"project Python calls per step at {GPT2_LAYERS} layers: {result['python_calls_per_step_12_layers']}",
+              "", "project Python calls per layer, the most called functions:"]
+    lines += [f"  {n:>7,}  {key}" for key, n in calls["per_layer_top_25"].items()]
     lines += ["", "cuBLAS calls per layer:"] + [f"  {n:>5}  {key}" for key, n in result["layer"]["gemms"].items()]
     lines += ["", "cuBLAS calls outside the layers:"]
     lines += [f"  {n:>5}  {key}" for key, n in result["outside_layers"]["gemms"].items()]
@@ -190,6 +265,8 @@ def main(argv=None):
     parser.add_argument("--json", metavar="FILE", help="also write the counts as JSON")
     parser.add_argument("--check-depth", action="store_true", help="also count a 3-layer model: its third "
                         "layer must add the launches of the second")
+    parser.add_argument("--check-python-calls", type=int, metavar="LAYERS", help="also profile a model of LAYERS "
+                        "layers: its project Python calls per step, measured beside the extrapolation")
     args = parser.parse_args(argv)
     if args.blockwise_attention:
         fused_attention.FUSED_ATTENTION = "never"
@@ -199,7 +276,7 @@ def main(argv=None):
                     tf32=args.tf32, fp16=args.fp16, bf16=args.bf16, device="gpu", model_family=args.model_family,
                     group_query_attention=args.num_query_groups is not None,
                     num_query_groups=args.num_query_groups)
-    result = measure(cfg, args.micro_batch_size, args.seq_length, args.check_depth)
+    result = measure(cfg, args.micro_batch_size, args.seq_length, args.check_depth, args.check_python_calls)
     print(format_report(result))
     if args.json:
         with open(args.json, "w") as f:

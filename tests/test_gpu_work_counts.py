@@ -239,6 +239,41 @@ def test_the_counting_script_reports_per_layer_counts_that_do_not_depend_on_dept
     assert sum(layer["gemms"].values()) == layer["by_kind"]["gemm"] >= 8     # 4 linears x (forward + 2 backward) at least
 
 
+def test_the_counting_script_reports_the_bytes_moved_outside_gemms_and_attention_by_function():
+    result = count("--bf16")
+    layer, core = result["layer"], result["layer_attention_core"]
+    outside = layer["bytes_outside_gemms_and_attention"]
+    assert outside > 0 and outside == sum(layer["bytes_outside_gemms_and_attention_by_op"].values())
+    assert core["bytes"] > 0 and core["bytes_outside_gemms_and_attention"] == 0
+    assert layer["bytes"] > outside and not any(op.startswith("FusedCausalAttention.")
+                                                for op in layer["bytes_outside_gemms_and_attention_by_op"])
+    step = result["step_two_layers"]
+    assert step["bytes"] == 2 * layer["bytes"] + result["outside_layers"]["bytes"] + result["optimizer_step"]["bytes"]
+
+
+#: Python call counts do not depend on the shapes much: the smallest that run the model's paths
+TINY_MODEL = ("--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128", "--vocab-size", "512")
+
+
+def test_project_python_calls_per_step_are_printed_deterministic_and_linear_in_depth():
+    """The script extrapolates to GPT-2 124M's 12 layers from 1 and 2; a real 12-layer model's
+    step makes exactly that many calls, and a second run counts the same."""
+    runs = []
+    for extra in (("--check-python-calls", "12"), ()):
+        run = subprocess.run([sys.executable, "scripts/count_gpu_work.py", "--bf16", *TINY_MODEL, *extra,
+                              "--json", "/dev/stdout"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr
+        runs.append((run.stdout, json.loads(run.stdout[run.stdout.index("\n{") + 1:])))
+    (text, checked), (_, again) = runs
+    calls = checked["python_calls_per_step_12_layers"]
+    assert f"project Python calls per step at 12 layers: {calls}\n" in text
+    assert calls > 0 and calls == again["python_calls_per_step_12_layers"]
+    depth = checked["python_calls"]["measured_at_depth"]
+    assert depth == {"layers": 12, "measured": calls, "extrapolated": calls}
+    top = checked["python_calls"]["per_layer_top_25"]
+    assert 0 < len(top) <= 25 and all(not key.startswith("tests/") and n > 0 for key, n in top.items())
+
+
 @pytest.mark.slow
 def test_the_counting_script_sees_tf32_in_every_gemm():
     result = count("--tf32")

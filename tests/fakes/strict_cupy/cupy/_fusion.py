@@ -374,7 +374,7 @@ class Fusion:
         if fusing() or not any(isinstance(a, ndarray) for a in args):
             return self.func(*args)
         shape = numpy.broadcast_shapes(*[a.shape for a in args if isinstance(a, ndarray)])
-        with _tracing():            # arguments are pre-reduction values of this trace
+        with _tracing(), _strict.emulating():       # arguments are pre-reduction values of this trace
             returned = self.func(*[_argument(a) for a in args])
             read, written = _trace.read, _trace.written
         results = () if returned is None else tuple(_result(r, shape) for r in (

@@ -63,21 +63,22 @@ class RawKernel:
             else:
                 raise TypeError(f"argument {i} of {self.name} is a {type(a).__name__}: pass device arrays "
                                 "and NumPy scalars (numpy.int32, numpy.float64, ...)")
-        if _strict.replaying():
+        with _strict.emulating():
+            if _strict.replaying():
+                self.twin(*values)
+                return
+            before = [v.copy() if isinstance(v, numpy.ndarray) else v for v in values]
             self.twin(*values)
-            return
-        before = [v.copy() if isinstance(v, numpy.ndarray) else v for v in values]
-        self.twin(*values)
-        read, written = [], []
-        for i, v in enumerate(values):
-            if not isinstance(v, numpy.ndarray):
-                continue
-            if i < len(self.const) and self.const[i]:
-                read.append(v)
-                continue
-            written.append(v)
-            if self._reads(before, values, i):
-                read.append(v)
+            read, written = [], []
+            for i, v in enumerate(values):
+                if not isinstance(v, numpy.ndarray):
+                    continue
+                if i < len(self.const) and self.const[i]:
+                    read.append(v)
+                    continue
+                written.append(v)
+                if self._reads(before, values, i):
+                    read.append(v)
         _strict.launch("raw", self.name, read=read, written=written)
 
     def _reads(self, before, after, i):

@@ -51,6 +51,7 @@ The work the device would be asked to do (``launches()``, ``memory()``):
 """
 import collections
 import contextlib
+import cProfile
 import ctypes
 import functools
 import os
@@ -206,6 +207,23 @@ def traffic(operands):
                 elements *= n
         total += elements * a.itemsize
     return total
+
+
+@contextlib.contextmanager
+def emulating():
+    """Around the Python the stand-in runs in place of a kernel (a raw kernel's NumPy twin, a
+    cupy.fuse body, which CuPy traces once and then serves from its cache): hidden from a cProfile
+    profiler running, so that its counts are the host's calls a GPU run makes. Disabling cProfile
+    counts the calls active then, once; they are not counted again when they return."""
+    profiler = sys.getprofile()
+    if not isinstance(profiler, cProfile.Profile):
+        yield
+        return
+    profiler.disable()
+    try:
+        yield
+    finally:
+        profiler.enable()
 
 
 def operation(frame):
