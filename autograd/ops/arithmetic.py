@@ -135,16 +135,19 @@ def bias_grad(g):
     return g2.sum(axis=0)
 
 
-def _weight_grad(x, g, grid=None, destination=None, weight=None):
+def _weight_grad(x, g, grid=None, destination=None, weight=None, result=None):
     """x^T g summed over all leading dimensions in one GEMM (no per-batch temporaries); written
     into or added to `destination` (Context.destination) by the GEMM itself when given. A weight
     that is a transposed view (the output layer's, the embedding's transpose) gets its gradient in
     the same memory order, (g^T x)^T: its leaf's gradient is then C-ordered, and adds to the
-    embedding's own without a strided pass over the vocabulary."""
+    embedding's own without a strided pass over the vocabulary. `result(shape)` makes the array a
+    new gradient is written to (16-bit operands: float32), else the product's dtype."""
     if destination is None and weight is not None and weight.ndim == 2 and _transposed(weight):
-        return gemm.matmul(gemm.rows(g).T, gemm.rows(x), grid=grid).T
+        out = None if result is None else result(weight.shape[::-1])
+        return gemm.matmul(gemm.rows(g).T, gemm.rows(x), out=out, grid=grid).T
     if destination is None:
-        return gemm.matmul(gemm.rows(x).T, gemm.rows(g), grid=grid)
+        out = None if result is None else result(x.shape[-1:] + g.shape[-1:])
+        return gemm.matmul(gemm.rows(x).T, gemm.rows(g), out=out, grid=grid)
     out, accumulate = destination
     return gemm.matmul(gemm.rows(x).T, gemm.rows(g), out=out, accumulate=accumulate, grid=grid)
 
@@ -249,8 +252,9 @@ class Linear(Function):
         if need[1] and precision.format_of(w.dtype) is None:
             gw = _weight_grad(x, Linear._wide(g), ctx.grid, ctx.destination(1), w)
         elif need[1]:
-            into = ctx.destination(1) or (_float32(g, w.shape), False)
-            gw = _weight_grad(x, Linear._sixteen_bit_grad(ctx, g, w), None, into)
+            # the same product as the float32 weights' (above), summed into float32
+            gw = _weight_grad(x, Linear._sixteen_bit_grad(ctx, g, w), None, ctx.destination(1), w,
+                              lambda shape: _float32(g, shape))
         if len(need) > 2 and need[2] and precision.format_of(g.dtype):
             gb = _sixteen_bit_bias_grad(g, ctx.destination(2))
         elif len(need) > 2 and need[2]:
