@@ -17,7 +17,6 @@ kernels to the chains on a real card.
 """
 import numpy
 
-from .backend import get_array_module
 from .fusion import fused
 
 
@@ -180,9 +179,12 @@ def _vectorisable(arrays):
     address four of its elements can be loaded from at once (16 bytes for 32-bit values, 8 for
     16-bit ones; CuPy's allocations are aligned, a view into a flat buffer may not be)."""
     first = arrays[0]
-    return (get_array_module(first) is not numpy and first.size > 0
-            and all(a.size == first.size and a.flags.c_contiguous and a.data.ptr % (4 * a.itemsize) == 0
-                    for a in arrays))
+    if not type(first).__module__.startswith("cupy") or first.size == 0:
+        return False
+    for a in arrays:        # a loop, not all(...): no generator for the host to resume per array
+        if a.size != first.size or not a.flags.c_contiguous or a.data.ptr % (4 * a.itemsize):
+            return False
+    return True
 
 
 #: Every kernel by name (a test's fresh CuPy stand-in forgets what an earlier one compiled).
@@ -195,7 +197,7 @@ def round_in_place(bits):
     """float32 `bits` (uint32) rounded in place to bfloat16's grid. Rounding in place does not
     care in which order the values lie, so an array whose axes are a permutation of a C-ordered
     one (a transposed gradient) is rounded as that C-ordered view of the same memory."""
-    _round_kernel(_c_ordered_permutation(bits))
+    _round_kernel(bits if bits.flags.c_contiguous else _c_ordered_permutation(bits))
 
 
 def _c_ordered_permutation(a):

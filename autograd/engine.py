@@ -90,8 +90,8 @@ def backward(tensors, grad_tensors=None):
             results = node.run(grads, pending, destinations) if pending or destinations else node.run(grads)
             summed = set(getattr(node, "summed_pending", ()))
             if destinations:
-                summed.update(i for i, (d, g) in enumerate(zip(destinations, results))
-                              if d is not None and g is d[0])
+                summed.update([i for i, (d, g) in enumerate(zip(destinations, results))
+                               if d is not None and g is d[0]])
         # a view of an incoming gradient this walk alone held is this walk's alone too (Transpose)
         passed_on = getattr(getattr(node, "function", None), "passes_gradient_views", False) and all(mine)
         for position, (edge, g) in enumerate(zip(node.edges, results)):

@@ -167,7 +167,7 @@ class Node:
             # the results are rounded in place below: a gradient written into main_grad may be
             # (that is its rounding), a sum added there may not (the sum is not rounded)
             self.ctx.grad_destinations = tuple(None if d is None or d[1] else d for d in destinations)
-        if _profile.active():
+        if _profile._table is not None:
             result = _profile.timed(self.name, 1, lambda: self.function.backward(self.ctx, *grads))
         else:
             result = self.function.backward(self.ctx, *grads)
@@ -177,8 +177,8 @@ class Node:
         if self.storage is not None:    # gradients of 16-bit activations are 16-bit (precision.py)
             # a 16-bit copy for the gradients that flow on to other Functions (not a leaf's,
             # not one written into main_grad)
-            keep = [edge is not None and not isinstance(edge[0], AccumulateGrad) for edge in self.edges]
-            result = tuple(_round(g, self.storage, k) for g, k in zip(result, keep))
+            result = tuple([_round(g, self.storage, edge is not None and not isinstance(edge[0], AccumulateGrad))
+                            for g, edge in zip(result, self.edges)])
         return result
 
 
@@ -204,24 +204,36 @@ class Function:
 
     @classmethod
     def apply(cls, *inputs, **params):
-        arrays = [x.data if isinstance(x, Tensor) else x for x in inputs]
-        needs = tuple(isinstance(x, Tensor) and x.requires_grad for x in inputs)
-        ctx = Context(needs)
-        if _profile.active():
+        # plain loops and module attributes rather than comprehensions and helper calls: this runs
+        # for every op, and on a GPU the host issuing them bounds an eager step
+        arrays, needs = [], []
+        for x in inputs:
+            if isinstance(x, Tensor):
+                arrays.append(x.data)
+                needs.append(x.requires_grad)
+            else:
+                arrays.append(x)
+                needs.append(False)
+        ctx = Context(tuple(needs))
+        if _profile._table is not None:
             out = _profile.timed(cls.__name__, 0, lambda: cls.forward(ctx, *arrays, **params))
         else:
             out = cls.forward(ctx, *arrays, **params)
-        record = _tensor.is_grad_enabled() and any(needs)
+        record = _tensor._grad_enabled and any(needs)
         outs = out if isinstance(out, tuple) else (out,)
-        storage = _precision.active()
+        storage = _precision._active
         if storage is not None and not cls.float32_output:
-            outs = tuple(_round(o, storage, record) for o in outs)
-        tensors = tuple(Tensor(o, requires_grad=record) for o in outs)
-        if record and ctx.grid_indices and _precision.kept_in_16_bit():
+            outs = tuple([_round(o, storage, record) for o in outs])
+        if not record:
+            tensors = tuple([Tensor(o, requires_grad=False) for o in outs])
+            return tensors if isinstance(out, tuple) else tensors[0]
+        if ctx.grid_indices and _precision.kept_in_16_bit():
             ctx.keep_16_bit(storage)        # after the rounding: saved outputs are on the grid now
-        if record:
-            node = Node(cls, ctx, tuple(edge_of(x) for x in inputs), len(outs))
-            node.storage = storage
-            for i, t in enumerate(tensors):
-                t.grad_fn, t.output_index = node, i
-        return tensors if isinstance(out, tuple) else tensors[0]
+        node = Node(cls, ctx, tuple([edge_of(x) if needed else None for x, needed in zip(inputs, needs)]), len(outs))
+        node.storage = storage
+        tensors = []
+        for i, o in enumerate(outs):
+            t = Tensor(o, requires_grad=True)
+            t.grad_fn, t.output_index = node, i
+            tensors.append(t)
+        return tuple(tensors) if isinstance(out, tuple) else tensors[0]

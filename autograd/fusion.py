@@ -64,19 +64,6 @@ class ArrayFunctions:
 NUMPY_FUNCTIONS = ArrayFunctions(numpy, "scipy.special")
 
 
-def _on_gpu(args):
-    """True when an argument is a CuPy array (or a proxy of a cupy.fuse trace, when one chain
-    calls another): the same test as backend.get_array_module, without importing CuPy."""
-    return any(type(a).__module__.startswith("cupy") for a in args)
-
-
-def _host_scalar(a):
-    """A NumPy scalar as the Python scalar of the same value, so it stays weak on both paths.
-    Unsigned integers stay NumPy scalars: hash constants above 2**63 have no weak Python form
-    that both NumPy and CuPy would keep in uint64, and uint64 with uint64 promotes to nothing."""
-    return a.item() if isinstance(a, numpy.generic) and a.dtype.kind != "u" else a
-
-
 class Fused:
     """One chain: `body(xp, *args)` run by NumPy on host arrays, by `cupy.fuse` on CuPy arrays."""
 
@@ -86,9 +73,23 @@ class Fused:
         self._kernel = None
 
     def __call__(self, *args):
-        args = tuple(_host_scalar(a) for a in args)
-        if _on_gpu(args):
-            return self.kernel()(*args)
+        # One loop, no helper calls (a GPU step makes a few hundred of these calls, and the host
+        # issuing them is what bounds an eager step). A CuPy array (or a cupy.fuse proxy, when one
+        # chain calls another) sends the chain to the GPU; a NumPy scalar becomes the Python scalar
+        # of the same value, so it stays weak on both paths, except unsigned integers: hash
+        # constants above 2**63 have no weak Python form that both NumPy and CuPy keep in uint64.
+        on_gpu, converted = False, None
+        for i, a in enumerate(args):
+            if type(a).__module__.startswith("cupy"):
+                on_gpu = True
+            elif isinstance(a, numpy.generic) and a.dtype.kind != "u":
+                converted = list(args) if converted is None else converted
+                converted[i] = a.item()
+        if converted is not None:
+            args = tuple(converted)
+        if on_gpu:
+            kernel = self._kernel if self._kernel is not None else self.kernel()
+            return kernel(*args)
         result = _WHOLE if self.reduction else run_chain(self.body, NUMPY_FUNCTIONS, args)
         if result is _WHOLE:
             return self.body(NUMPY_FUNCTIONS, *args)

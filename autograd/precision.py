@@ -66,7 +66,19 @@ sixteen_bit_arrays_on_gpu = True
 
 def kept_in_16_bit():
     """The 16-bit format saved arrays on the grid are kept in on a GPU now, or None."""
-    return _active if holds_16_bit_arrays(sys.modules.get("cupy"), _active) else None
+    if _active is None:
+        return None
+    # asked once per Function call: the answer is remembered per format, CuPy module and version,
+    # and switch
+    cupy = sys.modules.get("cupy")
+    key = (_active, cupy, getattr(cupy, "__version__", None), sixteen_bit_arrays_on_gpu)
+    held = _held_in_16_bit.get(key)
+    if held is None:
+        held = _held_in_16_bit[key] = holds_16_bit_arrays(cupy, _active)
+    return _active if held else None
+
+
+_held_in_16_bit = {}
 
 
 def holds_16_bit_arrays(xp, fmt):
@@ -144,7 +156,11 @@ COMPILED_ROUND_SIZE = 1 << 16
 def round_(x, fmt):
     """x rounded to fmt's grid, in place where x is writable (a rounded copy otherwise); arrays
     that are not floating point are returned as they are."""
-    if fmt is None or not hasattr(x, "dtype") or x.dtype.kind != "f" or format_of(x.dtype) == fmt:
+    dtype = getattr(x, "dtype", None)
+    if fmt is None or dtype is None or dtype.kind != "f" or _FORMATS_OF.get(dtype) == fmt:
+        return x
+    if fmt == "bf16" and dtype == numpy.float32 and type(x).__module__.startswith("cupy"):
+        bf16_bits.round_in_place(x.view(numpy.uint32))      # the GPU's common case, first (writable)
         return x
     xp = get_array_module(x)
     if isinstance(x, numpy.generic) or not getattr(getattr(x, "flags", None), "writeable", True):

@@ -129,7 +129,7 @@ def _graph(backward, operands, scale):
     """The built graph (and its tensors, workspace bytes) for operands laid out as these arrays."""
     xp = get_array_module(operands[0])
     key = (backward, float(scale), xp.cuda.Device().id, id(xp),
-           tuple((a.shape, a.strides, a.dtype.name) for a in operands))
+           tuple([(a.shape, a.strides, a.dtype.name) for a in operands]))
     if key not in _graphs:
         cudnn = library(xp)
         try:

@@ -111,7 +111,7 @@ class GradientBuckets:
             self.final = set()
             for b in self.buckets:
                 b.remaining, b.request = len(b.params), None
-        self.final.update(id(p) for p in (self.params if params is None else params))
+        self.final.update(map(id, self.params if params is None else params))
 
     def _refuse_writes(self, what, bucket=None):
         """Raise BucketWrittenError when a bucket being reduced was written (one flag per bucket,

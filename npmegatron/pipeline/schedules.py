@@ -280,7 +280,21 @@ def final_contributions(model, actions):
     makes}: each virtual stage's last backward, for the parameters of no stage that runs
     backward later (the word embedding shared by a rank's first and last stage). Under 1F1B it
     is the last backward, for all; under the interleaved schedule a stage that finishes early
-    lets data parallelism reduce its gradients while the rank's other stages still compute."""
+    lets data parallelism reduce its gradients while the rank's other stages still compute.
+    Remembered per model and schedule: a step would otherwise walk every module again for the
+    same answer (a model's parameters are fixed once it is built)."""
+    known = _final_contributions.setdefault(model, {})
+    key = tuple(actions)
+    if key not in known:
+        known[key] = _final_contributions_of(model, actions)
+    return known[key]
+
+
+#: model -> {actions: final_contributions}, for as long as the model lives
+_final_contributions = weakref.WeakKeyDictionary()
+
+
+def _final_contributions_of(model, actions):
     last = {chunk: k for k, (kind, chunk, _) in enumerate(actions) if kind == BACKWARD}
     finishing, later = {}, set()
     for k, chunk in sorted(((k, chunk) for chunk, k in last.items()), reverse=True):
