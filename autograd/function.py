@@ -164,9 +164,13 @@ class Node:
             self.ctx.pending_grads, self.ctx.pending_owned = pending or (None, ())
             self.ctx.grad_destinations = destinations
         elif destinations:
-            # the results are rounded in place below: a gradient written into main_grad may be
-            # (that is its rounding), a sum added there may not (the sum is not rounded)
-            self.ctx.grad_destinations = tuple(None if d is None or d[1] else d for d in destinations)
+            # the results are rounded below, but a parameter's (its gradient adds up in float32,
+            # precision.py): a parameter's main_grad may be written or added to (a GEMM's beta =
+            # 1); another leaf's only written (the rounding in place is then its own, where a sum
+            # would be rounded whole)
+            self.ctx.grad_destinations = tuple(
+                None if d is None or (d[1] and not edge[0].leaf.is_parameter) else d
+                for d, edge in zip(destinations, self.edges))
         if _profile._table is not None:
             result = _profile.timed(self.name, 1, lambda: self.function.backward(self.ctx, *grads))
         else:
@@ -175,10 +179,14 @@ class Node:
         self.ctx = None     # drop saved arrays as soon as they are used
         result = result if isinstance(result, tuple) else (result,)
         if self.storage is not None:    # gradients of 16-bit activations are 16-bit (precision.py)
-            # a 16-bit copy for the gradients that flow on to other Functions (not a leaf's,
-            # not one written into main_grad)
-            result = tuple([_round(g, self.storage, edge is not None and not isinstance(edge[0], AccumulateGrad))
-                            for g, edge in zip(result, self.edges)])
+            rounded = []
+            for g, edge in zip(result, self.edges):
+                leaf = edge[0].leaf if edge is not None and isinstance(edge[0], AccumulateGrad) else None
+                if leaf is not None and leaf.is_parameter:
+                    rounded.append(g)       # a parameter's gradient: float32 as computed (module doc)
+                else:   # with a 16-bit copy for those that flow on to other Functions (not a leaf's)
+                    rounded.append(_round(g, self.storage, leaf is None and edge is not None))
+            result = tuple(rounded)
         return result
 
 

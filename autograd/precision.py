@@ -5,9 +5,12 @@ the tape node it records rounds the gradients its backward returns: activations,
 activation gradients then hold exactly the numbers a 16-bit run would store, overflow to inf
 included, while every op computes in float32 from them, as tensor cores accumulate matmuls in fp32
 and Megatron computes LayerNorm, softmax and the loss in fp32. A Function whose output stays in
-float32 (the loss) says so with `float32_output = True`. Parameter gradients are accumulated in
-float32 (AccumulateGrad does not round), as Megatron's main_grad buffers; the optimizer keeps
-float32 master weights (npmegatron/optim/adamw.py).
+float32 (the loss) says so with `float32_output = True`. A parameter's gradient (a leaf with
+`is_parameter`) is never rounded: each contribution adds up in float32 as its Function computed
+it, as Megatron's gradient-accumulation fusion sums the weight-gradient GEMM into the float32
+main_grad (beta = 1, engine.py's destinations); the optimizer keeps float32 master weights
+(npmegatron/optim/adamw.py). Any other leaf's gradient is an activation's (a pipeline stage's
+input, sent on to the stage before) and is rounded like one.
 
 Why rounding rather than 16-bit arrays: NumPy has no 16-bit matmul (float16 runs in a scalar loop,
 hundreds of times slower than float32 BLAS) and bfloat16 (ml_dtypes) has none at all, so every op

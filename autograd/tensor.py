@@ -45,7 +45,7 @@ class Tensor:
     """
 
     __slots__ = ("data", "requires_grad", "grad", "grad_fn", "output_index", "_accumulator", "name",
-                 "main_grad", "__weakref__")
+                 "main_grad", "is_parameter", "__weakref__")
 
     def __init__(self, data, requires_grad=False, name=None):
         if isinstance(data, Tensor):
@@ -58,6 +58,11 @@ class Tensor:
         # A leaf's place in a flat gradient buffer (Megatron's main_grad; set by the data-parallel
         # buckets on a GPU): backward may write the gradient there itself (engine.py)
         self.main_grad = None
+        # A model's trainable weight (npmegatron.module.parameter): under 16-bit storage its
+        # gradient is not rounded to the 16-bit grid but adds up in float32 as the Functions compute
+        # it, as Megatron's gradient-accumulation fusion sums weight gradients into main_grad
+        # (precision.py); any other leaf's gradient (a pipeline stage's input) is an activation's
+        self.is_parameter = False
         self.grad_fn = None
         self.output_index = 0
         self._accumulator = None

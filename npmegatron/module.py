@@ -124,4 +124,6 @@ def set_slice(param, host, storage=None):
 
 def parameter(xp, shape, dtype):
     """An uninitialised trainable tensor; Module.initialize gives it values."""
-    return Tensor(xp.empty(shape, dtype=dtype), requires_grad=True)
+    param = Tensor(xp.empty(shape, dtype=dtype), requires_grad=True)
+    param.is_parameter = True       # its gradient adds up in float32 under --fp16/--bf16
+    return param

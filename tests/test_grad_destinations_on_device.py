@@ -38,11 +38,14 @@ def backward(xp, host, leaves, extra_use):
     ag.backward(outputs, grads)
 
 
-def gradients(xp, host, flat, extra_use=None, passes=1, zeroed=False, storage=None):
+def gradients(xp, host, flat, extra_use=None, passes=1, zeroed=False, storage=None, parameters=False):
     """Every leaf's gradient after `passes` backward passes; with `flat`, each leaf's main_grad
-    is its view of one flat buffer (zeroed and preset as p.grad when `zeroed`)."""
+    is its view of one flat buffer (zeroed and preset as p.grad when `zeroed`); `parameters`:
+    the leaves are a model's parameters (module.parameter), whose gradients are never rounded."""
     names = ("w", "b", "gamma", "beta")
     leaves = [ag.Tensor(xp.asarray(host[n]), requires_grad=True) for n in names]
+    for leaf in leaves:
+        leaf.is_parameter = parameters
     buffer = xp.zeros(sum(host[n].size for n in names), numpy.float32) if flat else None
     if flat:
         offset = 0
@@ -80,10 +83,34 @@ def test_without_other_contributions_every_gradient_is_its_main_grad_and_costs_n
 
 
 def test_under_16_bit_storage_only_overwrites_are_offered(cp):
-    """Results are rounded in place: a fresh gradient in main_grad may be, a sum may not."""
+    """A leaf that is not a parameter has its gradient rounded in place: a fresh gradient in
+    main_grad may be, a sum may not."""
     host = {k: precision.round_(a.copy(), "bf16") for k, a in host_arrays().items()}    # the Linears' grid
     for passes in (1, 2):
         expected = gradients(cp, host, False, "last", passes, storage="bf16")
         got = gradients(cp, host, True, "last", passes, storage="bf16")
         for leaf, want in zip(got, expected):
             assert numpy.array_equal(cp.asnumpy(leaf.grad), cp.asnumpy(want.grad))
+
+
+
+def test_under_16_bit_storage_a_parameters_main_grad_is_added_to_unrounded(cp, monkeypatch):
+    """A parameter's gradient is not rounded (precision.py): its main_grad may be added to (a
+    GEMM's beta = 1), and holds the engine's float32 sum bitwise, off the 16-bit grid."""
+    from npmegatron.autograd import function
+    host = {k: precision.round_(a.copy(), "bf16") for k, a in host_arrays().items()}
+    offered, run = [], function.Node.run
+
+    def spying(self, grads, pending=None, destinations=None):
+        offered.extend(d[1] for d in destinations or () if d is not None)
+        return run(self, grads, pending, destinations)
+
+    monkeypatch.setattr(function.Node, "run", spying)
+    for passes in (1, 2):
+        expected = gradients(cp, host, False, "last", passes, storage="bf16", parameters=True)
+        got = gradients(cp, host, True, "last", passes, storage="bf16", parameters=True)
+        for leaf, want in zip(got, expected):
+            assert numpy.array_equal(cp.asnumpy(leaf.grad), cp.asnumpy(want.grad))
+        w = cp.asnumpy(got[0].grad)
+        assert not numpy.array_equal(w, precision.round_(w.copy(), "bf16"))     # float32 sums
+    assert True in offered          # an addition into main_grad was offered

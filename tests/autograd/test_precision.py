@@ -90,6 +90,24 @@ def test_parameter_gradients_accumulate_in_float32():
     assert w.grad[0] == 1.0 + 2.0 ** -9       # not a bfloat16 number (8 fraction bits)
 
 
+@pytest.mark.parametrize("fmt", precision.FORMATS)
+def test_a_parameters_gradient_is_not_rounded_an_input_leafs_is(fmt):
+    """Megatron's gradient-accumulation fusion: a weight's gradient adds up in float32 as the
+    weight-gradient GEMM computes it, unrounded; a leaf that is not a parameter (a pipeline
+    stage's input) gets an activation's rounded gradient."""
+    rng = np.random.default_rng(3)
+    x = ag.Tensor(reference(rng.standard_normal((16, 8)).astype(np.float32), fmt), requires_grad=True)
+    w = ag.Tensor(reference(rng.standard_normal((8, 8)).astype(np.float32), fmt), requires_grad=True)
+    w.is_parameter = True
+    g = reference(rng.standard_normal((16, 8)).astype(np.float32), fmt)
+    with precision.storage(fmt):
+        y = ag.matmul(x, w)
+    ag.backward([y], [g])
+    np.testing.assert_array_equal(w.grad, x.data.T @ g)         # float32, as computed
+    assert not on_grid(w.grad, fmt)
+    assert on_grid(x.grad, fmt)
+
+
 def test_recomputation_replays_under_the_format_of_the_forward():
     rng = np.random.default_rng(1)
     w = ag.Tensor(reference(rng.standard_normal((8, 8)).astype(np.float32), "fp16"), requires_grad=True)
