@@ -94,7 +94,8 @@ def kept_16_bit_copy(a, fmt):
     """a (float32 on fmt's grid) as a 16-bit array: the copy its rounding made or an earlier keeping
     of the same buffer, where there is one; else one cast."""
     if not a.flags.c_contiguous:
-        return _precision.to_16_bit(a, fmt)
+        view = _known_view(a, fmt)
+        return _precision.to_16_bit(a, fmt) if view is None else view
     copy = _known_copy(a, fmt)
     return _remember_copy(a, _precision.to_16_bit(a, fmt), fmt) if copy is None else copy
 
@@ -109,6 +110,21 @@ def _known_copy(a, fmt):
     key, owner = _buffer(a, fmt)
     entry = _kept_copies.get(key)
     return entry[1].reshape(a.shape) if entry is not None and entry[0]() is owner else None
+
+
+def _known_view(a, fmt):
+    """A view `a` (transposed, strided: grouped attention's keys and values inside the QKV
+    projection's output) of a C-ordered array with a remembered 16-bit copy, as the same view of
+    that copy; else None."""
+    owner = a.base
+    if owner is None or not owner.flags.c_contiguous:
+        return None
+    copy = _known_copy(owner, fmt)
+    if copy is None:
+        return None
+    start, ratio = (a.data.ptr - owner.data.ptr) // a.itemsize, a.itemsize // copy.itemsize
+    return get_array_module(a).lib.stride_tricks.as_strided(
+        copy.reshape(-1)[start:], a.shape, tuple([s // ratio for s in a.strides]))
 
 
 def _remember_copy(a, copy, fmt):
@@ -129,7 +145,7 @@ def _remember_copy(a, copy, fmt):
 def _round(a, fmt, keep_copy):
     """a rounded to fmt's grid (precision.round_); with keep_copy, on a GPU whose 16-bit arrays are
     on, the rounding kernel also makes the 16-bit copy a Linear (or a keeping) would cast next."""
-    if not keep_copy or not _precision.kept_in_16_bit() or not _keepable(a):
+    if not keep_copy or not _precision.kept_in_16_bit(fmt) or not _keepable(a):
         return _precision.round_(a, fmt)
     if a.flags.c_contiguous and _known_copy(a, fmt) is not None:
         return a        # a view of an array already rounded, its copy made: nothing to do

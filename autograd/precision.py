@@ -67,18 +67,21 @@ def storage(fmt):
 sixteen_bit_arrays_on_gpu = True
 
 
-def kept_in_16_bit():
-    """The 16-bit format saved arrays on the grid are kept in on a GPU now, or None."""
-    if _active is None:
+def kept_in_16_bit(fmt=None):
+    """The 16-bit format saved arrays on the grid are kept in on a GPU now (or, given `fmt`, would
+    be under that format: a backward pass runs outside the storage block its nodes remember), or
+    None."""
+    fmt = _active if fmt is None else fmt
+    if fmt is None:
         return None
     # asked once per Function call: the answer is remembered per format, CuPy module and version,
     # and switch
     cupy = sys.modules.get("cupy")
-    key = (_active, cupy, getattr(cupy, "__version__", None), sixteen_bit_arrays_on_gpu)
+    key = (fmt, cupy, getattr(cupy, "__version__", None), sixteen_bit_arrays_on_gpu)
     held = _held_in_16_bit.get(key)
     if held is None:
-        held = _held_in_16_bit[key] = holds_16_bit_arrays(cupy, _active)
-    return _active if held else None
+        held = _held_in_16_bit[key] = holds_16_bit_arrays(cupy, fmt)
+    return fmt if held else None
 
 
 _held_in_16_bit = {}

@@ -40,7 +40,7 @@ from ._core import HostArrayError, ndarray  # noqa: F401
 from ._functions import (array, asanyarray, asarray, asnumpy, get_array_module,  # noqa: F401
                          lookup as _lookup, ufunc)
 from ._fusion import fuse  # noqa: F401
-from . import cuda, random  # noqa: F401
+from . import cuda, lib, random  # noqa: F401
 from ._raw import RawKernel  # noqa: F401
 
 __version__ = "14.0.0"

@@ -1,0 +1,2 @@
+"""cupy.lib: stride_tricks."""
+from . import stride_tricks  # noqa: F401
