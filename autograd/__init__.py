@@ -17,7 +17,8 @@ from .ops import (
     sum, mean, max,
     exp, log, tanh, gelu, bias_gelu,
     softmax, layer_norm, dropout, dropout_add, bias_dropout_add, embedding, cross_entropy, causal_attention,
-    causal_attention_packed, repeat_heads, rms_norm, rotary, rotary_angles, swiglu,
+    causal_attention_packed, grouped_causal_attention, repeat_heads, rms_norm, rotary, rotary_angles,
+    swiglu,
 )
 from .gradcheck import gradcheck, numerical_grad
 
@@ -28,6 +29,6 @@ __all__ = [
     "reshape", "transpose", "split", "concatenate", "getitem",
     "sum", "mean", "max", "exp", "log", "tanh", "gelu", "bias_gelu",
     "softmax", "layer_norm", "dropout", "dropout_add", "bias_dropout_add", "embedding", "cross_entropy",
-    "causal_attention", "causal_attention_packed", "repeat_heads", "rms_norm", "rotary", "rotary_angles",
-    "swiglu", "gradcheck", "numerical_grad",
+    "causal_attention", "causal_attention_packed", "grouped_causal_attention", "repeat_heads", "rms_norm",
+    "rotary", "rotary_angles", "swiglu", "gradcheck", "numerical_grad",
 ]

@@ -118,8 +118,7 @@ class ParallelAttention(Module):
             q, k, v = self._heads(qkv, slice(start, start + t))
             if cache is not None:       # generation: attend to every earlier position, computed once
                 k, v = cache.extend(k.data, v.data)        # each key/value group kept once
-            k, v = ag.repeat_heads(k, per_group), ag.repeat_heads(v, per_group)
-            y = ag.causal_attention(q, k, v, scale, p, site, self.training)
+            y = ag.grouped_causal_attention(q, k, v, scale, p, site, self.training)
         y = y.transpose(0, 2, 1, 3).reshape(b, t, heads * d)
         return self.proj(y)                        # (output, bias): the block adds the bias
 

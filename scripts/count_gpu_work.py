@@ -44,7 +44,8 @@ from npmegatron.run import assemble  # noqa: E402
 from npmegatron.training.step import clip_after_step, setup_objects_frozen, train_step  # noqa: E402
 
 STRICT = cupy._strict
-ATTENTION_CORE = ("CausalAttention.", "PackedCausalAttention.", "FusedCausalAttention.")
+ATTENTION_CORE = ("CausalAttention.", "PackedCausalAttention.", "FusedCausalAttention.",
+                  "FusedGroupedCausalAttention.")
 STEPS = 2
 GPT2_LAYERS = 12
 

@@ -67,6 +67,39 @@ def test_cudnn_attention_is_as_accurate_as_the_blockwise_path(monkeypatch, fmt):
     assert errors["fused grad"] <= max(2 * errors["blockwise grad"], 2 * rounding), errors
 
 
+def grouped_attention(mode, arrays, fmt, monkeypatch):
+    """(Function name, output, q's, k's and v's gradients) of grouped_causal_attention as float64
+    host arrays; fmt None: float64 on NumPy."""
+    monkeypatch.setattr(fused_attention, "FUSED_ATTENTION", mode)
+    xp, dtype = (numpy, numpy.float64) if fmt is None else (cupy, numpy.float32)
+    host = cupy.asnumpy if xp is cupy else numpy.asarray
+    with precision.storage(fmt) if fmt else contextlib.nullcontext():
+        q, k, v = (ag.Tensor(xp.asarray(a.astype(dtype)), requires_grad=True) for a in arrays[:3])
+        out = ag.grouped_causal_attention(q, k, v, SCALE, 0.0, None)
+        out.backward(xp.asarray(arrays[3].astype(dtype)))
+    return (out.grad_fn.name,) + tuple(host(a).astype(numpy.float64) for a in (out.data, q.grad, k.grad, v.grad))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+def test_cudnn_grouped_query_attention_is_as_accurate_as_repeating_the_heads(monkeypatch, fmt):
+    """Four query heads on two key/value heads, as they are (no RepeatHeads): cuDNN's output and
+    the three gradients within 2x the blockwise 16-bit run's error of the float64 reference."""
+    b, t, h, d = SHAPE
+    rng = numpy.random.default_rng(4)
+    dtype = precision.sixteen_bit_dtype(fmt)
+    arrays = [rng.standard_normal(shape).astype(dtype).astype(numpy.float64)
+              for shape in ((b, h, t, d), (b, h // 2, t, d), (b, h // 2, t, d), (b, h, t, d))]
+    _, *reference = grouped_attention("never", arrays, None, monkeypatch)
+    name, *fused = grouped_attention("auto", arrays, fmt, monkeypatch)
+    blockwise_name, *blockwise = grouped_attention("never", arrays, fmt, monkeypatch)
+    assert name == "FusedGroupedCausalAttention" and blockwise_name == "CausalAttention"
+    rounding = 2.0 ** -8 if fmt == "bf16" else 2.0 ** -11
+    for label, got, other, want in zip(("out", "dq", "dk", "dv"), fused, blockwise, reference):
+        errors = (relative_error(got, want), relative_error(other, want))
+        print(fmt, label, f"fused {errors[0]:.2e} blockwise {errors[1]:.2e}")
+        assert errors[0] <= max(2 * errors[1], 2 * rounding), (label, errors)
+
+
 def test_cudnn_attention_is_causal(monkeypatch):
     qkv, g = inputs(1)
     later = qkv.copy()

@@ -142,6 +142,96 @@ def _nodes(loss):
     return nodes
 
 
+# --- grouped-query attention (the Llama family): k and v with fewer heads --------------------
+
+def grouped(cp, mode, q_host, k_host, v_host, g_host, monkeypatch, dtype=None):
+    """(output, the gradients of q, k and v) of grouped_causal_attention."""
+    monkeypatch.setattr(fused_attention, "FUSED_ATTENTION", mode)
+    q, k, v = (ag.Tensor(cp.asarray(a.astype(dtype or a.dtype)), requires_grad=True) for a in (q_host, k_host, v_host))
+    out = ag.grouped_causal_attention(q, k, v, 0.3, 0.0, None)
+    cp._strict.reset()
+    out.backward(cp.asarray(g_host.astype(dtype or g_host.dtype)))
+    return out, q.grad, k.grad, v.grad
+
+
+def grouped_inputs(b=2, heads=4, groups=2, t=24, d=8, seed=5):
+    rng = numpy.random.default_rng(seed)
+    return (rng.standard_normal((b, heads, t, d)), rng.standard_normal((b, groups, t, d)),
+            rng.standard_normal((b, groups, t, d)), rng.standard_normal((b, heads, t, d)))
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_grouped_fused_attention_equals_repeating_the_heads_in_float64(cp, monkeypatch, groups):
+    """cuDNN takes the key/value groups as they are; the blockwise path repeats each group's heads
+    (RepeatHeads) and sums their gradients back: the same numbers in float64, one call each way."""
+    q, k, v, g = grouped_inputs(groups=groups)
+    fused = grouped(cp, "always", q, k, v, g, monkeypatch)
+    launches = cp._strict.launches()
+    blockwise = grouped(cp, "never", q, k, v, g, monkeypatch)
+    assert fused[0].grad_fn.name == "FusedGroupedCausalAttention"
+    assert blockwise[0].grad_fn.name == "CausalAttention"
+    assert [(launch.kind, launch.name) for launch in launches
+            if launch.op.startswith("FusedGroupedCausalAttention.")] == [("cudnn", "sdpa_backward")]
+    for got, want in zip((fused[0].data,) + fused[1:], (blockwise[0].data,) + blockwise[1:]):
+        numpy.testing.assert_allclose(cp.asnumpy(got), cp.asnumpy(want), rtol=1e-11, atol=1e-12)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+def test_grouped_fused_attention_under_16_bit_arrays(cp, monkeypatch, fmt):
+    """Under 16-bit arrays cuDNN reads 16-bit copies and writes a 16-bit output; the three
+    gradients come back float32, widened from one 16-bit buffer by one kernel, each within one
+    rounding of the float64 blockwise result of the same on-grid numbers."""
+    dtype = precision.sixteen_bit_dtype(fmt)
+    q, k, v, g = (a.astype(dtype).astype(numpy.float64) for a in grouped_inputs(t=32, d=16, seed=8))
+    reference = grouped(cp, "never", q, k, v, g, monkeypatch)
+    with precision.storage(fmt):
+        fused = grouped(cp, "auto", q, k, v, g, monkeypatch, dtype=numpy.float32)
+    assert fused[0].grad_fn.name == "FusedGroupedCausalAttention" and fused[0].data.dtype == dtype
+    assert all(grad.dtype == numpy.float32 for grad in fused[1:])
+    for got, want in zip((fused[0].data,) + fused[1:], (reference[0].data,) + reference[1:]):
+        want = cp.asnumpy(want)
+        numpy.testing.assert_allclose(cp.asnumpy(got).astype(numpy.float64), want,
+                                      rtol=ulps(fmt), atol=ulps(fmt) * numpy.abs(want).max())
+
+
+def test_grouped_attention_with_more_queries_than_keys_is_refused_and_decoding_takes_the_blockwise_path(cp, monkeypatch):
+    monkeypatch.setattr(fused_attention, "FUSED_ATTENTION", "always")
+    q, k, v, _ = grouped_inputs()
+    with pytest.raises(ag.InputError, match="groups dividing heads"):
+        ag.grouped_causal_attention(ag.Tensor(cp.asarray(q)), ag.Tensor(cp.asarray(k[:, :1].repeat(3, 1))),
+                                    ag.Tensor(cp.asarray(v[:, :1].repeat(3, 1))), 0.3, 0.0, None)
+    # one new query against every earlier key (generation with a cache): cuDNN's top-left causal
+    # mask would be wrong there, so the blockwise path runs
+    out = ag.grouped_causal_attention(ag.Tensor(cp.asarray(q[:, :, -1:])), ag.Tensor(cp.asarray(k)),
+                                      ag.Tensor(cp.asarray(v)), 0.3, 0.0, None)
+    assert out.data.shape == (2, 4, 1, 8)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+def test_a_16_bit_llama_step_with_grouped_fused_attention_matches_the_blockwise_one(cp, monkeypatch, fmt):
+    """A 2-layer Llama-family model with 2 key/value groups for 4 heads on the stand-in: no
+    RepeatHeads on the fused path, and the loss and gradients are the blockwise path's to within
+    16-bit rounding."""
+    results = {}
+    for mode in ("auto", "never"):
+        monkeypatch.setattr(fused_attention, "FUSED_ATTENTION", mode)
+        cfg = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=96, model_family="llama",
+                        group_query_attention=True, num_query_groups=2, max_position_embeddings=32,
+                        hidden_dropout=0.0, attention_dropout=0.0, device="gpu", **{fmt: True})
+        run = assemble(TrainConfig(model=cfg, seq_length=32, micro_batch_size=2, lr=1e-4, min_lr=0.0), world_size=1)
+        ids = numpy.random.default_rng(7).integers(0, cfg.vocab_size, (2, 33))
+        _, loss = run.model.chunks[0](ids[:, :-1], ids[:, 1:])
+        names = {node.name for node in _nodes(loss)}
+        ag.backward(loss)
+        results[mode] = (float(cp.asnumpy(loss.data)), [cp.asnumpy(p.grad) for p in run.params], names)
+    assert "FusedGroupedCausalAttention" in results["auto"][2] and "RepeatHeads" not in results["auto"][2]
+    assert "RepeatHeads" in results["never"][2]
+    assert results["auto"][0] == pytest.approx(results["never"][0], rel=1e-3)
+    for fused, blockwise in zip(results["auto"][1], results["never"][1]):
+        scale = numpy.abs(blockwise).max() + 1e-30
+        assert numpy.abs(fused - blockwise).max() <= 0.05 * scale
+
+
 # --- the stand-in refuses what cuDNN would ---------------------------------------------------
 
 def _forward_graph(cudnn, cp, q):

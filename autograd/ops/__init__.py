@@ -5,7 +5,7 @@ from .reduce import sum, mean, max
 from .elementwise import exp, log, tanh, gelu, bias_gelu
 from .dropouts import dropout, dropout_add, bias_dropout_add
 from .nn import softmax, layer_norm, embedding, cross_entropy
-from .attention import causal_attention, causal_attention_packed
+from .attention import causal_attention, causal_attention_packed, grouped_causal_attention
 from .rms_norm import rms_norm
 from .rotary import rotary, rotary_angles
 from .swiglu import swiglu

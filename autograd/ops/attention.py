@@ -21,8 +21,9 @@ from ..tensor import Tensor
 from ..threads import cpu_threads
 from .dropouts import keep_mask
 from . import fused_attention
-from .fused_attention import FusedCausalAttention, attention_path
+from .fused_attention import FusedCausalAttention, FusedGroupedCausalAttention, attention_path
 from .nn import _causal_bias, exp_shifted_, softmax_backward
+from .shape import repeat_heads
 
 #: Query rows per block, measured forward + backward in float32 on 2 CPU cores (b=8, heads=8,
 #: t=256, d=64; and t=1024 at b=1): at t=256, 64 and 128 rows tie with each other and with the
@@ -391,6 +392,28 @@ def causal_attention(q, k, v, scale, dropout_p, dropout_site, training=True, blo
     p = dropout_p if training else 0.0
     return CausalAttention.apply(q, k, v, scale=scale, p=p, generator=dropout_site if p > 0 else None,
                                  block_size=block_size)
+
+
+def grouped_causal_attention(q, k, v, scale, dropout_p, dropout_site, training=True):
+    """causal_attention where k and v (b, groups, t_k, d) may have fewer heads than q (b, heads,
+    t_q, d): grouped-query attention, each key/value head serving heads // groups query heads. On
+    a GPU, cuDNN's fused attention takes the groups as they are where fused_attention.attention_path
+    chooses it and the queries are the keys' positions (training, a prompt's first pass); else
+    each key/value head is repeated for its queries (RepeatHeads) and causal_attention runs."""
+    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape or k.shape[1] < 1 or q.shape[1] % k.shape[1]:
+        raise InputError(f"grouped attention needs q (b, heads, t, d) and k, v (b, groups, t, d) with "
+                         f"groups dividing heads, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    p = dropout_p if training else 0.0
+    xp = get_array_module(q.data if isinstance(q, Tensor) else q)
+    if (q.shape[2] == k.shape[2] and attention_path(xp, p, q.shape[3], precision.kept_in_16_bit())[0] == "fused"
+            and fused_attention._grouped_key(q, k) not in fused_attention.unsupported):
+        try:
+            return FusedGroupedCausalAttention.apply(q, k, v, scale=scale)
+        except fused_attention.Unsupported:
+            pass                # cuDNN has no engine for this layout here: the blockwise path
+    per_group = q.shape[1] // k.shape[1]
+    k, v = repeat_heads(k, per_group), repeat_heads(v, per_group)
+    return causal_attention(q, k, v, scale, dropout_p, dropout_site, training)
 
 
 def causal_attention_packed(qkv, scale, dropout_p, dropout_site, training=True, block_size=None):

@@ -200,7 +200,65 @@ class FusedCausalAttention(Function):
 def _sixteen_bit(g, fmt):
     """The output's gradient (b, heads, t, d) in 16 bits: the copy the projection's backward
     rounding made of its buffer (laid out (b, t, heads, d)), else one cast."""
-    laid_out = g.transpose(0, 2, 1, 3)
-    if laid_out.flags.c_contiguous:
-        return kept_16_bit_copy(laid_out, fmt).transpose(0, 2, 1, 3)
-    return precision.to_16_bit(g, fmt)
+    return kept_16_bit_copy(g, fmt)
+
+
+class FusedGroupedCausalAttention(Function):
+    """Causal attention of separate q (b, heads, t, d) and k, v (b, groups, t, d) in one cuDNN
+    call each way: each key/value head serves heads // groups query heads as it is (grouped-query
+    attention; cuDNN takes fewer key/value heads than query heads, so nothing is repeated) -> (b,
+    heads, t, d) laid out (b, t, heads, d). The Llama family's path, q and k rotated. Under 16-bit
+    arrays cuDNN reads the 16-bit copies the roundings of q, k and the QKV projection's output
+    made (views of them), writes the three gradients into one 16-bit buffer, and one kernel widens
+    it to float32 for the rotations' and the split's backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        xp = get_array_module(q)
+        fmt = precision.kept_in_16_bit()
+        widen = bool(fmt) and q.dtype == numpy.float32      # float32 in: float32 gradients out
+        if widen:
+            q, k, v = (kept_16_bit_copy(a, fmt) for a in (q, k, v))
+        b, heads, t, d = q.shape
+        out = xp.empty((b, t, heads, d), q.dtype)
+        stats = xp.empty((b, heads, t, 1), _stats_dtype(q.dtype))
+        laid_out = out.transpose(0, 2, 1, 3)
+        try:    # backward's graph too, before anything runs (FusedCausalAttention.forward)
+            _graph(True, (q, k, v, laid_out, laid_out, stats) + _grouped_grads(xp, q, k)[1], scale)
+            run_graph(False, (q, k, v, laid_out, stats), scale)
+        except Unsupported:
+            unsupported.add(_grouped_key(q, k))
+            raise
+        ctx.scale, ctx.widen = scale, widen
+        ctx.save_for_backward(q, k, v, out, stats)
+        return laid_out
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v, out, stats = ctx.kept       # as kept: cuDNN reads the 16-bit arrays themselves
+        xp = get_array_module(g)
+        d_out = g if g.dtype == q.dtype else kept_16_bit_copy(g, precision.format_of(q.dtype))
+        buffer, grads = _grouped_grads(xp, q, k)
+        run_graph(True, (q, k, v, out.transpose(0, 2, 1, 3), d_out, stats) + grads, ctx.scale)
+        if ctx.widen:       # one kernel for the three gradients
+            grads = _grouped_views(precision.to_float32(buffer), q.shape[1], k.shape[1])
+        return grads
+
+
+def _grouped_grads(xp, q, k):
+    """(one buffer (b, t, heads + 2 groups, d) of q's dtype, the views dq, dk, dv of it laid out as
+    q, k and v)."""
+    b, heads, t, d = q.shape
+    groups = k.shape[1]
+    buffer = xp.empty((b, t, heads + 2 * groups, d), q.dtype)
+    return buffer, _grouped_views(buffer, heads, groups)
+
+
+def _grouped_views(buffer, heads, groups):
+    return tuple(buffer[:, :, start:stop].transpose(0, 2, 1, 3)
+                 for start, stop in ((0, heads), (heads, heads + groups), (heads + groups, heads + 2 * groups)))
+
+
+def _grouped_key(q, k):
+    """What `unsupported` remembers of a grouped attention cuDNN refused: the shapes and dtype."""
+    return (q.shape, k.shape, q.dtype.name)

@@ -4,7 +4,8 @@ scaled-dot-product attention graphs, over the strict CuPy stand-in's device memo
 It takes the calls the real package takes, by the same names and keywords: `pygraph(io_data_type,
 intermediate_data_type, compute_data_type, handle)`, `graph.tensor(name, dim, stride, data_type)`,
 `graph.sdpa(q, k, v, attn_scale, generate_stats, diagonal_alignment, diagonal_band_right_bound,
-...)` -> [o, stats], `graph.sdpa_backward(q, k, v, o, dO, stats, ...)` -> [dQ, dK, dV],
+...)` -> [o, stats] (k and v may have fewer heads than q: grouped-query attention),
+`graph.sdpa_backward(q, k, v, o, dO, stats, ...)` -> [dQ, dK, dV],
 `tensor.set_output(True).set_dim(...).set_stride(...).set_data_type(...)`, the build steps in
 their order (validate, build_operation_graph, create_execution_plans, check_support, build_plans),
 `get_workspace_size()` and `execute(variant_pack, workspace, handle)`, with `create_handle()` and
@@ -208,7 +209,9 @@ class pygraph:
             if t.dim is None or t.stride is None or len(t.dim) != 4 or len(t.stride) != 4:
                 raise ValueError(f"{t!r}: SDPA tensors are 4-D (b, h, s, d) with dims and strides set")
         b, h, s_q, d = q.dim
-        if k.dim != v.dim or k.dim[:2] != [b, h] or k.dim[3] != d or (kind == "forward" and q.dim[2] != k.dim[2]):
+        # grouped-query attention: k and v may have fewer heads, each serving h // h_k query heads
+        if (k.dim != v.dim or k.dim[0] != b or h % k.dim[1] or k.dim[3] != d
+                or (kind == "forward" and q.dim[2] != k.dim[2])):
             raise ValueError(f"q {q.dim}, k {k.dim}, v {v.dim} do not make one self-attention")
         if d % 8:
             raise cudnnGraphNotSupportedError(f"head dimension {d} is not a multiple of 8")
@@ -316,8 +319,22 @@ def _masked_scores(q, k, scale, causal):
     return s
 
 
+def _grouped(q, k, v):
+    """k and v with each key/value head repeated for the query heads it serves (grouped-query
+    attention; h_k = h: as they are)."""
+    per_group = q.shape[1] // k.shape[1]
+    return numpy.repeat(k, per_group, axis=1), numpy.repeat(v, per_group, axis=1)
+
+
+def _summed_over_groups(grad, heads):
+    """The gradient of repeated key/value heads summed back onto each group's head."""
+    b, h, s, d = grad.shape
+    return grad.reshape(b, heads, h // heads, s, d).sum(axis=2)
+
+
 def _forward(values, scale, causal):
     q, k, v = values
+    k, v = _grouped(q, k, v)
     s = _masked_scores(q, k, scale, causal)
     top = s.max(axis=-1, keepdims=True)
     e = numpy.exp(s - top)
@@ -327,7 +344,10 @@ def _forward(values, scale, causal):
 
 def _backward(values, scale, causal):
     q, k, v, o, d_o, stats = values
+    groups = k.shape[1]
+    k, v = _grouped(q, k, v)
     p = numpy.exp(_masked_scores(q, k, scale, causal) - stats)
     d_p = d_o @ v.swapaxes(-1, -2)
     d_s = p * (d_p - (d_o * o).sum(axis=-1, keepdims=True))
-    return scale * d_s @ k, scale * d_s.swapaxes(-1, -2) @ q, p.swapaxes(-1, -2) @ d_o
+    return (scale * d_s @ k, _summed_over_groups(scale * d_s.swapaxes(-1, -2) @ q, groups),
+            _summed_over_groups(p.swapaxes(-1, -2) @ d_o, groups))
