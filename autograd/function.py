@@ -127,6 +127,12 @@ def _known_view(a, fmt):
         copy.reshape(-1)[start:], a.shape, tuple([s // ratio for s in a.strides]))
 
 
+def remember_16_bit_copy(a, copy):
+    """Remember `copy` (16-bit) as the copy of C-ordered float32 `a`, which holds the same numbers
+    (a's widening): a's roundings and keepings then find it instead of rounding or casting again."""
+    _remember_copy(a, copy, _precision.format_of(copy.dtype))
+
+
 def _remember_copy(a, copy, fmt):
     """Keep `copy` (a's 16-bit copy) for kept_16_bit_copy while a's buffer lives."""
     key, owner = _buffer(a, fmt)
@@ -149,6 +155,9 @@ def _round(a, fmt, keep_copy):
         return _precision.round_(a, fmt)
     if a.flags.c_contiguous and _known_copy(a, fmt) is not None:
         return a        # a view of an array already rounded, its copy made: nothing to do
+    owner = a.base
+    if owner is not None and owner.flags.c_contiguous and _known_copy(owner, fmt) is not None:
+        return a        # a transposed or strided view into one (a split, a reshape's transpose)
     copy = _precision.round_keeping_copy(a, fmt)
     if copy is not None:
         _remember_copy(a, copy, fmt)

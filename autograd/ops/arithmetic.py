@@ -263,11 +263,12 @@ class Linear(Function):
 
     @staticmethod
     def _sixteen_bit_grad(ctx, g, w):
-        """The output's gradient in w's 16-bit format (on its grid: one cast for both GEMMs)."""
+        """The output's gradient in w's 16-bit format (on its grid): the copy its rounding made
+        (function.py), else one cast, for both GEMMs."""
         if precision.format_of(g.dtype):
             return g
         if getattr(ctx, "grad_16_bit", None) is None:
-            ctx.grad_16_bit = precision.to_16_bit(g, precision.format_of(w.dtype))
+            ctx.grad_16_bit = kept_16_bit_copy(g, precision.format_of(w.dtype))
         return ctx.grad_16_bit
 
     @staticmethod

@@ -14,7 +14,7 @@ import numpy
 
 from .. import precision
 from ..backend import get_array_module
-from ..function import Function, kept_16_bit_copy
+from ..function import Function, kept_16_bit_copy, remember_16_bit_copy
 
 #: "auto": the fused path where attention_path() chooses it; "always": wherever the library
 #: imports, any dtype (the tests' stand-in computes float64 too); "never": the blockwise path.
@@ -240,8 +240,10 @@ class FusedGroupedCausalAttention(Function):
         d_out = g if g.dtype == q.dtype else kept_16_bit_copy(g, precision.format_of(q.dtype))
         buffer, grads = _grouped_grads(xp, q, k)
         run_graph(True, (q, k, v, out.transpose(0, 2, 1, 3), d_out, stats) + grads, ctx.scale)
-        if ctx.widen:       # one kernel for the three gradients
-            grads = _grouped_views(precision.to_float32(buffer), q.shape[1], k.shape[1])
+        if ctx.widen:       # one kernel for the three gradients, whose 16-bit copy is the buffer
+            wide = precision.to_float32(buffer)
+            remember_16_bit_copy(wide, buffer)
+            grads = _grouped_views(wide, q.shape[1], k.shape[1])
         return grads
 
 
