@@ -328,11 +328,13 @@ def test_16_bit_rounding_is_one_kernel_per_array_on_the_gpu():
         assert result["kept_for_backward_two_layers"] <= KEPT_FRACTION * plain["kept_for_backward_two_layers"]
 
 
-#: --bf16's launches per layer outside attention's core at GPT-2 124M's shapes (measured: 73 with
-#: the fused attention, 78 with the blockwise): the float32 ones, one rounding kernel per Function
-#: output and per gradient it returns (which also makes the 16-bit copy a Linear multiplies or a
-#: keeping keeps), and the widening of each kept array in backward.
-BF16_LAYER_BUDGET = 78
+#: --bf16's launches per layer outside attention's core at GPT-2 124M's shapes (measured: 54 with
+#: the fused attention): the float32 ones, one rounding kernel per Function output and per
+#: activation gradient it returns (which also makes the 16-bit copy a Linear multiplies or a
+#: keeping keeps), and the widening of each kept array in backward; parameters' gradients are not
+#: rounded, views into rounded arrays are not rounded again. The issue's target, at most 30, needs
+#: 16-bit arrays between Functions: not met.
+BF16_LAYER_BUDGET = 56
 #: Bytes kept for backward under --bf16/--fp16 against the float32 run, at most (the issue's 55 %;
 #: measured at GPT-2 124M's shapes: 50.1 % per layer, 50.0 % for the 2-layer model).
 KEPT_FRACTION = 0.55
@@ -361,14 +363,14 @@ def min_layer_bytes(b, s, h, e):
 
 MIN_LAYER_BYTES_BF16, MIN_LAYER_BYTES_FLOAT32 = min_layer_bytes(1, 1024, 768, 2), min_layer_bytes(1, 1024, 768, 4)
 #: Bytes per layer outside the GEMMs and attention's core at GPT-2 124M's shapes, measured on
-#: 2026-11-28 (574,333,440 under --bf16, 185,720,832 in float32) and rounded up by about 2 %.
-LAYER_BYTES_BF16, LAYER_BYTES_FLOAT32 = 586_000_000, 189_500_000
+#: 2026-11-28 (487,746,048 under --bf16, 185,720,832 in float32) and rounded up by about 2 %.
+LAYER_BYTES_BF16, LAYER_BYTES_FLOAT32 = 497_500_000, 189_500_000
 
 
 @pytest.mark.slow
 def test_gpt2_layer_bytes_outside_gemms_and_attention_do_not_grow():
     """A regression guard on the bytes one layer's kernels outside its GEMMs and attention's core
-    read and write per step. Measured 2026-11-28: 20.3 x the minimum under --bf16 (574,333,440
+    read and write per step. Measured 2026-11-28: 17.2 x the minimum under --bf16 (487,746,048
     against 28,344,320: float32 arrays kept on the 16-bit grid, rounded in place by kernels of
     their own) and 3.28 x in float32 (185,720,832 against 56,655,872). The issue's target is at most
     1.5 x the minimum; this test only keeps today's figures from growing."""
@@ -379,8 +381,9 @@ def test_gpt2_layer_bytes_outside_gemms_and_attention_do_not_grow():
 
 
 #: Launches of attention's core per layer, forward and backward, where cuDNN's fused attention
-#: runs (--bf16/--fp16, attention dropout 0): the issue's budget (measured: 3, the forward call, the
-#: output gradient's 16-bit cast and the backward call; the blockwise path: 39).
+#: runs (--bf16/--fp16, attention dropout 0): the issue's budget (measured: 2, the forward and
+#: the backward call, the output gradient's 16-bit copy being its rounding's; the blockwise path:
+#: 39; the Llama family's grouped attention: 3, its gradients' widening too).
 FUSED_ATTENTION_BUDGET = 3
 
 
@@ -427,3 +430,30 @@ def test_llama_layer_budget_one_kernel_per_chain_and_every_gemm_through_cublas()
     assert (by_op["RMSNorm.forward"], by_op["RMSNorm.backward"]) == (4, 6)
     step = result["step_two_layers"]
     assert step["hidden_copies"] == 0 and step["gemms_through_cupy_matmul"] == 0
+
+
+#: --bf16 Llama-family launches per layer outside attention's core at hidden 64, 4 heads in 2
+#: key/value groups, seq 256 (measured: 63; was 108 with RepeatHeads and every rounding its own
+#: kernel). The issue's target, at most 35, needs 16-bit arrays between Functions: not met.
+LLAMA_BF16_LAYER_BUDGET = 66
+
+
+def test_llama_bf16_grouped_attention_is_cudnns_without_repeated_heads():
+    """--bf16 Llama: cuDNN's fused attention takes the key/value groups as they are: attention's
+    core is at most three launches a layer (forward, backward, the gradients' widening), and no
+    RepeatHeads runs."""
+    result = count("--bf16", "--model-family", "llama", "--num-query-groups", "2")
+    core, by_op = result["layer_attention_core"], result["layer"]["by_op"]
+    assert core["launches"] <= FUSED_ATTENTION_BUDGET and core["by_kind"].get("cudnn") == 2, core
+    assert not [op for op in by_op if op.startswith("RepeatHeads.")], by_op
+    assert result["layer_without_attention_core"]["launches"] <= LLAMA_BF16_LAYER_BUDGET
+
+
+#: Python calls inside the project's own files per eager training step at GPT-2 124M's 12 layers
+#: under --bf16 (scripts/count_gpu_work.py): the issue's budget.
+PYTHON_CALLS_BUDGET = 15_000
+
+
+@pytest.mark.slow
+def test_gpt2_bf16_step_makes_at_most_15000_project_python_calls():
+    assert 0 < count_gpt2("--bf16")["python_calls_per_step_12_layers"] <= PYTHON_CALLS_BUDGET
