@@ -207,12 +207,24 @@ class Node:
             rounded = []
             for g, edge in zip(result, self.edges):
                 leaf = edge[0].leaf if edge is not None and isinstance(edge[0], AccumulateGrad) else None
-                if leaf is not None and leaf.is_parameter:
+                if (leaf is not None and leaf.is_parameter) or _reaches_parameter(edge):
                     rounded.append(g)       # a parameter's gradient: float32 as computed (module doc)
                 else:   # with a 16-bit copy for those that flow on to other Functions (not a leaf's)
                     rounded.append(_round(g, self.storage, leaf is None and edge is not None))
             result = tuple(rounded)
         return result
+
+
+def _reaches_parameter(edge):
+    """Whether a gradient sent along `edge` reaches a parameter through views only (the tied
+    output layer's weight is the embedding's transpose, a Transpose node): it is a parameter's
+    gradient then, and not rounded either."""
+    while edge is not None and not isinstance(edge[0], AccumulateGrad):
+        node = edge[0]
+        if not getattr(getattr(node, "function", None), "passes_gradient_views", False) or len(node.edges) != 1:
+            return False
+        edge = node.edges[0]
+    return edge is not None and edge[0].leaf.is_parameter
 
 
 class Function:

@@ -199,7 +199,11 @@ class FusedCausalAttention(Function):
 
 def _sixteen_bit(g, fmt):
     """The output's gradient (b, heads, t, d) in 16 bits: the copy the projection's backward
-    rounding made of its buffer (laid out (b, t, heads, d)), else one cast."""
+    rounding made of its buffer (laid out (b, t, heads, d)), else one cast laid out the same way,
+    as the backward graph built in forward expects."""
+    laid_out = g.transpose(0, 2, 1, 3)
+    if laid_out.flags.c_contiguous:
+        return kept_16_bit_copy(laid_out, fmt).transpose(0, 2, 1, 3)
     return kept_16_bit_copy(g, fmt)
 
 
@@ -237,7 +241,7 @@ class FusedGroupedCausalAttention(Function):
     def backward(ctx, g):
         q, k, v, out, stats = ctx.kept       # as kept: cuDNN reads the 16-bit arrays themselves
         xp = get_array_module(g)
-        d_out = g if g.dtype == q.dtype else kept_16_bit_copy(g, precision.format_of(q.dtype))
+        d_out = g if g.dtype == q.dtype else _sixteen_bit(g, precision.format_of(q.dtype))
         buffer, grads = _grouped_grads(xp, q, k)
         run_graph(True, (q, k, v, out.transpose(0, 2, 1, 3), d_out, stats) + grads, ctx.scale)
         if ctx.widen:       # one kernel for the three gradients, whose 16-bit copy is the buffer

@@ -108,6 +108,22 @@ def test_a_parameters_gradient_is_not_rounded_an_input_leafs_is(fmt):
     assert on_grid(x.grad, fmt)
 
 
+@pytest.mark.parametrize("fmt", precision.FORMATS)
+def test_a_parameter_used_through_its_transpose_gets_an_unrounded_gradient(fmt):
+    """The tied output layer multiplies by the embedding's transpose (a Transpose node between
+    the Linear and the parameter): that gradient is a parameter's too, not rounded."""
+    rng = np.random.default_rng(4)
+    x = ag.Tensor(reference(rng.standard_normal((16, 8)).astype(np.float32), fmt))
+    w = ag.Tensor(reference(rng.standard_normal((12, 8)).astype(np.float32), fmt), requires_grad=True)
+    w.is_parameter = True
+    g = reference(rng.standard_normal((16, 12)).astype(np.float32), fmt)
+    with precision.storage(fmt):
+        y = ag.linear(x, w.T)
+    ag.backward([y], [g])
+    np.testing.assert_allclose(w.grad, g.T @ x.data, rtol=1e-6)
+    assert not on_grid(w.grad, fmt)
+
+
 def test_recomputation_replays_under_the_format_of_the_forward():
     rng = np.random.default_rng(1)
     w = ag.Tensor(reference(rng.standard_normal((8, 8)).astype(np.float32), "fp16"), requires_grad=True)
