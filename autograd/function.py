@@ -117,14 +117,19 @@ def _known_view(a, fmt):
     projection's output) of a C-ordered array with a remembered 16-bit copy, as the same view of
     that copy; else None."""
     owner = a.base
-    if owner is None or not owner.flags.c_contiguous:
-        return None
-    copy = _known_copy(owner, fmt)
+    copy = _owner_copy(owner, fmt)
     if copy is None:
         return None
     start, ratio = (a.data.ptr - owner.data.ptr) // a.itemsize, a.itemsize // copy.itemsize
     return get_array_module(a).lib.stride_tricks.as_strided(
         copy.reshape(-1)[start:], a.shape, tuple([s // ratio for s in a.strides]))
+
+
+def _owner_copy(owner, fmt):
+    """The remembered 16-bit copy of `owner` (a view's base), where it is C-ordered and has one."""
+    if owner is None or not owner.flags.c_contiguous:
+        return None
+    return _known_copy(owner, fmt)
 
 
 def remember_16_bit_copy(a, copy):
@@ -155,8 +160,7 @@ def _round(a, fmt, keep_copy):
         return _precision.round_(a, fmt)
     if a.flags.c_contiguous and _known_copy(a, fmt) is not None:
         return a        # a view of an array already rounded, its copy made: nothing to do
-    owner = a.base
-    if owner is not None and owner.flags.c_contiguous and _known_copy(owner, fmt) is not None:
+    if _owner_copy(a.base, fmt) is not None:
         return a        # a transposed or strided view into one (a split, a reshape's transpose)
     copy = _precision.round_keeping_copy(a, fmt)
     if copy is not None:
