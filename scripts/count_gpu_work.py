@@ -79,13 +79,22 @@ def count_step(cfg, batch, seq):
 def project_calls(profiler):
     """{"file:line name": calls} of the functions in the repository's own files (not under tests/)
     that `profiler` saw called, calls being primitive and recursive ones (pstats' nc)."""
-    tests = os.path.join(ROOT, "tests") + os.sep
     calls = collections.Counter()
     for (file, line, name), (_, nc, _, _, _) in pstats.Stats(profiler).stats.items():
         path = os.path.abspath(file)     # built-ins ("~") and frozen modules have no path: not counted
-        if os.path.isabs(file) and path.startswith(ROOT + os.sep) and not path.startswith(tests):
+        if os.path.isabs(file) and is_project_source(path):
             calls[f"{os.path.relpath(path, ROOT)}:{line} {name}"] += nc
     return calls
+
+
+def is_project_source(path):
+    """Whether `path` is one of the repository's own files outside tests/. A virtual environment made
+    inside the checkout (CI's .venv-ci) is under the root too: its installed packages are not ours."""
+    if not path.startswith(ROOT + os.sep):
+        return False
+    parts = os.path.relpath(path, ROOT).split(os.sep)
+    return parts[0] != "tests" and "site-packages" not in parts and not os.path.exists(
+        os.path.join(ROOT, parts[0], "pyvenv.cfg"))
 
 
 def python_calls(cfg, batch, seq, layers):

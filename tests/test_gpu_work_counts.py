@@ -457,3 +457,14 @@ PYTHON_CALLS_BUDGET = 15_000
 @pytest.mark.slow
 def test_gpt2_bf16_step_makes_at_most_15000_project_python_calls():
     assert 0 < count_gpt2("--bf16")["python_calls_per_step_12_layers"] <= PYTHON_CALLS_BUDGET
+
+
+def test_python_calls_count_only_the_repositorys_sources():
+    """A virtual environment inside the checkout (CI makes .venv-ci there) holds NumPy and the rest:
+    their calls are not the project's."""
+    probe = ("import os, sys; sys.path.insert(0, 'scripts'); import count_gpu_work as c; r = c.ROOT; "
+             "print([c.is_project_source(os.path.join(r, *p.split('/'))) for p in ("
+             "'npmegatron/model.py', 'autograd/function.py', 'tests/fakes/strict_cupy/cupy/__init__.py', "
+             "'.venv-ci/lib/python3.12/site-packages/numpy/core/numeric.py')])")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "[True, True, False, False]", result.stdout + result.stderr
