@@ -100,6 +100,15 @@ def kept_16_bit_copy(a, fmt):
     return _remember_copy(a, _precision.to_16_bit(a, fmt), fmt) if copy is None else copy
 
 
+def sixteen_bit_form(a, fmt):
+    """a as fmt's 16-bit array without a launch: a itself when it is one, the copy its rounding
+    made when C-ordered float32 `a` has one; else None (the 16-bit residual stream's kernels read
+    a stream that starts as the embedding's rounded float32 output through its copy)."""
+    if _precision.format_of(a.dtype) == fmt:
+        return a
+    return _known_copy(a, fmt) if a.dtype == numpy.float32 and a.flags.c_contiguous else None
+
+
 def _buffer(a, fmt):
     """(_kept_copies' key of C-ordered `a`'s buffer, the array owning it)."""
     return (a.data.ptr, a.nbytes, fmt), (a if a.base is None else a.base)

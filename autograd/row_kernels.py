@@ -42,22 +42,24 @@ _FORWARD = _BLOCK_SUM + r"""
 // twin: {module}:layer_norm_forward_rows{twin}
 // kept: xhat, or (KEEP_INPUT) x in 16 bits; stats: rstd, or (KEEP_INPUT) mean and 1/std in double.
 extern "C" __global__ void layer_norm_forward_rows_{name}(
-        const {T}* x, const WTYPE* weight, const WTYPE* bias, KEPT* kept, {T}* out, STAT* stats,
+        const XTYPE* x, const WTYPE* weight, const WTYPE* bias, KEPT* kept, {T}* out, STAT* stats,
         int cols, double eps) {
     __shared__ double shared[32];
     size_t start = (size_t)blockIdx.x * cols;
     double sum = 0.0;
-    for (int c = threadIdx.x; c < cols; c += blockDim.x) sum += (double)x[start + c];
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) sum += (double)X(x[start + c]);
     double mean = block_sum(sum, shared) / cols;
     double squares = 0.0;
     for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-        double d = (double)x[start + c] - mean;
+        double d = (double)X(x[start + c]) - mean;
         squares += d * d;
     }
     double inv = 1.0 / sqrt(block_sum(squares, shared) / cols + eps);
     for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-        {T} h = ({T})(((double)x[start + c] - mean) * inv);
+        {T} h = ({T})(((double)X(x[start + c]) - mean) * inv);
+#if !INPUT_16_BIT
         kept[start + c] = TO_KEPT(KEEP_INPUT ? x[start + c] : h);
+#endif
         out[start + c] = h * WEIGHT(weight[c]) + WEIGHT(bias[c]);
     }
     if (threadIdx.x == 0) {
@@ -153,6 +155,18 @@ _SIXTEEN_BIT = {"bf16": {"header": "cuda_bf16.h", "kept": "__nv_bfloat16", "to_k
                          "from_kept": "__bfloat162float"},
                 "fp16": {"header": "cuda_fp16.h", "kept": "__half", "to_kept": "__float2half",
                          "from_kept": "__half2float"}}
+#: The input's type: the array's, or (the 16-bit residual stream, residual_kernels.py) the kept
+#: format's, which is then the kept array itself (forward writes no copy).
+_INPUT_AS_ARRAY = r"""
+#define INPUT_16_BIT 0
+typedef {T} XTYPE;
+#define X(v) (v)
+"""
+_INPUT_16_BIT = r"""
+#define INPUT_16_BIT 1
+typedef KEPT XTYPE;
+#define X(v) {from_kept}(v)
+"""
 #: The weight's and bias's type: the array's, or (a GPU's --fp16/--bf16 parameters) 16-bit.
 _WEIGHT_AS_ARRAY = r"""
 typedef {T} WTYPE;
@@ -188,16 +202,19 @@ class RowKernel:
             kernel = self._compiled[variant] = cupy.RawKernel(*self.code(*variant))
         kernel(grid, block, args)
 
-    def code(self, dtype, keep=None, weight=None):
+    def code(self, dtype, keep=None, weight=None, input_16_bit=False):
         """(CUDA source, kernel name) for arrays of `dtype`, keeping xhat (keep None) or the input
-        in the 16-bit format `keep`, with weights of the arrays' dtype or of 16-bit format `weight`."""
+        in the 16-bit format `keep`, with weights of the arrays' dtype or of 16-bit format `weight`;
+        with input_16_bit, forward's input is that 16-bit array itself (keep's format)."""
         type_name = _TYPES[numpy.dtype(dtype)]
         prelude = _KEPT_XHAT if keep is None else _KEPT_INPUT.format(T="{T}", **_SIXTEEN_BIT[keep])
+        prelude += _INPUT_16_BIT.format(**_SIXTEEN_BIT[keep]) if input_16_bit else _INPUT_AS_ARRAY
         prelude += _WEIGHT_AS_ARRAY if weight is None else _WEIGHT_16_BIT.format(**_SIXTEEN_BIT[weight])
-        name = type_name + ("" if keep is None else f"_kept_{keep}") + ("" if weight is None else f"_weight_{weight}")
+        name = (type_name + ("" if keep is None else f"_kept_{keep}") + ("_input_16_bit" if input_16_bit else "")
+                + ("" if weight is None else f"_weight_{weight}"))
+        twin = "" if keep is None else "_16_bit_input" if input_16_bit else "_kept_input"
         source = (prelude + self.source).replace("{T}", type_name).replace("{module}", __name__)
-        return source.replace("{twin}", "" if keep is None else "_kept_input").replace("{name}", name), \
-            f"{self.name}_{name}"
+        return source.replace("{twin}", twin).replace("{name}", name), f"{self.name}_{name}"
 
 
 def all_sources():
@@ -206,8 +223,9 @@ def all_sources():
     only). CI compiles them all with NVRTC on a GPU-less machine (tests/test_cuda_sources_compile.py),
     so a compile error never reaches a GPU."""
     formats = (None, *_SIXTEEN_BIT)
-    return [kernel.code(dtype, keep, weight)[::-1] for kernel in KERNELS.values()
-            for dtype in _TYPES for keep in formats for weight in formats]
+    return [kernel.code(dtype, keep, weight, input_16_bit)[::-1] for kernel in KERNELS.values()
+            for dtype in _TYPES for keep in formats for weight in formats
+            for input_16_bit in ((False, True) if keep and kernel is _forward_kernel else (False,))]
 
 
 def threads_for(cols):
@@ -217,7 +235,7 @@ def threads_for(cols):
 
 def gpu_supports(x):
     """True for the arrays the row kernels take: CuPy, float32/float64, C-ordered rows."""
-    return (get_array_module(x) is not numpy and x.dtype in _TYPES and x.ndim == 2
+    return (get_array_module(x) is not numpy and (x.dtype in _TYPES or precision.format_of(x.dtype)) and x.ndim == 2
             and x.flags.c_contiguous and x.shape[0] > 0 and x.shape[1] > 0)
 
 
@@ -232,6 +250,11 @@ def layer_norm_forward(x, weight, bias, eps, keep=None):
     array and each row's (mean, 1/std) in float64 (module docstring)."""
     xp = get_array_module(x)
     rows, cols = x.shape
+    if precision.format_of(x.dtype):      # the 16-bit residual stream: x is kept as it is
+        out, stats = xp.empty(x.shape, numpy.float32), xp.empty((rows, 2), numpy.float64)
+        _forward_kernel(rows, cols, (numpy.float32, precision.format_of(x.dtype), precision.format_of(weight.dtype), True),
+                        x, _contiguous(weight), _contiguous(bias), x, out, stats, numpy.int32(cols), numpy.float64(eps))
+        return out, x, stats
     out = xp.empty_like(x)
     if keep is None:
         kept, stats = xp.empty_like(x), xp.empty((rows, 1), x.dtype)
@@ -328,6 +351,12 @@ def layer_norm_forward_rows_kept_input(x, weight, bias, kept, out, stats, cols, 
     if not numpy.array_equal(kept.astype(x.dtype), x, equal_nan=True):
         raise ValueError("LayerNorm would keep its input in 16 bits, but the input is not on the 16-bit "
                          "grid (the kernel assumes it is a rounded activation)")
+
+
+def layer_norm_forward_rows_16_bit_input(x, weight, bias, kept, out, stats, cols, eps):
+    """layer_norm_forward_rows_float_kept_{fmt}_input_16_bit: x is the 16-bit array kept (passed
+    again as `kept`, unwritten); the same numbers as from x's float32 widening."""
+    layer_norm_forward_rows_kept_input(x.astype(numpy.float32), weight, bias, x.copy(), out, stats, cols, eps)
 
 
 def layer_norm_backward_rows_kept_input(g, weight, kept, stats, pending, gx, cols, add_pending):

@@ -115,8 +115,9 @@ def test_layer_norm_keeps_its_input_and_row_statistics_with_the_same_numbers_and
         assert numpy.array_equal(a, e)
     assert kept[0].dtype == precision.sixteen_bit_dtype(fmt) and kept[1].dtype == numpy.float64
     assert kept[1].shape == (28, 2) and kept_apart[0].dtype == numpy.float32
-    assert names == [f"{n}_float_kept_{fmt}" for n in ("layer_norm_forward_rows", "layer_norm_column_sums",
-                                                      "layer_norm_backward_rows")]
+    # the input's rounding made its 16-bit copy: forward reads that copy and keeps it (no kept write)
+    assert names == [f"layer_norm_forward_rows_float_kept_{fmt}_input_16_bit"] + [
+        f"{n}_float_kept_{fmt}" for n in ("layer_norm_column_sums", "layer_norm_backward_rows")]
     assert names_apart == [f"{n}_float" for n in ("layer_norm_forward_rows", "layer_norm_column_sums",
                                                   "layer_norm_backward_rows")]
 
@@ -176,3 +177,48 @@ def test_at_tp_2_with_sequence_parallelism_and_dropout_the_numbers_are_the_same(
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["bf16"] == {"bitwise_equal": True, "dtypes": ["bfloat16"], "dtypes_apart": ["float32"]}, report
     assert report["fp16"] == {"bitwise_equal": True, "dtypes": ["float16"], "dtypes_apart": ["float32"]}, report
+
+
+class _FixedMask:
+    """A dropout generator whose keep mask is given (keep_mask takes a generator's own `keep`)."""
+
+    def __init__(self, mask):
+        self.mask = mask
+
+    def keep(self, shape, dtype, p, block=None):
+        assert shape == self.mask.shape and dtype == numpy.float32
+        return self.mask
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("p", [None, 0.1], ids=["no-dropout", "dropout"])
+@pytest.mark.parametrize("residual_16_bit", [False, True], ids=["residual-float32", "residual-16-bit"])
+def test_the_16_bit_residual_stream_is_the_cpu_emulations_numbers_in_one_kernel(cp, fmt, p, residual_16_bit):
+    """A branch's end under --fp16/--bf16 on a GPU: one launch (besides the mask's), a 16-bit
+    output, and the numbers of the CPU's two rounded ops (y + bias rounded, then residual +
+    dropout rounded) bit for bit; LayerNorm's row kernel then reads that output as it is, with the
+    numbers it gives for the output's float32 widening."""
+    rng = numpy.random.default_rng(5)
+    shape = (2, 24, 48)
+    y = rng.standard_normal(shape).astype(numpy.float32) * 3
+    bias, residual = (precision.round_(rng.standard_normal(s).astype(numpy.float32), fmt) for s in (shape[-1:], shape))
+    mask = rng.random(shape) >= 0.1
+    weight, ln_bias = (precision.round_(rng.standard_normal(shape[-1]).astype(numpy.float32), fmt) for _ in range(2))
+    with precision.storage(fmt):
+        expected = ag.bias_dropout_add(ag.Tensor(y), ag.Tensor(bias), ag.Tensor(residual), p or 0.0,
+                                       _FixedMask(mask)).data
+        sixteen = precision.sixteen_bit_dtype(fmt)
+        on_device = [cp.asarray(a) for a in (y, bias.astype(sixteen), residual.astype(sixteen) if residual_16_bit else residual)]
+        device_mask = _FixedMask(cp.asarray(mask))
+        cp._strict.reset()
+        out = ag.bias_dropout_add(*map(ag.Tensor, on_device), p or 0.0, device_mask)
+        assert [launch.name for launch in cp._strict.launches()] == [
+            f"bias_dropout_add_{fmt}_y_float32_residual_{'16' if residual_16_bit else 'float32'}"
+            + ("_dropout" if p else "")]
+        assert out.data.dtype == sixteen
+        assert numpy.array_equal(cp.asnumpy(out.data).astype(numpy.float32), expected)
+        ln_params = [ag.Tensor(cp.asarray(a.astype(sixteen))) for a in (weight, ln_bias)]
+        layer_norm = ag.layer_norm(out, *ln_params)
+        assert layer_norm.grad_fn is None or layer_norm.grad_fn.ctx.kept[0] is out.data
+        widened = ag.layer_norm(ag.Tensor(out.data.astype(numpy.float32)), *ln_params)
+    assert numpy.array_equal(cp.asnumpy(layer_norm.data), cp.asnumpy(widened.data))

@@ -259,3 +259,31 @@ def test_a_transposed_array_is_rounded_in_place_by_the_kernel(monkeypatch):
     bf16_bits.round_in_place(x)
     reference = precision._round_bf16_(numpy, bits.copy().view(numpy.float32)).view(numpy.uint32)
     assert numpy.array_equal(x.get(), reference.transpose(0, 2, 1, 3))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+@pytest.mark.parametrize("dropout", [False, True])
+def test_the_16_bit_residual_kernels_equal_their_twin_and_read_the_input_layer_norm_keeps(fmt, dropout):
+    """The 16-bit residual stream's bias + dropout + residual kernel against its NumPy twin, bit
+    for bit, with y and the residual float32 or 16-bit; LayerNorm reading that 16-bit output gives
+    the numbers it gives for the output's float32 widening."""
+    from npmegatron.autograd import precision, residual_kernels
+    sixteen = precision.sixteen_bit_dtype(fmt)
+    rng = numpy.random.default_rng(11)
+    shape = (3, 37, 200)
+    on_grid = [(rng.standard_normal(shape) * 4).astype(sixteen) for _ in range(2)]
+    bias = (rng.standard_normal(shape[-1:]) * 3).astype(sixteen)
+    keep = rng.random(shape) >= 0.1 if dropout else None
+    for y, residual in itertools.product((on_grid[0].astype(numpy.float32) * 1.0001, on_grid[0]),
+                                         (on_grid[1].astype(numpy.float32), on_grid[1])):
+        out = residual_kernels.bias_dropout_add(*(None if a is None else cupy.asarray(a) for a in (y, bias, keep, residual)),
+                                                1 / 0.9 if dropout else None, fmt)
+        expected = numpy.empty(shape, sixteen)
+        residual_kernels.bias_dropout_add_twin(y, bias, y if keep is None else keep, residual, expected,
+                                               1 / 0.9 if dropout else 1.0, y.size, shape[-1])
+        assert numpy.array_equal(cupy.asnumpy(out).view(numpy.uint16), expected.view(numpy.uint16))
+    weight, ln_bias = (cupy.asarray(rng.standard_normal(shape[-1]).astype(sixteen)) for _ in range(2))
+    rows = out.reshape(-1, shape[-1])
+    from_16, kept, _ = row_kernels.layer_norm_forward(rows, weight, ln_bias, 1e-5, keep=fmt)
+    from_32, _, _ = row_kernels.layer_norm_forward(rows.astype(numpy.float32), weight, ln_bias, 1e-5, keep=fmt)
+    assert kept is rows and bool((from_16 == from_32).all())

@@ -4,10 +4,10 @@ residual add (Megatron's bias_dropout_add), the end of each transformer branch. 
 from the generator passed in, so callers decide which RNG stream."""
 import numpy
 
-from .. import precision
+from .. import precision, residual_kernels
 from ..backend import get_array_module
 from ..errors import InputError
-from ..function import Function
+from ..function import Function, sixteen_bit_form
 from ..fusion import fused
 
 
@@ -139,7 +139,13 @@ class BiasDropoutAdd(Function):
         xp = get_array_module(y)
         ctx.scale = None if p is None else 1.0 / (1.0 - p)
         storage = ctx.storage = precision.active()
-        if storage is not None:
+        stream = _stream_16_bit(residual, storage)
+        if stream is not None and residual_kernels.takes(y, bias, None, stream, storage):
+            residual = stream
+            # a GPU's 16-bit residual stream: the same numbers in one kernel, written in 16 bits
+            keep = None if p is None else keep_mask(generator, y.shape, numpy.float32, p)
+            out = residual_kernels.bias_dropout_add(y, bias, keep, residual, ctx.scale, storage)
+        elif storage is not None:
             # 16-bit storage by rounding keeps the numbers of the two ops this one fuses: y + bias
             # on the 16-bit grid before the residual is added (precision.py)
             y_bias = precision.round_(y + bias, storage)
@@ -172,6 +178,15 @@ class BiasDropoutAdd(Function):
         # numbers are the unfused ops' (one reduction kernel on a GPU either way)
         gb = _bias_sum(gy, ctx.destination(1)) if need_bias else None
         return gy if need_y else None, gb, g
+
+
+def _stream_16_bit(residual, storage):
+    """The residual as the 16-bit stream's kernel reads it, where a GPU holds 16-bit arrays under
+    `storage`: 16-bit (itself, or the copy its rounding made), else float32 as it is; or None."""
+    if storage is None or not precision.kept_in_16_bit(storage) or get_array_module(residual) is numpy:
+        return None
+    stream = sixteen_bit_form(residual, storage)
+    return residual if stream is None else stream
 
 
 def _bias_sum(gy, destination):

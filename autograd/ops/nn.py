@@ -10,7 +10,7 @@ import numpy
 from .. import precision, row_kernels
 from ..backend import get_array_module, scatter_add, to_numpy
 from ..errors import InputError
-from ..function import Function
+from ..function import Function, sixteen_bit_form
 from ..fusion import fused, fused_reduction
 from ..tensor import Tensor
 from .arithmetic import bias_grad
@@ -127,14 +127,20 @@ class LayerNorm(Function):
     def forward(ctx, x, weight, bias, eps):
         xp = get_array_module(x)
         x2 = x.reshape(-1, x.shape[-1])
+        fmt = precision.kept_in_16_bit() if xp is not numpy else None
+        stream = sixteen_bit_form(x2, fmt) if fmt else None
+        x2 = x2 if stream is None else stream       # the residual stream's 16-bit array, or its copy
         ctx.path = ("numba" if xp is numpy and x.size >= COMPILED_LAYER_NORM_SIZE
                     else "rows" if row_kernels.gpu_supports(x2) and weight.flags.c_contiguous
                     and bias.flags.c_contiguous else "chains")
+        if ctx.path == "chains" and precision.format_of(x2.dtype):
+            x2 = precision.to_float32(x2)      # the 16-bit residual stream where the row kernels are not run
         if ctx.path == "numba":
             from . import _layer_norm_cpu          # numba is imported for large arrays only
             out, xhat, rstd = _layer_norm_cpu.forward(x2, weight, bias, eps)
         elif ctx.path == "rows":
-            # under --fp16/--bf16 the kernel keeps x itself in 16 bits (precision.py), not xhat
+            # under --fp16/--bf16 the kernel keeps x itself in 16 bits (precision.py), not xhat: the
+            # 16-bit residual stream's x as it is
             out, xhat, rstd = row_kernels.layer_norm_forward(x2, weight, bias, eps, keep=precision.kept_in_16_bit())
         if ctx.path != "chains":
             ctx.save_for_backward(xhat, rstd, weight)

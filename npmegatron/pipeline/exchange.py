@@ -10,7 +10,7 @@ the order. A shape header (variable sequence lengths) goes right before its data
 import numpy
 
 from .. import comm
-from ..autograd import InputError
+from ..autograd import InputError, precision
 from ..autograd.backend import to_numpy
 
 ACTIVATION, GRADIENT, ACTIVATION_SHAPE, GRADIENT_SHAPE = range(4)
@@ -69,6 +69,10 @@ class StageExchange:
         posted with the send as one exchange (the ring exchange of the steady state)."""
         peer = self.group_rank(self.grid.pp_next_rank if kind == ACTIVATION else self.grid.pp_prev_rank)
         target = stage + 1 if kind == ACTIVATION else stage - 1
+        if array.dtype != self.dtype and precision.format_of(array.dtype):
+            # a GPU's 16-bit residual stream (exact in the exchange's float32): the receiving
+            # stage's first block reads float32 as the stream's start, as after the embedding
+            array = precision.to_float32(array).astype(self.dtype, copy=False)
         ops = []
         if self.variable_seq_lengths:
             ops.append(comm.P2POp("send", peer, array=self.xp.asarray(array.shape, dtype=numpy.int64),
