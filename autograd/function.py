@@ -80,6 +80,19 @@ class Context:
         self.summed_pending = indices
 
 
+#: the 16-bit dtypes (precision._FORMATS_OF's keys): a set, for apply's test of every input
+_SIXTEEN_BIT = frozenset(_precision._FORMATS_OF)
+
+
+def _widened(a):
+    """16-bit activation `a` as float32 (exact), for a Function that does not read 16 bits, with
+    `a` remembered as its 16-bit copy: a keeping of the widened array finds it, costing nothing."""
+    wide = _precision.to_float32(a)
+    if wide.flags.c_contiguous and a.flags.c_contiguous:
+        _remember_copy(wide, a, _precision.format_of(a.dtype))
+    return wide
+
+
 def _keepable(a):
     return a is not None and getattr(a, "dtype", None) == numpy.float32 and get_array_module(a) is not numpy
 
@@ -92,7 +105,9 @@ _kept_copies = {}
 
 def kept_16_bit_copy(a, fmt):
     """a (float32 on fmt's grid) as a 16-bit array: the copy its rounding made or an earlier keeping
-    of the same buffer, where there is one; else one cast."""
+    of the same buffer, where there is one; else one cast. A 16-bit array of fmt is itself."""
+    if a.dtype in _SIXTEEN_BIT and _precision.format_of(a.dtype) == fmt:
+        return a
     if not a.flags.c_contiguous:
         view = _known_view(a, fmt)
         return _precision.to_16_bit(a, fmt) if view is None else view
@@ -249,6 +264,10 @@ class Function:
     """
 
     float32_output = False
+    # forward takes 16-bit activations as they are (a GPU's 16-bit residual stream, a 16-bit GEMM
+    # output): its kernels read 16 bits and compute in float32. Any other Function gets them widened
+    # to float32 first (apply), so a 16-bit array never meets an array library's 16-bit arithmetic.
+    reads_16_bit = False
     adds_pending_grads = False      # backward may add ctx.pending_grads into its results
     writes_grad_destinations = False    # backward may write into ctx.destination(i)
 
@@ -265,9 +284,13 @@ class Function:
         # plain loops and module attributes rather than comprehensions and helper calls: this runs
         # for every op, and on a GPU the host issuing them bounds an eager step
         arrays, needs = [], []
+        widen = _precision._active is not None and not cls.reads_16_bit
         for x in inputs:
             if isinstance(x, Tensor):
-                arrays.append(x.data)
+                data = x.data
+                if widen and data.dtype in _SIXTEEN_BIT and not x.is_parameter:
+                    data = _widened(data)
+                arrays.append(data)
                 needs.append(x.requires_grad)
             else:
                 arrays.append(x)

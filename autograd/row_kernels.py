@@ -17,7 +17,10 @@ twins on a real card.
 Under --fp16/--bf16 each kernel also comes in a "kept input" variant (`keep=` the format): forward
 keeps LayerNorm's input itself as a 16-bit array (exact: the input lies on the grid) and each
 row's mean and 1/std in double, in place of the float32 xhat; backward recomputes xhat from them
-with forward's own expression, so the numbers are the same bit for bit in fewer bytes.
+with forward's own expression, so the numbers are the same bit for bit in fewer bytes. That
+variant writes its output in 16 bits too, rounded as it stores (the rounding the CPU's emulation
+makes after the op), and takes as its input either a float32 array on the grid or the 16-bit
+residual stream itself (sixteen_bit_kernels.py), which it then keeps without writing a copy.
 """
 import numpy
 
@@ -42,7 +45,7 @@ _FORWARD = _BLOCK_SUM + r"""
 // twin: {module}:layer_norm_forward_rows{twin}
 // kept: xhat, or (KEEP_INPUT) x in 16 bits; stats: rstd, or (KEEP_INPUT) mean and 1/std in double.
 extern "C" __global__ void layer_norm_forward_rows_{name}(
-        const XTYPE* x, const WTYPE* weight, const WTYPE* bias, KEPT* kept, {T}* out, STAT* stats,
+        const XTYPE* x, const WTYPE* weight, const WTYPE* bias, KEPT* kept, OTYPE* out, STAT* stats,
         int cols, double eps) {
     __shared__ double shared[32];
     size_t start = (size_t)blockIdx.x * cols;
@@ -60,7 +63,7 @@ extern "C" __global__ void layer_norm_forward_rows_{name}(
 #if !INPUT_16_BIT
         kept[start + c] = TO_KEPT(KEEP_INPUT ? x[start + c] : h);
 #endif
-        out[start + c] = h * WEIGHT(weight[c]) + WEIGHT(bias[c]);
+        out[start + c] = TO_OUT(h * WEIGHT(weight[c]) + WEIGHT(bias[c]));
     }
     if (threadIdx.x == 0) {
 #if KEEP_INPUT
@@ -138,7 +141,9 @@ _KEPT_XHAT = r"""
 #define KEEP_INPUT 0
 typedef {T} KEPT;
 typedef {T} STAT;
+typedef {T} OTYPE;
 #define TO_KEPT(v) (v)
+#define TO_OUT(v) (v)
 #define XHAT(row, i) kept[i]
 #define RSTD(row) stats[row]
 """
@@ -147,7 +152,9 @@ _KEPT_INPUT = r"""
 #define KEEP_INPUT 1
 typedef {kept} KEPT;
 typedef double STAT;
+typedef {kept} OTYPE;
 #define TO_KEPT(v) {to_kept}(v)
+#define TO_OUT(v) {to_kept}(v)
 #define XHAT(row, i) (({T})(((double){from_kept}(kept[i]) - stats[2 * (row)]) * stats[2 * (row) + 1]))
 #define RSTD(row) (({T})stats[2 * (row) + 1])
 """
@@ -155,7 +162,7 @@ _SIXTEEN_BIT = {"bf16": {"header": "cuda_bf16.h", "kept": "__nv_bfloat16", "to_k
                          "from_kept": "__bfloat162float"},
                 "fp16": {"header": "cuda_fp16.h", "kept": "__half", "to_kept": "__float2half",
                          "from_kept": "__half2float"}}
-#: The input's type: the array's, or (the 16-bit residual stream, residual_kernels.py) the kept
+#: The input's type: the array's, or (the 16-bit residual stream, sixteen_bit_kernels.py) the kept
 #: format's, which is then the kept array itself (forward writes no copy).
 _INPUT_AS_ARRAY = r"""
 #define INPUT_16_BIT 0
@@ -246,20 +253,22 @@ _columns_kernel = RowKernel("layer_norm_column_sums", _COLUMNS)
 
 def layer_norm_forward(x, weight, bias, eps, keep=None):
     """LayerNorm over the rows of a C-ordered 2-D CuPy array, one launch: (out, kept, stats), kept
-    and stats being xhat and rstd, or with keep="bf16"/"fp16" (x on that grid) x as a 16-bit
-    array and each row's (mean, 1/std) in float64 (module docstring)."""
+    and stats being xhat and rstd, or with keep="bf16"/"fp16" (x on that grid, or x a 16-bit
+    array) x as a 16-bit array and each row's (mean, 1/std) in float64, and out 16-bit (module
+    docstring)."""
     xp = get_array_module(x)
     rows, cols = x.shape
     if precision.format_of(x.dtype):      # the 16-bit residual stream: x is kept as it is
-        out, stats = xp.empty(x.shape, numpy.float32), xp.empty((rows, 2), numpy.float64)
+        out = xp.empty(x.shape, x.dtype)
+        stats = xp.empty((rows, 2), numpy.float64)
         _forward_kernel(rows, cols, (numpy.float32, precision.format_of(x.dtype), precision.format_of(weight.dtype), True),
                         x, _contiguous(weight), _contiguous(bias), x, out, stats, numpy.int32(cols), numpy.float64(eps))
         return out, x, stats
-    out = xp.empty_like(x)
     if keep is None:
-        kept, stats = xp.empty_like(x), xp.empty((rows, 1), x.dtype)
+        out, kept, stats = xp.empty_like(x), xp.empty_like(x), xp.empty((rows, 1), x.dtype)
     else:
-        kept, stats = xp.empty(x.shape, precision.sixteen_bit_dtype(keep)), xp.empty((rows, 2), numpy.float64)
+        out, kept = (xp.empty(x.shape, precision.sixteen_bit_dtype(keep)) for _ in range(2))
+        stats = xp.empty((rows, 2), numpy.float64)
     _forward_kernel(rows, cols, (x.dtype, keep, precision.format_of(weight.dtype)), x, _contiguous(weight),
                     _contiguous(bias), kept, out, stats, numpy.int32(cols), numpy.float64(eps))
     return out, kept, stats

@@ -364,6 +364,8 @@ class GPT(Module):
     def full_logits(self, logits):
         """All TP ranks' vocabulary shards joined, padding columns dropped: (batch, seq, vocab)."""
         data = logits.data if isinstance(logits, ag.Tensor) else logits
+        if ag.precision.format_of(data.dtype):      # a GPU's 16-bit GEMM output: exact in float32
+            data = ag.precision.to_float32(data)
         return comm.all_gather(data, self.tp_group, axis=-1)[..., :self.cfg.vocab_size]
 
     def finalize_grads(self):

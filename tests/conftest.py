@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from npmegatron.autograd import bf16_bits, cublas_capture, fusion, residual_kernels, row_kernels  # first: npmegatron sets the BLAS threads before NumPy loads
+from npmegatron.autograd import bf16_bits, cublas_capture, fusion, sixteen_bit_kernels, row_kernels  # first: npmegatron sets the BLAS threads before NumPy loads
 from fakes.strict_cupy import strict_cupy  # noqa: E402
 from helpers import ROOT, run_ranks  # noqa: E402
 
@@ -51,7 +51,7 @@ def fresh_strict_cupy(monkeypatch):
         monkeypatch.setattr(kernel, "_compiled", {})
     for kernel in bf16_bits.KERNELS.values():
         monkeypatch.setattr(kernel, "_compiled", None)
-    monkeypatch.setattr(residual_kernels, "_compiled", {})
+    monkeypatch.setattr(sixteen_bit_kernels, "_compiled", {})
     monkeypatch.setattr(cublas_capture, "_apis", {})           # another stand-in's C API and workspaces
     monkeypatch.setattr(cublas_capture, "_workspaces", {})
     with strict_cupy(devices=1) as module:

@@ -263,11 +263,11 @@ def test_a_transposed_array_is_rounded_in_place_by_the_kernel(monkeypatch):
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp16"])
 @pytest.mark.parametrize("dropout", [False, True])
-def test_the_16_bit_residual_kernels_equal_their_twin_and_read_the_input_layer_norm_keeps(fmt, dropout):
+def test_the_16_bit_sixteen_bit_kernels_equal_their_twin_and_read_the_input_layer_norm_keeps(fmt, dropout):
     """The 16-bit residual stream's bias + dropout + residual kernel against its NumPy twin, bit
     for bit, with y and the residual float32 or 16-bit; LayerNorm reading that 16-bit output gives
     the numbers it gives for the output's float32 widening."""
-    from npmegatron.autograd import precision, residual_kernels
+    from npmegatron.autograd import precision, sixteen_bit_kernels
     sixteen = precision.sixteen_bit_dtype(fmt)
     rng = numpy.random.default_rng(11)
     shape = (3, 37, 200)
@@ -276,10 +276,10 @@ def test_the_16_bit_residual_kernels_equal_their_twin_and_read_the_input_layer_n
     keep = rng.random(shape) >= 0.1 if dropout else None
     for y, residual in itertools.product((on_grid[0].astype(numpy.float32) * 1.0001, on_grid[0]),
                                          (on_grid[1].astype(numpy.float32), on_grid[1])):
-        out = residual_kernels.bias_dropout_add(*(None if a is None else cupy.asarray(a) for a in (y, bias, keep, residual)),
+        out = sixteen_bit_kernels.bias_dropout_add(*(None if a is None else cupy.asarray(a) for a in (y, bias, keep, residual)),
                                                 1 / 0.9 if dropout else None, fmt)
         expected = numpy.empty(shape, sixteen)
-        residual_kernels.bias_dropout_add_twin(y, bias, y if keep is None else keep, residual, expected,
+        sixteen_bit_kernels.bias_dropout_add_twin(y, bias, y if keep is None else keep, residual, expected,
                                                1 / 0.9 if dropout else 1.0, y.size, shape[-1])
         assert numpy.array_equal(cupy.asnumpy(out).view(numpy.uint16), expected.view(numpy.uint16))
     weight, ln_bias = (cupy.asarray(rng.standard_normal(shape[-1]).astype(sixteen)) for _ in range(2))

@@ -1,7 +1,7 @@
 """Broadcasting arithmetic and matrix products; gradients are summed back to each input's shape."""
 import numpy
 
-from .. import gemm, precision
+from .. import gemm, precision, sixteen_bit_kernels
 from ..backend import get_array_module
 from ..errors import InputError
 from ..function import Function, kept_16_bit_copy
@@ -199,6 +199,7 @@ class Linear(Function):
     `grid`): true of the model's Linears; a caller whose output has several consumers (their
     gradients' sum is not rounded) or whose operands were never rounded would be rounded by cuBLAS
     on a GPU, where NumPy computes in float32. The strict stand-in refuses such operands."""
+    reads_16_bit = True     # 16-bit x into the 16-bit weights' GEMM as it is; widened for float32 weights
 
     writes_grad_destinations = True
 
@@ -221,7 +222,15 @@ class Linear(Function):
             # is, else the copy its rounding made), the copy backward keeps; products summed in float32
             x = x if precision.format_of(x.dtype) == fmt else kept_16_bit_copy(x, fmt)
             ctx.save_for_backward(x, w)
-            out = gemm.matmul(x, w, out=_float32(x, x.shape[:-1] + w.shape[-1:]))
+            shape = x.shape[:-1] + w.shape[-1:]
+            if ctx.grid == fmt:     # a GPU's 16-bit activations: rounded as they are stored
+                if b is None:
+                    return gemm.matmul(x, w, out=get_array_module(x).empty(shape, w.dtype))
+                out = gemm.matmul(x, w, out=_float32(x, shape))
+                if sixteen_bit_kernels.takes_bias_add(out, b, fmt):
+                    return sixteen_bit_kernels.bias_add(out, b, fmt)
+            else:
+                out = gemm.matmul(x, w, out=_float32(x, shape))
         if b is not None:
             out += b
         return out

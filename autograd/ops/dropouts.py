@@ -4,7 +4,7 @@ residual add (Megatron's bias_dropout_add), the end of each transformer branch. 
 from the generator passed in, so callers decide which RNG stream."""
 import numpy
 
-from .. import precision, residual_kernels
+from .. import precision, sixteen_bit_kernels
 from ..backend import get_array_module
 from ..errors import InputError
 from ..function import Function, sixteen_bit_form
@@ -131,6 +131,7 @@ class BiasDropoutAdd(Function):
     """residual + dropout(y + bias): the end of each transformer sub-block, with the row-parallel
     output's bias (Megatron's bias_dropout_add). One kernel forward on a GPU besides the mask's;
     with p = 0 (or p = None: not training) one kernel and no mask. The masks are Dropout's."""
+    reads_16_bit = True     # sixteen_bit_kernels.py reads 16-bit y and residual
 
     writes_grad_destinations = True
 
@@ -140,12 +141,15 @@ class BiasDropoutAdd(Function):
         ctx.scale = None if p is None else 1.0 / (1.0 - p)
         storage = ctx.storage = precision.active()
         stream = _stream_16_bit(residual, storage)
-        if stream is not None and residual_kernels.takes(y, bias, None, stream, storage):
+        if stream is not None and sixteen_bit_kernels.takes(y, bias, None, stream, storage):
             residual = stream
             # a GPU's 16-bit residual stream: the same numbers in one kernel, written in 16 bits
             keep = None if p is None else keep_mask(generator, y.shape, numpy.float32, p)
-            out = residual_kernels.bias_dropout_add(y, bias, keep, residual, ctx.scale, storage)
-        elif storage is not None:
+            out = sixteen_bit_kernels.bias_dropout_add(y, bias, keep, residual, ctx.scale, storage)
+            ctx.save_for_backward(keep)
+            return out
+        y, residual = (precision.to_float32(a) if precision.format_of(a.dtype) else a for a in (y, residual))
+        if storage is not None:
             # 16-bit storage by rounding keeps the numbers of the two ops this one fuses: y + bias
             # on the 16-bit grid before the residual is added (precision.py)
             y_bias = precision.round_(y + bias, storage)

@@ -3,6 +3,7 @@ import math
 
 import numpy
 
+from .. import precision, sixteen_bit_kernels
 from ..backend import get_array_module
 from ..errors import InputError
 from ..function import Function
@@ -134,6 +135,12 @@ def bias_gelu_tanh_output(xp, y, b):
     return _gelu_tanh(xp, y + b)[0]
 
 
+def bias_gelu_tanh_twin(y, b, out, cubic, sqrt_2_over_pi, n, cols):
+    """sixteen_bit_kernels.py's bias + GeLU kernel in NumPy: bias_gelu_tanh_output's chain on y + b
+    widened to float32, rounded into 16-bit `out` (the constants are this module's)."""
+    out[...] = _gelu_tanh(numpy, y.astype(numpy.float32) + b.astype(numpy.float32))[0]
+
+
 @fused
 def bias_gelu_tanh_backward_recomputed(xp, g, y, b):
     """bias_gelu_tanh_backward with t recomputed from y + b by forward's own expression."""
@@ -225,8 +232,10 @@ class BiasGelu(Function):
     """gelu(y + b) in one pass each way (Megatron's fused bias_gelu): y + b is never stored;
     backward recomputes it from the saved y and b inside the chain, and on a GPU tanh (or Phi)
     too; for large float32 arrays on the CPU, inside a compiled kernel that also recomputes tanh
-    (_gelu_cpu.py). Small CPU arrays keep tanh (or Phi)."""
+    (_gelu_cpu.py). Small CPU arrays keep tanh (or Phi). A GPU's 16-bit activations: forward is
+    sixteen_bit_kernels.py's kernel, the GEMM's 16-bit y in, the 16-bit output out."""
 
+    reads_16_bit = True
     writes_grad_destinations = True
 
     @staticmethod
@@ -244,7 +253,11 @@ class BiasGelu(Function):
         chain, ctx.backward_chain = _BIAS_GELU_RECOMPUTED[approximate]
         ctx.save_for_backward(y, b)
         ctx.on_grid(0)
-        return chain(y, b)
+        fmt = precision.kept_in_16_bit()
+        if fmt and approximate == "tanh" and sixteen_bit_kernels.takes_bias_add(y, b, fmt, y_16_bit=True):
+            # a GPU's 16-bit activations: y (16-bit, the GEMM's) in, the 16-bit output written
+            return sixteen_bit_kernels.bias_gelu_tanh(y, b, fmt, _GELU_CUBIC, _SQRT_2_OVER_PI)
+        return chain(precision.to_float32(y) if precision.format_of(y.dtype) else y, b)
 
     @staticmethod
     def backward(ctx, g):
@@ -253,7 +266,10 @@ class BiasGelu(Function):
             from . import _gelu_cpu
             gy, gb = _gelu_cpu.backward(g, *ctx.saved)
             return gy, (gb if ctx.needs_input_grad[1] else None)
-        gy = ctx.backward_chain(g, *ctx.saved)
+        saved = ctx.saved
+        if precision.format_of(saved[0].dtype):     # y: the 16-bit GEMM output, kept as it came
+            saved = (precision.to_float32(saved[0]),) + saved[1:]
+        gy = ctx.backward_chain(g, *saved)
         gb = bias_grad_to(gy, ctx.destination(1)) if ctx.needs_input_grad[1] else None
         return gy, gb
 

@@ -164,6 +164,7 @@ def _stats_dtype(dtype):
 class FusedCausalAttention(Function):
     """PackedCausalAttention in one cuDNN call each way (module doc): qkv (b, t, heads, 3, d) ->
     (b, heads, t, d), laid out (b, t, heads, d); a 16-bit output under 16-bit arrays."""
+    reads_16_bit = True     # cuDNN reads 16-bit q, k, v
 
     @staticmethod
     def forward(ctx, qkv, scale):
@@ -215,6 +216,7 @@ class FusedGroupedCausalAttention(Function):
     arrays cuDNN reads the 16-bit copies the roundings of q, k and the QKV projection's output
     made (views of them), writes the three gradients into one 16-bit buffer, and one kernel widens
     it to float32 for the rotations' and the split's backward."""
+    reads_16_bit = True     # cuDNN reads 16-bit q, k, v
 
     @staticmethod
     def forward(ctx, q, k, v, scale):

@@ -119,6 +119,7 @@ class LayerNorm(Function):
     into their main_grad when the engine offers it); numba
     kernels of the same formulas for large arrays on the CPU (_layer_norm_cpu.py); the chains
     above for small CPU arrays and what the row kernels do not take."""
+    reads_16_bit = True     # the row kernels read the 16-bit residual stream
 
     adds_pending_grads = True
     writes_grad_destinations = True

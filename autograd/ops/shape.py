@@ -7,6 +7,7 @@ from ..tensor import Tensor
 
 
 class Reshape(Function):
+    reads_16_bit = True     # moves values, computes none (Function.reads_16_bit)
     passes_gradient_views = True    # backward's result is a view of its incoming gradient (engine.py)
 
     @staticmethod
@@ -24,6 +25,7 @@ class Reshape(Function):
 
 
 class Transpose(Function):
+    reads_16_bit = True     # moves values, computes none (Function.reads_16_bit)
     passes_gradient_views = True
 
     @staticmethod
@@ -41,6 +43,7 @@ class Transpose(Function):
 
 class Split(Function):
     """Several outputs (views); backward concatenates their gradients (zeros where none came)."""
+    reads_16_bit = True     # moves values, computes none (Function.reads_16_bit)
 
     @staticmethod
     def forward(ctx, x, sections, axis):
@@ -58,6 +61,7 @@ class Split(Function):
 
 
 class Concatenate(Function):
+    reads_16_bit = True     # moves values, computes none (Function.reads_16_bit)
     @staticmethod
     def forward(ctx, *xs, axis):
         xp = get_array_module(*xs)
@@ -85,6 +89,7 @@ def _is_basic(index):
 
 
 class GetItem(Function):
+    reads_16_bit = True     # moves values, computes none (Function.reads_16_bit)
     @staticmethod
     def forward(ctx, x, index):
         ctx.index, ctx.shape, ctx.dtype = index, x.shape, x.dtype
@@ -140,6 +145,7 @@ class RepeatHeads(Function):
     """Each of x's heads (axis 1 of (b, heads, t, d)) repeated `times` times in a row: the key
     and value heads of grouped-query attention, one per query head of their group (Hugging Face's
     repeat_kv). Backward sums each group's copies back into its head."""
+    reads_16_bit = True     # moves values, computes none (Function.reads_16_bit)
 
     @staticmethod
     def forward(ctx, x, times):

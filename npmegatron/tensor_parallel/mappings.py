@@ -11,10 +11,21 @@ Megatron-LM's tensor_parallel/mappings.py). Each forward is the adjoint of the o
 
 Activations are (batch, sequence, hidden): the sequence axis is 1.
 """
+import numpy
+
 from npmegatron import comm
-from npmegatron.autograd import Function
+from npmegatron.autograd import Function, precision
 
 SEQUENCE_AXIS = 1
+
+
+def _gathered(x, group, axis):
+    """comm.all_gather of x along axis; a bfloat16 array (a GPU's 16-bit activation) travels as
+    float16 of the same bits, as the distributed optimizer's parameters do: the gather moves bytes
+    and adds none, and mpi4py refuses bfloat16 buffers where NCCL's type table has none."""
+    if precision.format_of(x.dtype) != "bf16":
+        return comm.all_gather(x, group, axis=axis)
+    return comm.all_gather(x.view(numpy.float16), group, axis=axis).view(x.dtype)
 
 
 def _split(x, group, axis):
@@ -28,6 +39,7 @@ def _split(x, group, axis):
 
 
 class _CopyToTPRegion(Function):
+    reads_16_bit = True     # moves values: 16-bit ones in half the bytes (no sum)
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
@@ -49,6 +61,7 @@ class _ReduceFromTPRegion(Function):
 
 
 class _ScatterToTPRegion(Function):
+    reads_16_bit = True     # moves values: 16-bit ones in half the bytes (no sum)
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
@@ -60,10 +73,11 @@ class _ScatterToTPRegion(Function):
 
 
 class _GatherFromTPRegion(Function):
+    reads_16_bit = True     # moves values: 16-bit ones in half the bytes (no sum)
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return comm.all_gather(x, group, axis=-1)
+        return _gathered(x, group, -1)
 
     @staticmethod
     def backward(ctx, g):
@@ -71,6 +85,7 @@ class _GatherFromTPRegion(Function):
 
 
 class _ScatterToSPRegion(Function):
+    reads_16_bit = True     # moves values: 16-bit ones in half the bytes (no sum)
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
@@ -82,10 +97,11 @@ class _ScatterToSPRegion(Function):
 
 
 class _GatherFromSPRegion(Function):
+    reads_16_bit = True     # moves values: 16-bit ones in half the bytes (no sum)
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return comm.all_gather(x, group, axis=SEQUENCE_AXIS)
+        return _gathered(x, group, SEQUENCE_AXIS)
 
     @staticmethod
     def backward(ctx, g):

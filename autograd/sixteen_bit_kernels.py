@@ -1,0 +1,230 @@
+"""CUDA kernels that read and write a GPU's 16-bit activations (--fp16/--bf16), each computing
+in float32 and rounding where the CPU's emulation rounds (precision.py), so the numbers are the
+emulation's:
+
+- the residual stream: bias + dropout + residual add in one kernel. Under 16-bit storage a
+  block's branch ends as two rounded ops, t = y + bias on the 16-bit grid, then residual +
+  dropout(t) on the grid again; as separate array ops that is an add, a rounding, the add and the
+  rounding that makes the 16-bit copy: four launches, each reading and writing float32. The kernel
+  reads y (the projection's 16-bit or float32 output), the 16-bit bias, the keep mask and the
+  residual (16-bit, or float32 where the stream starts: the embedding's output) and writes the
+  block's output as a 16-bit array, the residual stream Megatron keeps, which LayerNorm's row
+  kernels and the next block's kernel read as it is;
+- a Linear's bias add, which writes the Linear's 16-bit output from its GEMM's float32 one;
+- the MLP's bias + GeLU (tanh form), from the first GEMM's 16-bit output to a 16-bit output.
+
+Products and sums use the _rn intrinsics so the compiler cannot contract them into a fused
+multiply-add the emulation does not make. Each kernel's source names its twin (row_kernels.py's
+convention), the NumPy function computing the same numbers, which the strict CuPy stand-in runs
+in its place.
+"""
+import numpy
+
+from . import precision
+
+_SIXTEEN_BIT = {"bf16": ("cuda_bf16.h", "__nv_bfloat16", "__float2bfloat16_rn", "__bfloat162float"),
+                "fp16": ("cuda_fp16.h", "__half", "__float2half_rn", "__half2float")}
+
+_SOURCE = r"""
+#include <{header}>
+typedef {store} ST;
+typedef {y_type} YT;
+typedef {residual_type} RT;
+#define WIDE_Y(v) {wide_y}(v)
+#define WIDE_R(v) {wide_r}(v)
+#define HAS_KEEP {has_keep}
+// the value on the 16-bit grid, as float: the rounding a 16-bit store makes
+__device__ __forceinline__ float on_grid(float v) { return {from_16}({to_16}(v)); }
+
+// twin: {module}:bias_dropout_add_twin
+extern "C" __global__ void bias_dropout_add_{name}(
+        const YT* y, const ST* bias, const bool* keep, const RT* residual, ST* out, float scale,
+        long long n, long long cols) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        float t = on_grid(__fadd_rn(WIDE_Y(y[i]), {from_16}(bias[i % cols])));
+#if HAS_KEEP
+        t = __fmul_rn(__fmul_rn(t, keep[i] ? 1.0f : 0.0f), scale);
+#endif
+        out[i] = {to_16}(__fadd_rn(t, WIDE_R(residual[i])));
+    }
+}
+"""
+
+_BIAS_ADD_SOURCE = r"""
+#include <{header}>
+typedef {store} ST;
+
+// twin: {module}:bias_add_twin
+extern "C" __global__ void bias_add_{fmt}(const float* y, const ST* bias, ST* out, long long n, long long cols) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x)
+        out[i] = {to_16}(__fadd_rn(y[i], {from_16}(bias[i % cols])));
+}
+"""
+
+_BIAS_GELU_SOURCE = r"""
+#include <{header}>
+typedef {store} ST;
+typedef {y_type} YT;
+
+// twin: {module}:bias_gelu_tanh_twin
+// elementwise.py's _gelu_tanh on x = y + b, operation by operation
+extern "C" __global__ void bias_gelu_tanh_{name}(const YT* y, const ST* b, ST* out, float cubic,
+                                                  float sqrt_2_over_pi, long long n, long long cols) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        float x = __fadd_rn({wide_y}(y[i]), {from_16}(b[i % cols]));
+        float t = __fmul_rn(__fmul_rn(x, x), cubic);
+        t = tanhf(__fmul_rn(__fmul_rn(__fadd_rn(t, 1.0f), x), sqrt_2_over_pi));
+        out[i] = {to_16}(__fmul_rn(__fmul_rn(__fadd_rn(t, 1.0f), x), 0.5f));
+    }
+}
+"""
+
+#: threads a block, and at most this many blocks (each thread then loops), as bf16_bits.py's kernels
+THREADS, MAX_BLOCKS = 256, 4096
+
+
+def _operand(dtype, fmt):
+    """(C type, widening to float) of an operand of numpy `dtype`: float32, or fmt's 16-bit type."""
+    if numpy.dtype(dtype) == numpy.float32:
+        return "float", "(float)"
+    if precision.format_of(dtype) != fmt:
+        raise ValueError(f"the {fmt} residual kernel reads float32 or {fmt} arrays, not {numpy.dtype(dtype)}")
+    return _SIXTEEN_BIT[fmt][1], _SIXTEEN_BIT[fmt][3]
+
+
+def code(fmt, y_dtype, residual_dtype, has_keep):
+    """(CUDA source, kernel name) of the variant for 16-bit format `fmt`, y and the residual of
+    these dtypes (float32 or fmt's), with or without a keep mask."""
+    (y_type, wide_y), (residual_type, wide_r) = _operand(y_dtype, fmt), _operand(residual_dtype, fmt)
+    name = f"{fmt}_y_{_short(y_dtype)}_residual_{_short(residual_dtype)}" + ("_dropout" if has_keep else "")
+    source = _render(_SOURCE, fmt, y_type=y_type, residual_type=residual_type, wide_y=wide_y, wide_r=wide_r,
+                     has_keep=str(int(has_keep)), name=name)
+    return source, f"bias_dropout_add_{name}"
+
+
+def _render(template, fmt, **values):
+    """template with fmt's header, types and conversions, this module's name and `values` filled in."""
+    header, store, to_16, from_16 = _SIXTEEN_BIT[fmt]
+    values = dict(header=header, store=store, to_16=to_16, from_16=from_16, module=__name__, fmt=fmt, **values)
+    for key, value in values.items():
+        template = template.replace("{" + key + "}", value)
+    return template
+
+
+#: the bias + GeLU kernel's twin, the chain it equals (ops/elementwise.py, a layer above this one)
+GELU_TWIN = "npmegatron.autograd.ops.elementwise:bias_gelu_tanh_twin"
+
+
+def bias_gelu_code(fmt, y_dtype):
+    """(CUDA source, kernel name) of bias + GeLU (tanh) from y of `y_dtype` to fmt's 16 bits."""
+    y_type, wide_y = _operand(y_dtype, fmt)
+    name = f"{fmt}_y_{_short(y_dtype)}"
+    source = _render(_BIAS_GELU_SOURCE.replace("{module}:bias_gelu_tanh_twin", GELU_TWIN), fmt, y_type=y_type,
+                     wide_y=wide_y, name=name)
+    return source, f"bias_gelu_tanh_{name}"
+
+
+def bias_add_code(fmt):
+    """(CUDA source, kernel name) of the bias add that writes a Linear's 16-bit output."""
+    return _render(_BIAS_ADD_SOURCE, fmt), f"bias_add_{fmt}"
+
+
+def _short(dtype):
+    return "float32" if numpy.dtype(dtype) == numpy.float32 else "16"
+
+
+_compiled = {}
+
+
+def bias_dropout_add(y, bias, keep, residual, scale, fmt):
+    """residual + dropout(y + bias) as the 16-bit format `fmt` stores it (module docstring), a new
+    C-ordered 16-bit array; keep None: no dropout. y, keep and the residual: C-ordered device
+    arrays of one shape; bias: fmt's 16-bit array of y's last dimension."""
+    import cupy
+    variant = (fmt, numpy.dtype(y.dtype), numpy.dtype(residual.dtype), keep is not None)
+    out = cupy.empty(y.shape, precision.sixteen_bit_dtype(fmt))
+    _launch(variant, lambda: code(*variant),
+            (y, bias, y if keep is None else keep, residual, out, numpy.float32(1.0 if scale is None else scale),
+             numpy.int64(y.size), numpy.int64(y.shape[-1])), y.size)
+    return out
+
+
+def _launch(key, make_code, args, n):
+    """Run the kernel `make_code()` makes (compiled once per CuPy module and key) over n values."""
+    import cupy
+    kernel = _compiled.get((cupy, key))     # per CuPy module: a test's stand-in is its own
+    if kernel is None:
+        kernel = _compiled[cupy, key] = cupy.RawKernel(*make_code())
+    kernel((max(1, min(MAX_BLOCKS, -(-n // THREADS))),), (THREADS,), args)
+
+
+def bias_gelu_tanh(y, b, fmt, cubic, sqrt_2_over_pi):
+    """gelu(y + b), the tanh form with these constants, as fmt's 16-bit array: the MLP's activation
+    from its first GEMM's output (16-bit, or float32), computed operation by operation as the
+    elementwise chain does (its twin, GELU_TWIN)."""
+    import cupy
+    out = cupy.empty(y.shape, precision.sixteen_bit_dtype(fmt))
+    _launch(("gelu", fmt, y.dtype), lambda: bias_gelu_code(fmt, y.dtype),
+            (y, b, out, numpy.float32(cubic), numpy.float32(sqrt_2_over_pi), numpy.int64(y.size),
+             numpy.int64(y.shape[-1])), y.size)
+    return out
+
+
+def bias_add(y, bias, fmt):
+    """y + bias as fmt's 16-bit array, rounded as it is stored (a Linear's output whose GEMM wrote
+    float32 y: the sum the CPU's emulation rounds after the op), in one launch."""
+    import cupy
+    out = cupy.empty(y.shape, precision.sixteen_bit_dtype(fmt))
+    _launch(("bias", fmt), lambda: bias_add_code(fmt), (y, bias, out, numpy.int64(y.size), numpy.int64(y.shape[-1])),
+            y.size)
+    return out
+
+
+def takes_bias_add(y, bias, fmt, y_16_bit=False):
+    """Whether bias_add (with y_16_bit, bias_gelu_tanh) takes these: C-ordered float32 (or fmt's
+    16-bit) device y, fmt's 16-bit bias of its last dimension."""
+    y_ok = y.dtype == numpy.float32 or (y_16_bit and precision.format_of(y.dtype) == fmt)
+    return (type(y).__module__.startswith("cupy") and y.size > 0 and fmt in _SIXTEEN_BIT
+            and y_ok and y.flags.c_contiguous and precision.format_of(bias.dtype) == fmt
+            and bias.flags.c_contiguous and bias.shape == y.shape[-1:])
+
+
+def takes(y, bias, keep, residual, fmt):
+    """Whether the kernel takes these arrays: C-ordered device arrays of one shape, y and the
+    residual float32 or fmt's 16-bit, the bias fmt's 16-bit of y's last dimension."""
+    if not type(y).__module__.startswith("cupy") or y.size == 0 or fmt not in _SIXTEEN_BIT:
+        return False
+    arrays = (y, residual) if keep is None else (y, residual, keep)
+    for a in arrays:
+        if a.shape != y.shape or not a.flags.c_contiguous:
+            return False
+    return (precision.format_of(bias.dtype) == fmt and bias.flags.c_contiguous and bias.shape == y.shape[-1:]
+            and all(a.dtype == numpy.float32 or precision.format_of(a.dtype) == fmt for a in (y, residual)))
+
+
+def bias_dropout_add_twin(y, bias, keep, residual, out, scale, n, cols):
+    """bias_dropout_add_{fmt}_*: the kernel's numbers in NumPy (float32 arithmetic, each stored
+    value rounded to out's 16-bit format), written into `out`."""
+    fmt = precision.format_of(out.dtype)
+    t = precision.round_(y.astype(numpy.float32) + bias.astype(numpy.float32), fmt)
+    if keep.dtype == numpy.bool_:      # without a mask the kernel's keep argument is y (unread)
+        t = t * keep.astype(numpy.float32)
+        t *= numpy.float32(scale)
+    out[...] = (t + residual.astype(numpy.float32)).astype(out.dtype)
+
+
+def bias_add_twin(y, bias, out, n, cols):
+    """bias_add_{fmt}: y + bias in float32, rounded to out's 16-bit format."""
+    out[...] = (y + bias.astype(numpy.float32)).astype(out.dtype)
+
+
+def all_sources():
+    """(kernel name, CUDA source) of every variant, for the NVRTC compile in CI
+    (tests/test_cuda_sources_compile.py)."""
+    dtypes = {fmt: (numpy.float32, precision.sixteen_bit_dtype(fmt)) for fmt in _SIXTEEN_BIT}
+    return [code(fmt, y, r, keep)[::-1] for fmt in _SIXTEEN_BIT for y in dtypes[fmt] for r in dtypes[fmt]
+            for keep in (False, True)] + [bias_add_code(fmt)[::-1] for fmt in _SIXTEEN_BIT] + [
+        bias_gelu_code(fmt, y)[::-1] for fmt in _SIXTEEN_BIT for y in dtypes[fmt]]
