@@ -5,6 +5,7 @@ pipeline stage may free an output after sending it and still backpropagate throu
 (Megatron's `deallocate_output_tensor` + `custom_backward`).
 """
 from .backend import get_array_module
+from .precision import format_of, to_float32
 from .errors import InputError
 from .graph import AccumulateGrad, edge_of
 
@@ -188,7 +189,8 @@ def _accumulate(buffers, node, index, g, owned=None, fresh=False):
         slots[index] += g       # a Function wrote there (_destinations): it keeps the whole sum
         return
     elif owned is not None and id(slots[index]) in owned and slots[index].shape == g.shape \
-            and slots[index].dtype == g.dtype and getattr(node, "storage", None) is None:
+            and slots[index].dtype == g.dtype and getattr(node, "storage", None) is None \
+            and format_of(g.dtype) is None:
         # the slot's array is this walk's alone: no new array, no copy. Not where the gradient
         # flows into a 16-bit Function: its producer may have kept a 16-bit copy of the array
         # (function.py), which an in-place sum would leave stale.
@@ -197,8 +199,12 @@ def _accumulate(buffers, node, index, g, owned=None, fresh=False):
     else:
         if owned is not None:
             owned.pop(id(slots[index]), None)
-        # out of place: g may be shared with another consumer of the same backward result
-        slots[index] = g = slots[index] + g
+        # out of place: g may be shared with another consumer of the same backward result. Two
+        # 16-bit gradients (a GPU's) are summed in float32, as the CPU's emulation sums them
+        held = slots[index]
+        if format_of(held.dtype) and format_of(g.dtype):
+            held = to_float32(held)
+        slots[index] = g = held + g
         fresh = True
     if fresh and owned is not None:
         owned[id(g)] = g

@@ -224,6 +224,8 @@ class Node:
             self.ctx.grad_destinations = tuple(
                 None if d is None or (d[1] and not edge[0].leaf.is_parameter) else d
                 for d, edge in zip(destinations, self.edges))
+        if self.storage is not None and not self.function.reads_16_bit_grads:
+            grads = [_precision.to_float32(g) if g is not None and g.dtype in _SIXTEEN_BIT else g for g in grads]
         if _profile._table is not None:
             result = _profile.timed(self.name, 1, lambda: self.function.backward(self.ctx, *grads))
         else:
@@ -268,6 +270,7 @@ class Function:
     # output): its kernels read 16 bits and compute in float32. Any other Function gets them widened
     # to float32 first (apply), so a 16-bit array never meets an array library's 16-bit arithmetic.
     reads_16_bit = False
+    reads_16_bit_grads = False      # the same of backward's incoming gradients (Node.run widens them)
     adds_pending_grads = False      # backward may add ctx.pending_grads into its results
     writes_grad_destinations = False    # backward may write into ctx.destination(i)
 

@@ -81,13 +81,13 @@ _BACKWARD = _BLOCK_SUM + r"""
 // gx = rstd (gh - mean(gh) - xhat mean(gh xhat)), gh = g weight; plus `pending` (the gradient
 // the input already has from its other consumer, the residual path) when add_pending is 1.
 extern "C" __global__ void layer_norm_backward_rows_{name}(
-        const {T}* g, const WTYPE* weight, const KEPT* kept, const STAT* stats, const {T}* pending,
-        {T}* gx, int cols, int add_pending) {
+        const GTYPE* g, const WTYPE* weight, const KEPT* kept, const STAT* stats, const GTYPE* pending,
+        GTYPE* gx, int cols, int add_pending) {
     __shared__ double shared[32];
     size_t start = (size_t)blockIdx.x * cols;
     double sum_gh = 0.0, sum_ghx = 0.0;
     for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-        double gh = (double)g[start + c] * (double)WEIGHT(weight[c]);
+        double gh = (double)G(g[start + c]) * (double)WEIGHT(weight[c]);
         sum_gh += gh;
         sum_ghx += gh * (double)XHAT(blockIdx.x, start + c);
     }
@@ -95,9 +95,9 @@ extern "C" __global__ void layer_norm_backward_rows_{name}(
     double mean_ghx = block_sum(sum_ghx, shared) / cols;
     double inv = (double)RSTD(blockIdx.x);
     for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-        double gh = (double)g[start + c] * (double)WEIGHT(weight[c]);
+        double gh = (double)G(g[start + c]) * (double)WEIGHT(weight[c]);
         {T} d = ({T})((gh - mean_gh - (double)XHAT(blockIdx.x, start + c) * mean_ghx) * inv);
-        gx[start + c] = add_pending ? pending[start + c] + d : d;
+        gx[start + c] = TO_G(add_pending ? G(pending[start + c]) + d : d);
     }
 }
 """
@@ -108,14 +108,14 @@ _COLUMNS = r"""
 // straight into their destinations. A block of 32 x 32 threads takes 32 columns: each thread sums
 // every 32nd row of its column, then the first row of threads adds the 32 partial sums in order.
 extern "C" __global__ void layer_norm_column_sums_{name}(
-        const {T}* g, const KEPT* kept, const STAT* stats, {T}* gw, {T}* gb, int rows, int cols,
+        const GTYPE* g, const KEPT* kept, const STAT* stats, {T}* gw, {T}* gb, int rows, int cols,
         int accumulate_w, int accumulate_b) {
     __shared__ double part_w[32][33], part_b[32][33];
     int c = blockIdx.x * 32 + threadIdx.x;
     double sw = 0.0, sb = 0.0;
     if (c < cols) {
         for (int r = threadIdx.y; r < rows; r += 32) {
-            double gv = (double)g[(size_t)r * cols + c];
+            double gv = (double)G(g[(size_t)r * cols + c]);
             sw += gv * (double)XHAT(r, (size_t)r * cols + c);
             sb += gv;
         }
@@ -174,6 +174,18 @@ _INPUT_16_BIT = r"""
 typedef KEPT XTYPE;
 #define X(v) {from_kept}(v)
 """
+#: The gradients' type (backward's g and gx): the array's, or (a GPU's 16-bit gradients, from a
+#: GEMM that rounds as it stores) the kept format's, gx then rounded as it is stored.
+_GRADS_AS_ARRAY = r"""
+typedef {T} GTYPE;
+#define G(v) (v)
+#define TO_G(v) (v)
+"""
+_GRADS_16_BIT = r"""
+typedef KEPT GTYPE;
+#define G(v) {from_kept}(v)
+#define TO_G(v) {to_kept}(v)
+"""
 #: The weight's and bias's type: the array's, or (a GPU's --fp16/--bf16 parameters) 16-bit.
 _WEIGHT_AS_ARRAY = r"""
 typedef {T} WTYPE;
@@ -202,24 +214,28 @@ class RowKernel:
         self.launch(variant, (rows,), (threads_for(cols),), args)
 
     def launch(self, variant, grid, block, args):
-        """variant: (the arrays' dtype, the kept format or None, the weight's 16-bit format or None)."""
+        """variant: `code`'s arguments (the arrays' dtype, the kept format or None, the weight's
+        16-bit format or None, and the 16-bit input's and gradients' flags)."""
         import cupy
         kernel = self._compiled.get(variant)
         if kernel is None:
             kernel = self._compiled[variant] = cupy.RawKernel(*self.code(*variant))
         kernel(grid, block, args)
 
-    def code(self, dtype, keep=None, weight=None, input_16_bit=False):
+    def code(self, dtype, keep=None, weight=None, input_16_bit=False, grads_16_bit=False):
         """(CUDA source, kernel name) for arrays of `dtype`, keeping xhat (keep None) or the input
         in the 16-bit format `keep`, with weights of the arrays' dtype or of 16-bit format `weight`;
-        with input_16_bit, forward's input is that 16-bit array itself (keep's format)."""
+        with input_16_bit, forward's input is that 16-bit array itself (keep's format); with
+        grads_16_bit, backward's g and gx are keep's 16-bit arrays."""
         type_name = _TYPES[numpy.dtype(dtype)]
         prelude = _KEPT_XHAT if keep is None else _KEPT_INPUT.format(T="{T}", **_SIXTEEN_BIT[keep])
         prelude += _INPUT_16_BIT.format(**_SIXTEEN_BIT[keep]) if input_16_bit else _INPUT_AS_ARRAY
+        prelude += _GRADS_16_BIT.format(**_SIXTEEN_BIT[keep]) if grads_16_bit else _GRADS_AS_ARRAY
         prelude += _WEIGHT_AS_ARRAY if weight is None else _WEIGHT_16_BIT.format(**_SIXTEEN_BIT[weight])
         name = (type_name + ("" if keep is None else f"_kept_{keep}") + ("_input_16_bit" if input_16_bit else "")
-                + ("" if weight is None else f"_weight_{weight}"))
-        twin = "" if keep is None else "_16_bit_input" if input_16_bit else "_kept_input"
+                + ("_grads_16_bit" if grads_16_bit else "") + ("" if weight is None else f"_weight_{weight}"))
+        twin = ("" if keep is None else "_16_bit_input" if input_16_bit else "_16_bit_grads" if grads_16_bit
+                else "_kept_input")
         source = (prelude + self.source).replace("{T}", type_name).replace("{module}", __name__)
         return source.replace("{twin}", twin).replace("{name}", name), f"{self.name}_{name}"
 
@@ -230,9 +246,10 @@ def all_sources():
     only). CI compiles them all with NVRTC on a GPU-less machine (tests/test_cuda_sources_compile.py),
     so a compile error never reaches a GPU."""
     formats = (None, *_SIXTEEN_BIT)
-    return [kernel.code(dtype, keep, weight, input_16_bit)[::-1] for kernel in KERNELS.values()
+    return [kernel.code(dtype, keep, weight, *sixteen)[::-1] for kernel in KERNELS.values()
             for dtype in _TYPES for keep in formats for weight in formats
-            for input_16_bit in ((False, True) if keep and kernel is _forward_kernel else (False,))]
+            for sixteen in ((False, False), ((True, False) if kernel is _forward_kernel else (False, True)))
+            if keep or sixteen == (False, False)]
 
 
 def threads_for(cols):
@@ -279,7 +296,7 @@ def layer_norm_backward(g, weight, kept, stats, pending=None):
     xp = get_array_module(g)
     rows, cols = g.shape
     gx = xp.empty_like(g)
-    _backward_kernel(rows, cols, (g.dtype, precision.format_of(kept.dtype), precision.format_of(weight.dtype)), _contiguous(g),
+    _backward_kernel(rows, cols, _grad_variant(g, kept, weight), _contiguous(g),
                      _contiguous(weight), kept, stats,
                      g if pending is None else _contiguous(pending), gx, numpy.int32(cols),
                      numpy.int32(pending is not None))
@@ -291,12 +308,21 @@ def layer_norm_column_sums(g, kept, stats, gw=None, gb=None):
     launch. gw and gb: None for new arrays, or (array, accumulate) to write into (Context.destination)."""
     xp = get_array_module(g)
     rows, cols = g.shape
-    outs = [(xp.empty(cols, g.dtype), False) if d is None else d for d in (gw, gb)]
+    variant = _grad_variant(g, kept, None)
+    outs = [(xp.empty(cols, variant[0]), False) if d is None else d for d in (gw, gb)]
     (w, add_w), (b, add_b) = outs
-    _columns_kernel.launch((g.dtype, precision.format_of(kept.dtype), None), (-(-cols // 32),), (32, 32),
+    _columns_kernel.launch(variant, (-(-cols // 32),), (32, 32),
                            (_contiguous(g), kept, stats, _contiguous(w), _contiguous(b), numpy.int32(rows),
                             numpy.int32(cols), numpy.int32(add_w), numpy.int32(add_b)))
     return w, b
+
+
+def _grad_variant(g, kept, weight):
+    """The backward kernels' variant for gradient g: its own dtype, or (a 16-bit g, which comes with
+    a kept 16-bit input) float32 arithmetic on 16-bit g and gx."""
+    keep, sixteen = precision.format_of(kept.dtype), precision.format_of(g.dtype) is not None
+    return (numpy.dtype(numpy.float32) if sixteen else g.dtype, keep, precision.format_of(weight.dtype)
+            if weight is not None else None, False, sixteen)
 
 
 def _contiguous(a):
@@ -372,6 +398,21 @@ def layer_norm_backward_rows_kept_input(g, weight, kept, stats, pending, gx, col
     """layer_norm_backward_rows_{T}_kept_{fmt}: xhat and rstd recomputed, then the same formula."""
     layer_norm_backward_rows(g, weight, xhat_from_input(kept, stats, g.dtype), stats[:, 1:].astype(g.dtype),
                              pending, gx, cols, add_pending)
+
+
+def layer_norm_backward_rows_16_bit_grads(g, weight, kept, stats, pending, gx, cols, add_pending):
+    """layer_norm_backward_rows_float_kept_{fmt}_grads_16_bit: the kept-input kernel's numbers
+    from g's float32 widening, gx rounded into its 16 bits as stored."""
+    wide = numpy.empty(gx.shape, numpy.float32)
+    layer_norm_backward_rows_kept_input(g.astype(numpy.float32), weight, kept, stats, pending.astype(numpy.float32),
+                                        wide, cols, add_pending)
+    gx[...] = wide
+
+
+def layer_norm_column_sums_rows_16_bit_grads(g, kept, stats, gw, gb, rows, cols, accumulate_w, accumulate_b):
+    """layer_norm_column_sums_float_kept_{fmt}_grads_16_bit: the same sums of g's float32 widening."""
+    layer_norm_column_sums_rows_kept_input(g.astype(numpy.float32), kept, stats, gw, gb, rows, cols,
+                                           accumulate_w, accumulate_b)
 
 
 def layer_norm_column_sums_rows_kept_input(g, kept, stats, gw, gb, rows, cols, accumulate_w, accumulate_b):

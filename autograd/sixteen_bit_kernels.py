@@ -11,7 +11,8 @@ emulation's:
   block's output as a 16-bit array, the residual stream Megatron keeps, which LayerNorm's row
   kernels and the next block's kernel read as it is;
 - a Linear's bias add, which writes the Linear's 16-bit output from its GEMM's float32 one;
-- the MLP's bias + GeLU (tanh form), from the first GEMM's 16-bit output to a 16-bit output.
+- the MLP's bias + GeLU (tanh form), from the first GEMM's 16-bit output to a 16-bit output, and
+  its backward, from a 16-bit gradient to a 16-bit one (and the float32 one the bias's sum reads).
 
 Products and sums use the _rn intrinsics so the compiler cannot contract them into a fused
 multiply-add the emulation does not make. Each kernel's source names its twin (row_kernels.py's
@@ -82,6 +83,32 @@ extern "C" __global__ void bias_gelu_tanh_{name}(const YT* y, const ST* b, ST* o
 }
 """
 
+_BIAS_GELU_BACKWARD_SOURCE = r"""
+#include <{header}>
+typedef {store} ST;
+typedef {g_type} GT;
+typedef {y_type} YT;
+
+// twin: {module}:bias_gelu_tanh_backward_twin
+// elementwise.py's bias_gelu_tanh_backward_recomputed, operation by operation: the gradient in
+// float32 (for the bias's column sum) and rounded to 16 bits (the gradient handed on)
+extern "C" __global__ void bias_gelu_tanh_backward_{name}(
+        const GT* g, const YT* y, const ST* b, float* wide, ST* out, float cubic, float sqrt_2_over_pi,
+        float cubic_grad, long long n, long long cols) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        float x = __fadd_rn({wide_y}(y[i]), {from_16}(b[i % cols]));
+        float t = __fmul_rn(__fmul_rn(x, x), cubic);
+        t = tanhf(__fmul_rn(__fmul_rn(__fadd_rn(t, 1.0f), x), sqrt_2_over_pi));
+        float grad = __fmul_rn(__fadd_rn(__fmul_rn(__fmul_rn(x, x), cubic_grad), sqrt_2_over_pi), x);
+        grad = __fmul_rn(grad, __fadd_rn(-__fmul_rn(t, t), 1.0f));
+        grad = __fmul_rn(__fmul_rn(__fadd_rn(grad, __fadd_rn(t, 1.0f)), 0.5f), {wide_g}(g[i]));
+        wide[i] = grad;
+        out[i] = {to_16}(grad);
+    }
+}
+"""
+
 #: threads a block, and at most this many blocks (each thread then loops), as bf16_bits.py's kernels
 THREADS, MAX_BLOCKS = 256, 4096
 
@@ -125,6 +152,18 @@ def bias_gelu_code(fmt, y_dtype):
     source = _render(_BIAS_GELU_SOURCE.replace("{module}:bias_gelu_tanh_twin", GELU_TWIN), fmt, y_type=y_type,
                      wide_y=wide_y, name=name)
     return source, f"bias_gelu_tanh_{name}"
+
+
+GELU_BACKWARD_TWIN = "npmegatron.autograd.ops.elementwise:bias_gelu_tanh_backward_twin"
+
+
+def bias_gelu_backward_code(fmt, g_dtype, y_dtype):
+    """(CUDA source, kernel name) of bias + GeLU's backward from g and y of these dtypes."""
+    (g_type, wide_g), (y_type, wide_y) = _operand(g_dtype, fmt), _operand(y_dtype, fmt)
+    name = f"{fmt}_g_{_short(g_dtype)}_y_{_short(y_dtype)}"
+    source = _render(_BIAS_GELU_BACKWARD_SOURCE.replace("{module}:bias_gelu_tanh_backward_twin", GELU_BACKWARD_TWIN),
+                     fmt, g_type=g_type, wide_g=wide_g, y_type=y_type, wide_y=wide_y, name=name)
+    return source, f"bias_gelu_tanh_backward_{name}"
 
 
 def bias_add_code(fmt):
@@ -171,6 +210,17 @@ def bias_gelu_tanh(y, b, fmt, cubic, sqrt_2_over_pi):
             (y, b, out, numpy.float32(cubic), numpy.float32(sqrt_2_over_pi), numpy.int64(y.size),
              numpy.int64(y.shape[-1])), y.size)
     return out
+
+
+def bias_gelu_tanh_backward(g, y, b, fmt, cubic, sqrt_2_over_pi, cubic_grad):
+    """(the gradient of gelu(y + b) at g in float32, the same rounded to fmt's 16 bits): the
+    recomputing chain's numbers (GELU_BACKWARD_TWIN) in one launch, from 16-bit or float32 g and y."""
+    import cupy
+    wide, out = cupy.empty(y.shape, numpy.float32), cupy.empty(y.shape, precision.sixteen_bit_dtype(fmt))
+    _launch(("gelu backward", fmt, g.dtype, y.dtype), lambda: bias_gelu_backward_code(fmt, g.dtype, y.dtype),
+            (g, y, b, wide, out, numpy.float32(cubic), numpy.float32(sqrt_2_over_pi), numpy.float32(cubic_grad),
+             numpy.int64(y.size), numpy.int64(y.shape[-1])), y.size)
+    return wide, out
 
 
 def bias_add(y, bias, fmt):
@@ -227,4 +277,5 @@ def all_sources():
     dtypes = {fmt: (numpy.float32, precision.sixteen_bit_dtype(fmt)) for fmt in _SIXTEEN_BIT}
     return [code(fmt, y, r, keep)[::-1] for fmt in _SIXTEEN_BIT for y in dtypes[fmt] for r in dtypes[fmt]
             for keep in (False, True)] + [bias_add_code(fmt)[::-1] for fmt in _SIXTEEN_BIT] + [
-        bias_gelu_code(fmt, y)[::-1] for fmt in _SIXTEEN_BIT for y in dtypes[fmt]]
+        bias_gelu_code(fmt, y)[::-1] for fmt in _SIXTEEN_BIT for y in dtypes[fmt]] + [
+        bias_gelu_backward_code(fmt, g, y)[::-1] for fmt in _SIXTEEN_BIT for g in dtypes[fmt] for y in dtypes[fmt]]

@@ -200,6 +200,7 @@ class Linear(Function):
     gradients' sum is not rounded) or whose operands were never rounded would be rounded by cuBLAS
     on a GPU, where NumPy computes in float32. The strict stand-in refuses such operands."""
     reads_16_bit = True     # 16-bit x into the 16-bit weights' GEMM as it is; widened for float32 weights
+    reads_16_bit_grads = True       # a 16-bit output gradient into the GEMMs as it is
 
     writes_grad_destinations = True
 
@@ -250,7 +251,10 @@ class Linear(Function):
         if precision.format_of(w.dtype) is None:
             return gemm.matmul(Linear._wide(g), w.T, grid=ctx.grid)
         g16 = Linear._sixteen_bit_grad(ctx, g, w)
-        return gemm.matmul(g16, w.T, out=_float32(g, g.shape[:-1] + w.shape[:1]))
+        shape = g.shape[:-1] + w.shape[:1]
+        if ctx.grid == precision.format_of(w.dtype):    # a GPU's 16-bit gradients: rounded as stored
+            return gemm.matmul(g16, w.T, out=get_array_module(g).empty(shape, w.dtype))
+        return gemm.matmul(g16, w.T, out=_float32(g, shape))
 
     @staticmethod
     def parameter_grads(ctx, g):

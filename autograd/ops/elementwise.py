@@ -141,6 +141,14 @@ def bias_gelu_tanh_twin(y, b, out, cubic, sqrt_2_over_pi, n, cols):
     out[...] = _gelu_tanh(numpy, y.astype(numpy.float32) + b.astype(numpy.float32))[0]
 
 
+def bias_gelu_tanh_backward_twin(g, y, b, wide, out, cubic, sqrt_2_over_pi, cubic_grad, n, cols):
+    """sixteen_bit_kernels.py's bias + GeLU backward kernel in NumPy: the recomputing chain on the
+    float32 widenings, into float32 `wide` and rounded into 16-bit `out`."""
+    x = y.astype(numpy.float32) + b.astype(numpy.float32)
+    wide[...] = _gelu_tanh_grad(numpy, g.astype(numpy.float32), x, _gelu_tanh(numpy, x)[1])
+    out[...] = wide
+
+
 @fused
 def bias_gelu_tanh_backward_recomputed(xp, g, y, b):
     """bias_gelu_tanh_backward with t recomputed from y + b by forward's own expression."""
@@ -236,6 +244,7 @@ class BiasGelu(Function):
     sixteen_bit_kernels.py's kernel, the GEMM's 16-bit y in, the 16-bit output out."""
 
     reads_16_bit = True
+    reads_16_bit_grads = True
     writes_grad_destinations = True
 
     @staticmethod
@@ -267,8 +276,17 @@ class BiasGelu(Function):
             gy, gb = _gelu_cpu.backward(g, *ctx.saved)
             return gy, (gb if ctx.needs_input_grad[1] else None)
         saved = ctx.saved
-        if precision.format_of(saved[0].dtype):     # y: the 16-bit GEMM output, kept as it came
+        fmt = precision.format_of(saved[0].dtype)
+        if fmt and ctx.backward_chain is bias_gelu_tanh_backward_recomputed and \
+                sixteen_bit_kernels.takes_bias_add(g, saved[1], fmt, y_16_bit=True) and g.shape == saved[0].shape:
+            # a GPU's 16-bit gradients: one kernel; the bias's gradient sums the float32 one, as
+            # the CPU's emulation sums the gradient before the tape rounds it
+            wide, gy = sixteen_bit_kernels.bias_gelu_tanh_backward(g, *saved, fmt, _GELU_CUBIC, _SQRT_2_OVER_PI,
+                                                                   _GELU_CUBIC_GRAD)
+            return gy, bias_grad_to(wide, ctx.destination(1)) if ctx.needs_input_grad[1] else None
+        if fmt:     # y: the 16-bit GEMM output, kept as it came
             saved = (precision.to_float32(saved[0]),) + saved[1:]
+        g = precision.to_float32(g) if precision.format_of(g.dtype) else g
         gy = ctx.backward_chain(g, *saved)
         gb = bias_grad_to(gy, ctx.destination(1)) if ctx.needs_input_grad[1] else None
         return gy, gb

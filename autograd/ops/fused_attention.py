@@ -165,6 +165,7 @@ class FusedCausalAttention(Function):
     """PackedCausalAttention in one cuDNN call each way (module doc): qkv (b, t, heads, 3, d) ->
     (b, heads, t, d), laid out (b, t, heads, d); a 16-bit output under 16-bit arrays."""
     reads_16_bit = True     # cuDNN reads 16-bit q, k, v
+    reads_16_bit_grads = True       # cuDNN reads the 16-bit dO
 
     @staticmethod
     def forward(ctx, qkv, scale):
@@ -217,6 +218,7 @@ class FusedGroupedCausalAttention(Function):
     made (views of them), writes the three gradients into one 16-bit buffer, and one kernel widens
     it to float32 for the rotations' and the split's backward."""
     reads_16_bit = True     # cuDNN reads 16-bit q, k, v
+    reads_16_bit_grads = True       # cuDNN reads the 16-bit dO
 
     @staticmethod
     def forward(ctx, q, k, v, scale):

@@ -120,6 +120,7 @@ class LayerNorm(Function):
     kernels of the same formulas for large arrays on the CPU (_layer_norm_cpu.py); the chains
     above for small CPU arrays and what the row kernels do not take."""
     reads_16_bit = True     # the row kernels read the 16-bit residual stream
+    reads_16_bit_grads = True       # and a 16-bit output gradient, writing a 16-bit input gradient
 
     adds_pending_grads = True
     writes_grad_destinations = True
@@ -162,6 +163,8 @@ class LayerNorm(Function):
         xhat, statistic, weight = ctx.saved
         ctx.mark_fresh(1, 2)            # made here (two parts of one complex sum on a GPU)
         need_x, need_w, need_b = ctx.needs_input_grad
+        if ctx.path != "rows" and precision.format_of(g.dtype):
+            g = precision.to_float32(g)     # a 16-bit gradient where the row kernels are not run
         g2 = g.reshape(xhat.shape)
         if ctx.path == "numba":
             from . import _layer_norm_cpu
@@ -176,6 +179,8 @@ class LayerNorm(Function):
             sums = layer_norm_column_sums(g2, xhat)
             gw, gb = sums.real, sums.imag       # strided views: the leaves' gradients copy them
         elif need_w or need_b:
+            if precision.format_of(g2.dtype):       # one of the two (a frozen weight): float32 sums
+                g2 = precision.to_float32(g2)
             if ctx.path == "rows" and precision.format_of(xhat.dtype):      # the kept input
                 xhat = row_kernels.xhat_from_input(xhat, statistic, g2.dtype)
             gw, gb = ((g2 * xhat).sum(axis=0), None) if need_w else (None, bias_grad(g2))

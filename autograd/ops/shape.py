@@ -8,6 +8,7 @@ from ..tensor import Tensor
 
 class Reshape(Function):
     reads_16_bit = True     # moves values, computes none (Function.reads_16_bit)
+    reads_16_bit_grads = True
     passes_gradient_views = True    # backward's result is a view of its incoming gradient (engine.py)
 
     @staticmethod
@@ -26,6 +27,7 @@ class Reshape(Function):
 
 class Transpose(Function):
     reads_16_bit = True     # moves values, computes none (Function.reads_16_bit)
+    reads_16_bit_grads = True
     passes_gradient_views = True
 
     @staticmethod
