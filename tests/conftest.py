@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from npmegatron.autograd import bf16_bits, cublas_capture, fusion, sixteen_bit_kernels, row_kernels  # first: npmegatron sets the BLAS threads before NumPy loads
+from npmegatron.autograd.ops import fused_attention  # noqa: E402
 from fakes.strict_cupy import strict_cupy  # noqa: E402
 from helpers import ROOT, run_ranks  # noqa: E402
 
@@ -52,6 +53,8 @@ def fresh_strict_cupy(monkeypatch):
     for kernel in bf16_bits.KERNELS.values():
         monkeypatch.setattr(kernel, "_compiled", None)
     monkeypatch.setattr(sixteen_bit_kernels, "_compiled", {})
+    for cache in ("_libraries", "_graphs", "_handles"):      # cuDNN's handles and graphs of another stand-in
+        monkeypatch.setattr(fused_attention, cache, {})
     monkeypatch.setattr(cublas_capture, "_apis", {})           # another stand-in's C API and workspaces
     monkeypatch.setattr(cublas_capture, "_workspaces", {})
     with strict_cupy(devices=1) as module:

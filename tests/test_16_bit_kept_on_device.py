@@ -222,3 +222,61 @@ def test_the_16_bit_residual_stream_is_the_cpu_emulations_numbers_in_one_kernel(
         assert layer_norm.grad_fn is None or layer_norm.grad_fn.ctx.kept[0] is out.data
         widened = ag.layer_norm(ag.Tensor(out.data.astype(numpy.float32)), *ln_params)
     assert numpy.array_equal(cp.asnumpy(layer_norm.data), cp.asnumpy(widened.data))
+
+
+def dtypes_between_functions(cp, fmt, monkeypatch):
+    """{("forward" or "backward", Function name): dtype names} of every array a Function handed on
+    in one forward and backward of a 2-layer GPT (hidden dropout on) on the stand-in: its outputs,
+    and the gradients its backward returned for inputs that are not parameters (nor views of one)."""
+    from npmegatron.autograd import function
+    seen = {}
+    apply, run = function.Function.apply.__func__, function.Node.run
+
+    def recording_apply(cls, *inputs, **params):
+        out = apply(cls, *inputs, **params)
+        for t in out if isinstance(out, tuple) else (out,):
+            seen.setdefault(("forward", cls.__name__), set()).add(t.data.dtype.name)
+        return out
+
+    def recording_run(node, grads, *args, **kwargs):
+        result = run(node, grads, *args, **kwargs)
+        for g, edge in zip(result, node.edges):
+            parameter = isinstance(edge[0], function.AccumulateGrad) and edge[0].leaf.is_parameter \
+                if edge is not None else False
+            if g is not None and not parameter and not function._reaches_parameter(edge):
+                seen.setdefault(("backward", node.name), set()).add(g.dtype.name)
+        return result
+
+    monkeypatch.setattr(function.Function, "apply", classmethod(recording_apply))
+    monkeypatch.setattr(function.Node, "run", recording_run)
+    cfg = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=96, max_position_embeddings=32,
+                    hidden_dropout=0.1, attention_dropout=0.0, device="gpu", **{fmt: True})
+    run_ = assemble(TrainConfig(model=cfg, seq_length=32, micro_batch_size=2, lr=1e-4, min_lr=0.0), world_size=1)
+    ids = numpy.random.default_rng(7).integers(0, cfg.vocab_size, (2, 33))
+    _, loss = run_.model.chunks[0](ids[:, :-1], ids[:, 1:])
+    ag.backward(loss)
+    return seen
+
+
+#: What a --fp16/--bf16 step on a GPU still hands on in float32 (on the 16-bit grid, with its
+#: 16-bit copy where a 16-bit reader takes it): the loss and its logits' gradient (the loss and its
+#: reductions are float32, as Megatron keeps them), the embedding's lookup, position add and dropout
+#: each way (not yet 16-bit: the first layer reads their 16-bit copy), and the residual stream's
+#: gradient at each branch's end, the fork's float32 sum that the CPU's emulation hands on there.
+FLOAT32_BETWEEN_FUNCTIONS = {("forward", "_VocabParallelCrossEntropy"), ("backward", "_VocabParallelCrossEntropy"),
+                             ("forward", "_ShardLookup"), ("forward", "Add"), ("backward", "Add"),
+                             ("forward", "Dropout"), ("backward", "Dropout"), ("backward", "BiasDropoutAdd")}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_steps_tape_hands_on_16_bit_arrays_between_the_layers_functions(cp, monkeypatch, fmt):
+    seen = dtypes_between_functions(cp, fmt, monkeypatch)
+    sixteen = precision.sixteen_bit_dtype(fmt).name
+    float32 = {key for key, dtypes in seen.items() if "float32" in dtypes}
+    assert float32 == FLOAT32_BETWEEN_FUNCTIONS, float32
+    layer_functions = {"LayerNorm", "Linear", "FusedCausalAttention", "BiasDropoutAdd", "BiasGelu"}
+    assert {name for _, name in seen} >= layer_functions, seen
+    for (phase, name), dtypes in seen.items():
+        assert dtypes <= {sixteen, "float32"}, (phase, name, dtypes)
+        if (phase, name) not in FLOAT32_BETWEEN_FUNCTIONS:
+            assert dtypes == {sixteen}, (phase, name, dtypes)

@@ -328,13 +328,14 @@ def test_16_bit_rounding_is_one_kernel_per_array_on_the_gpu():
         assert result["kept_for_backward_two_layers"] <= KEPT_FRACTION * plain["kept_for_backward_two_layers"]
 
 
-#: --bf16's launches per layer outside attention's core at GPT-2 124M's shapes (measured: 54 with
-#: the fused attention): the float32 ones, one rounding kernel per Function output and per
-#: activation gradient it returns (which also makes the 16-bit copy a Linear multiplies or a
-#: keeping keeps), and the widening of each kept array in backward; parameters' gradients are not
-#: rounded, views into rounded arrays are not rounded again. The issue's target, at most 30, needs
-#: 16-bit arrays between Functions: not met.
-BF16_LAYER_BUDGET = 56
+#: --bf16's launches per layer outside attention's core at GPT-2 124M's shapes (measured: 31 with
+#: the fused attention): the float32 layer's 27 with 16-bit arrays between its Functions: the
+#: kernels read 16 bits and round as they store (sixteen_bit_kernels.py, LayerNorm's 16-bit
+#: variants, GEMMs writing 16-bit outputs), plus the QKV projection's bias kernel and, per
+#: branch, the bias + dropout + residual backward's rounding of the residual stream's gradient
+#: (a float32 sum at the fork, as the CPU's emulation sums it) that also writes its 16-bit copy.
+#: The issue's target is at most 30.
+BF16_LAYER_BUDGET = 31
 #: Bytes kept for backward under --bf16/--fp16 against the float32 run, at most (the issue's 55 %;
 #: measured at GPT-2 124M's shapes: 50.1 % per layer, 50.0 % for the 2-layer model).
 KEPT_FRACTION = 0.55
@@ -363,17 +364,18 @@ def min_layer_bytes(b, s, h, e):
 
 MIN_LAYER_BYTES_BF16, MIN_LAYER_BYTES_FLOAT32 = min_layer_bytes(1, 1024, 768, 2), min_layer_bytes(1, 1024, 768, 4)
 #: Bytes per layer outside the GEMMs and attention's core at GPT-2 124M's shapes, measured on
-#: 2026-11-28 (487,746,048 under --bf16, 185,720,832 in float32) and rounded up by about 2 %.
-LAYER_BYTES_BF16, LAYER_BYTES_FLOAT32 = 497_500_000, 189_500_000
+#: 2026-11-28 (143,288,832 under --bf16, 185,720,832 in float32) and rounded up by about 2 %.
+LAYER_BYTES_BF16, LAYER_BYTES_FLOAT32 = 146_200_000, 189_500_000
 
 
 @pytest.mark.slow
 def test_gpt2_layer_bytes_outside_gemms_and_attention_do_not_grow():
     """A regression guard on the bytes one layer's kernels outside its GEMMs and attention's core
-    read and write per step. Measured 2026-11-28: 17.2 x the minimum under --bf16 (487,746,048
-    against 28,344,320: float32 arrays kept on the 16-bit grid, rounded in place by kernels of
-    their own) and 3.28 x in float32 (185,720,832 against 56,655,872). The issue's target is at most
-    1.5 x the minimum; this test only keeps today's figures from growing."""
+    read and write per step. Measured 2026-11-28: 5.06 x the minimum under --bf16 (143,288,832
+    against 28,344,320; most of the rest: bias + GeLU's backward writing its gradient in float32
+    too for the bias's sum, the bias sums' reductions and the float32 sums of the residual
+    stream's gradient) and 3.28 x in float32 (185,720,832 against 56,655,872). The issue's target is
+    at most 1.5 x the minimum; this test only keeps today's figures from growing."""
     assert (MIN_LAYER_BYTES_BF16, MIN_LAYER_BYTES_FLOAT32) == (28_344_320, 56_655_872)
     for flags, bound in ((("--bf16",), LAYER_BYTES_BF16), ((), LAYER_BYTES_FLOAT32)):
         layer = count_gpt2(*flags)["layer"]
@@ -439,9 +441,10 @@ def test_llama_layer_budget_one_kernel_per_chain_and_every_gemm_through_cublas()
 
 
 #: --bf16 Llama-family launches per layer outside attention's core at hidden 64, 4 heads in 2
-#: key/value groups, seq 256 (measured: 63; was 108 with RepeatHeads and every rounding its own
-#: kernel). The issue's target, at most 35, needs 16-bit arrays between Functions: not met.
-LLAMA_BF16_LAYER_BUDGET = 66
+#: key/value groups, seq 256 (measured: 62; was 108 with RepeatHeads and every rounding its own
+#: kernel). RMSNorm, the rotations and SwiGLU still compute on float32 arrays (16-bit inputs
+#: widened, outputs rounded): the issue's target, at most 35, is not met.
+LLAMA_BF16_LAYER_BUDGET = 63
 
 
 def test_llama_bf16_grouped_attention_is_cudnns_without_repeated_heads():

@@ -7,7 +7,7 @@ import numpy
 from .. import precision, sixteen_bit_kernels
 from ..backend import get_array_module
 from ..errors import InputError
-from ..function import Function, sixteen_bit_form
+from ..function import Function, remember_16_bit_copy, sixteen_bit_form
 from ..fusion import fused
 
 
@@ -177,11 +177,28 @@ class BiasDropoutAdd(Function):
         ctx.mark_fresh(1)               # the bias's reduction (y's may be g itself)
         gy = g if keep is None else dropout_backward(g, keep, ctx.scale) if need_y or need_bias else None
         if need_bias and ctx.storage is not None:      # the unfused ops' numbers, as in forward
+            copy = _rounded_keeping_copy(gy, ctx.storage)
+            if copy is not None:
+                # a GPU's 16-bit gradients: one kernel rounds gy (the residual's g too, when it is
+                # the same array) and writes the 16-bit gradient the projection's GEMMs take
+                gb = _bias_sum(gy, ctx.destination(1))
+                return copy if need_y else None, gb, g
             gy = precision.round_(gy, ctx.storage)
         # the bias's gradient summed over the leading axes as Add's backward summed it, so the
         # numbers are the unfused ops' (one reduction kernel on a GPU either way)
         gb = _bias_sum(gy, ctx.destination(1)) if need_bias else None
         return gy if need_y else None, gb, g
+
+
+def _rounded_keeping_copy(gy, storage):
+    """gy rounded in place to the 16-bit grid and its 16-bit copy, made by one kernel and remembered
+    for the tape's rounding to find, where a GPU holds 16-bit arrays; else None (nothing done)."""
+    if not precision.kept_in_16_bit(storage) or get_array_module(gy) is numpy or gy.dtype != numpy.float32:
+        return None
+    copy = precision.round_keeping_copy(gy, storage)
+    if copy is not None:
+        remember_16_bit_copy(gy, copy)
+    return copy
 
 
 def _stream_16_bit(residual, storage):
