@@ -263,7 +263,7 @@ def test_a_transposed_array_is_rounded_in_place_by_the_kernel(monkeypatch):
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp16"])
 @pytest.mark.parametrize("dropout", [False, True])
-def test_the_16_bit_sixteen_bit_kernels_equal_their_twin_and_read_the_input_layer_norm_keeps(fmt, dropout):
+def test_the_residual_stream_kernel_equals_its_twin_and_layer_norm_reads_its_output(fmt, dropout):
     """The 16-bit residual stream's bias + dropout + residual kernel against its NumPy twin, bit
     for bit, with y and the residual float32 or 16-bit; LayerNorm reading that 16-bit output gives
     the numbers it gives for the output's float32 widening."""
@@ -287,3 +287,44 @@ def test_the_16_bit_sixteen_bit_kernels_equal_their_twin_and_read_the_input_laye
     from_16, kept, _ = row_kernels.layer_norm_forward(rows, weight, ln_bias, 1e-5, keep=fmt)
     from_32, _, _ = row_kernels.layer_norm_forward(rows.astype(numpy.float32), weight, ln_bias, 1e-5, keep=fmt)
     assert kept is rows and bool((from_16 == from_32).all())
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+def test_the_16_bit_bias_gelu_and_layer_norm_gradient_kernels_against_their_twins(fmt):
+    """The Linear's bias kernel bit for bit its twin; bias + GeLU each way within one 16-bit step of
+    its twin (CUDA's tanhf against NumPy's tanh: an ulp of float32 may move a rounding); LayerNorm's
+    16-bit-gradient kernels bit for bit the float32-gradient kernels on the widened gradient, the
+    input gradient then rounded."""
+    from npmegatron.autograd import precision, sixteen_bit_kernels
+    from npmegatron.autograd.ops import elementwise
+    sixteen = precision.sixteen_bit_dtype(fmt)
+    rng = numpy.random.default_rng(3)
+    shape = (5, 33, 96)
+    y32 = rng.standard_normal(shape).astype(numpy.float32) * 2
+    y16, g16 = ((rng.standard_normal(shape) * 2).astype(sixteen) for _ in range(2))
+    b16 = rng.standard_normal(shape[-1]).astype(sixteen)
+    out = cupy.asnumpy(sixteen_bit_kernels.bias_add(cupy.asarray(y32), cupy.asarray(b16), fmt))
+    twin = numpy.empty(shape, sixteen)
+    sixteen_bit_kernels.bias_add_twin(y32, b16, twin, y32.size, shape[-1])
+    assert numpy.array_equal(out.view(numpy.uint16), twin.view(numpy.uint16))
+    constants = (elementwise._GELU_CUBIC, elementwise._SQRT_2_OVER_PI)
+    out = cupy.asnumpy(sixteen_bit_kernels.bias_gelu_tanh(cupy.asarray(y16), cupy.asarray(b16), fmt, *constants))
+    elementwise.bias_gelu_tanh_twin(y16, b16, twin, *map(numpy.float32, constants), y16.size, shape[-1])
+    assert numpy.abs(out.astype(numpy.float64) - twin.astype(numpy.float64)).max() <= \
+        numpy.abs(twin.astype(numpy.float64)).max() * 2.0 ** -7
+    wide, out = (cupy.asnumpy(a) for a in sixteen_bit_kernels.bias_gelu_tanh_backward(
+        cupy.asarray(g16), cupy.asarray(y16), cupy.asarray(b16), fmt, *constants, elementwise._GELU_CUBIC_GRAD))
+    wide_twin = numpy.empty(shape, numpy.float32)
+    elementwise.bias_gelu_tanh_backward_twin(g16, y16, b16, wide_twin, twin, *map(numpy.float32, constants),
+                                             numpy.float32(elementwise._GELU_CUBIC_GRAD), y16.size, shape[-1])
+    numpy.testing.assert_allclose(wide, wide_twin, rtol=1e-5, atol=1e-6)
+    rows = cupy.asarray(y16.reshape(-1, shape[-1]))
+    weight = cupy.asarray(rng.standard_normal(shape[-1]).astype(sixteen))
+    _, kept, stats = row_kernels.layer_norm_forward(rows, weight, weight, 1e-5, keep=fmt)
+    g = cupy.asarray(g16.reshape(rows.shape))
+    gx16 = row_kernels.layer_norm_backward(g, weight, kept, stats)
+    gx32 = row_kernels.layer_norm_backward(g.astype(numpy.float32), weight, kept, stats)
+    assert gx16.dtype == sixteen and bool((gx16 == gx32.astype(sixteen)).all())
+    for a, b in zip(row_kernels.layer_norm_column_sums(g, kept, stats),
+                    row_kernels.layer_norm_column_sums(g.astype(numpy.float32), kept, stats)):
+        assert bool((a == b).all())
