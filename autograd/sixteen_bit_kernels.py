@@ -28,7 +28,7 @@ _SIXTEEN_BIT = {"bf16": ("cuda_bf16.h", "__nv_bfloat16", "__float2bfloat16_rn", 
 
 _SOURCE = r"""
 #include <{header}>
-typedef {store} ST;
+{prelude}typedef {store} ST;
 typedef {y_type} YT;
 typedef {residual_type} RT;
 #define WIDE_Y(v) {wide_y}(v)
@@ -41,8 +41,7 @@ __device__ __forceinline__ float on_grid(float v) { return {from_16}({to_16}(v))
 extern "C" __global__ void bias_dropout_add_{name}(
         const YT* y, const ST* bias, const bool* keep, const RT* residual, ST* out, float scale,
         long long n, long long cols) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x) {
+    EACH_INDEX {
         float t = on_grid(__fadd_rn(WIDE_Y(y[i]), {from_16}(bias[i % cols])));
 #if HAS_KEEP
         t = __fmul_rn(__fmul_rn(t, keep[i] ? 1.0f : 0.0f), scale);
@@ -54,30 +53,27 @@ extern "C" __global__ void bias_dropout_add_{name}(
 
 _BIAS_ADD_SOURCE = r"""
 #include <{header}>
-typedef {store} ST;
+{prelude}typedef {store} ST;
 
 // twin: {module}:bias_add_twin
 extern "C" __global__ void bias_add_{fmt}(const float* y, const ST* bias, ST* out, long long n, long long cols) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x)
+    EACH_INDEX
         out[i] = {to_16}(__fadd_rn(y[i], {from_16}(bias[i % cols])));
 }
 """
 
 _BIAS_GELU_SOURCE = r"""
 #include <{header}>
-typedef {store} ST;
+{prelude}typedef {store} ST;
 typedef {y_type} YT;
 
 // twin: {module}:bias_gelu_tanh_twin
 // elementwise.py's _gelu_tanh on x = y + b, operation by operation
 extern "C" __global__ void bias_gelu_tanh_{name}(const YT* y, const ST* b, ST* out, float cubic,
                                                   float sqrt_2_over_pi, long long n, long long cols) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x) {
+    EACH_INDEX {
         float x = __fadd_rn({wide_y}(y[i]), {from_16}(b[i % cols]));
-        float t = __fmul_rn(__fmul_rn(x, x), cubic);
-        t = tanhf(__fmul_rn(__fmul_rn(__fadd_rn(t, 1.0f), x), sqrt_2_over_pi));
+        float t = gelu_tanh_t(x, cubic, sqrt_2_over_pi);
         out[i] = {to_16}(__fmul_rn(__fmul_rn(__fadd_rn(t, 1.0f), x), 0.5f));
     }
 }
@@ -85,7 +81,7 @@ extern "C" __global__ void bias_gelu_tanh_{name}(const YT* y, const ST* b, ST* o
 
 _BIAS_GELU_BACKWARD_SOURCE = r"""
 #include <{header}>
-typedef {store} ST;
+{prelude}typedef {store} ST;
 typedef {g_type} GT;
 typedef {y_type} YT;
 
@@ -95,17 +91,26 @@ typedef {y_type} YT;
 extern "C" __global__ void bias_gelu_tanh_backward_{name}(
         const GT* g, const YT* y, const ST* b, float* wide, ST* out, float cubic, float sqrt_2_over_pi,
         float cubic_grad, long long n, long long cols) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x) {
+    EACH_INDEX {
         float x = __fadd_rn({wide_y}(y[i]), {from_16}(b[i % cols]));
-        float t = __fmul_rn(__fmul_rn(x, x), cubic);
-        t = tanhf(__fmul_rn(__fmul_rn(__fadd_rn(t, 1.0f), x), sqrt_2_over_pi));
+        float t = gelu_tanh_t(x, cubic, sqrt_2_over_pi);
         float grad = __fmul_rn(__fadd_rn(__fmul_rn(__fmul_rn(x, x), cubic_grad), sqrt_2_over_pi), x);
         grad = __fmul_rn(grad, __fadd_rn(-__fmul_rn(t, t), 1.0f));
         grad = __fmul_rn(__fmul_rn(__fadd_rn(grad, __fadd_rn(t, 1.0f)), 0.5f), {wide_g}(g[i]));
         wide[i] = grad;
         out[i] = {to_16}(grad);
     }
+}
+"""
+
+_PRELUDE = r"""
+// a grid-stride loop over the n values
+#define EACH_INDEX for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; \
+                        i += (long long)gridDim.x * blockDim.x)
+// elementwise.py's _gelu_tanh's t = tanh(sqrt(2/pi) (x + 0.044715 x^3)), operation by operation
+__device__ __forceinline__ float gelu_tanh_t(float x, float cubic, float sqrt_2_over_pi) {
+    float t = __fmul_rn(__fmul_rn(x, x), cubic);
+    return tanhf(__fmul_rn(__fmul_rn(__fadd_rn(t, 1.0f), x), sqrt_2_over_pi));
 }
 """
 
@@ -135,7 +140,8 @@ def code(fmt, y_dtype, residual_dtype, has_keep):
 def _render(template, fmt, **values):
     """template with fmt's header, types and conversions, this module's name and `values` filled in."""
     header, store, to_16, from_16 = _SIXTEEN_BIT[fmt]
-    values = dict(header=header, store=store, to_16=to_16, from_16=from_16, module=__name__, fmt=fmt, **values)
+    values = dict(prelude=_PRELUDE, header=header, store=store, to_16=to_16, from_16=from_16, module=__name__,
+                  fmt=fmt, **values)
     for key, value in values.items():
         template = template.replace("{" + key + "}", value)
     return template
