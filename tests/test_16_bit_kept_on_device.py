@@ -170,13 +170,15 @@ def test_under_cupy_13_bf16_keeps_float32_arrays_on_the_grid(cp, monkeypatch):
     assert any(dtype == numpy.float16 for _, dtype, _ in kept)
 
 
-def test_at_tp_2_with_sequence_parallelism_and_dropout_the_numbers_are_the_same(mpirun):
-    """The tensor-parallel mappings (all-reduce, all-gather and reduce-scatter of the sequence)
-    between the 16-bit copies and the roundings: still bit for bit the float32 arrays' numbers."""
+def test_at_tp_2_with_and_without_sequence_parallelism_and_dropout_the_numbers_are_the_same(mpirun):
+    """The tensor-parallel mappings (all-reduce, all-gather and reduce-scatter of the sequence, the
+    column-parallel input gradient's asynchronous all-reduce) between 16-bit arrays: still bit for
+    bit the float32 arrays' numbers."""
     result = mpirun(2, "ranks/sixteen_bit_tensor_parallel.py", env=strict_cupy_env(devices=2), timeout=300)
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report["bf16"] == {"bitwise_equal": True, "dtypes": ["bfloat16"], "dtypes_apart": ["float32"]}, report
-    assert report["fp16"] == {"bitwise_equal": True, "dtypes": ["float16"], "dtypes_apart": ["float32"]}, report
+    for layout in ("", "-sp"):
+        assert report["bf16" + layout] == {"bitwise_equal": True, "dtypes": ["bfloat16"], "dtypes_apart": ["float32"]}, report
+        assert report["fp16" + layout] == {"bitwise_equal": True, "dtypes": ["float16"], "dtypes_apart": ["float32"]}, report
 
 
 class _FixedMask:

@@ -244,7 +244,9 @@ class Linear(Function):
     # The output's gradient g is float32, or 16-bit where the consumer computed it in 16 bits
     # (fused attention's, for the QKV projection): then the GEMMs take it as it is.
     @staticmethod
-    def input_grad(ctx, g):
+    def input_grad(ctx, g, sixteen_bit=True):
+        """x's gradient; sixteen_bit=False: float32 even where 16-bit gradients flow (a gradient
+        that is all-reduced next, summed in float32 as the CPU's emulation sums it)."""
         _, w = ctx.saved
         if not ctx.needs_input_grad[0]:
             return None
@@ -252,7 +254,7 @@ class Linear(Function):
             return gemm.matmul(Linear._wide(g), w.T, grid=ctx.grid)
         g16 = Linear._sixteen_bit_grad(ctx, g, w)
         shape = g.shape[:-1] + w.shape[:1]
-        if ctx.grid == precision.format_of(w.dtype):    # a GPU's 16-bit gradients: rounded as stored
+        if sixteen_bit and ctx.grid == precision.format_of(w.dtype):    # a GPU's 16-bit gradients: rounded as stored
             return gemm.matmul(g16, w.T, out=get_array_module(g).empty(shape, w.dtype))
         return gemm.matmul(g16, w.T, out=_float32(g, shape))
 

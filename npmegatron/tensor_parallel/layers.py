@@ -79,7 +79,7 @@ class _LinearWithAsyncGradAllReduce(Linear):
 
     @staticmethod
     def backward(ctx, g):
-        gx = Linear.input_grad(ctx, g)
+        gx = Linear.input_grad(ctx, g, sixteen_bit=False)      # summed in float32, then rounded
         reduction = comm.all_reduce_async(gx, ctx.group) if gx is not None else None
         gw, gb = Linear.parameter_grads(ctx, g)
         return (reduction.wait() if reduction else None), gw, gb
