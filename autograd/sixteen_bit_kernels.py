@@ -103,6 +103,40 @@ extern "C" __global__ void bias_gelu_tanh_backward_{name}(
 }
 """
 
+_ROUND_COPY_SUM_SOURCE = r"""
+#include <{header}>
+{prelude}typedef {store} ST;
+
+// twin: {module}:round_copy_column_sum_twin
+// g (float32, rows x cols) rounded in place to the 16-bit grid, its 16-bit copy written, and its
+// columns' sums written (or, with accumulate, added) into sums: a branch's end's gradient, the
+// projection's 16-bit gradient and the bias's gradient in one pass. A block of 32 x 32 threads
+// takes 32 columns: each thread sums every 32nd row of its column, then the first row of threads
+// adds the 32 partial sums in order (row_kernels.py's column sums).
+extern "C" __global__ void round_copy_column_sum_{fmt}(float* g, ST* copy, float* sums, long long rows,
+                                                       long long cols, int accumulate) {
+    __shared__ float part[32][33];
+    long long c = blockIdx.x * 32LL + threadIdx.x;
+    float total = 0.0f;
+    if (c < cols) {
+        for (long long r = threadIdx.y; r < rows; r += 32) {
+            ST v = {to_16}(g[r * cols + c]);
+            float wide = {from_16}(v);
+            g[r * cols + c] = wide;
+            copy[r * cols + c] = v;
+            total = __fadd_rn(total, wide);
+        }
+    }
+    part[threadIdx.y][threadIdx.x] = total;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < cols) {
+        float sum = 0.0f;
+        for (int i = 0; i < 32; ++i) sum = __fadd_rn(sum, part[i][threadIdx.x]);
+        sums[c] = accumulate ? __fadd_rn(sums[c], sum) : sum;
+    }
+}
+"""
+
 _PRELUDE = r"""
 // a grid-stride loop over the n values
 #define EACH_INDEX for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; \
@@ -172,6 +206,11 @@ def bias_gelu_backward_code(fmt, g_dtype, y_dtype):
     return source, f"bias_gelu_tanh_backward_{name}"
 
 
+def round_copy_sum_code(fmt):
+    """(CUDA source, kernel name) of round_copy_column_sum for 16-bit format fmt."""
+    return _render(_ROUND_COPY_SUM_SOURCE, fmt), f"round_copy_column_sum_{fmt}"
+
+
 def bias_add_code(fmt):
     """(CUDA source, kernel name) of the bias add that writes a Linear's 16-bit output."""
     return _render(_BIAS_ADD_SOURCE, fmt), f"bias_add_{fmt}"
@@ -229,6 +268,42 @@ def bias_gelu_tanh_backward(g, y, b, fmt, cubic, sqrt_2_over_pi, cubic_grad):
     return wide, out
 
 
+def round_copy_column_sum(g, fmt, sums=None, accumulate=False):
+    """g (C-ordered float32 device array) rounded in place to fmt's grid; returns (its 16-bit copy,
+    the sums over its leading axes in float32, written into `sums` or added to it with accumulate),
+    in one launch."""
+    import cupy
+    cols = g.shape[-1]
+    rows = g.size // cols
+    copy = cupy.empty(g.shape, precision.sixteen_bit_dtype(fmt))
+    sums = cupy.empty(cols, numpy.float32) if sums is None else sums
+    kernel = _compiled.get((cupy, "round sum", fmt))
+    if kernel is None:
+        kernel = _compiled[cupy, "round sum", fmt] = cupy.RawKernel(*round_copy_sum_code(fmt))
+    kernel((-(-cols // 32),), (32, 32), (g, copy, sums, numpy.int64(rows), numpy.int64(cols), numpy.int32(accumulate)))
+    return copy, sums
+
+
+def takes_round_copy_sum(g, sums):
+    """Whether round_copy_column_sum takes g (and `sums`, None or its destination)."""
+    return (type(g).__module__.startswith("cupy") and g.size > 0 and g.dtype == numpy.float32
+            and g.flags.c_contiguous and (sums is None or (sums.dtype == numpy.float32 and sums.flags.c_contiguous
+                                                            and sums.shape == g.shape[-1:])))
+
+
+def round_copy_column_sum_twin(g, copy, sums, rows, cols, accumulate):
+    """round_copy_column_sum_{fmt}: the CPU's emulation's numbers, rounding in place and then the
+    sum over g's leading axes as bias + dropout + residual's backward sums the bias's gradient."""
+    fmt = precision.format_of(copy.dtype)
+    precision.round_(g, fmt)
+    copy[...] = g.astype(copy.dtype)
+    total = g.sum(axis=tuple(range(g.ndim - 1)))
+    if accumulate:
+        sums += total
+    else:
+        sums[...] = total
+
+
 def bias_add(y, bias, fmt):
     """y + bias as fmt's 16-bit array, rounded as it is stored (a Linear's output whose GEMM wrote
     float32 y: the sum the CPU's emulation rounds after the op), in one launch."""
@@ -284,4 +359,5 @@ def all_sources():
     return [code(fmt, y, r, keep)[::-1] for fmt in _SIXTEEN_BIT for y in dtypes[fmt] for r in dtypes[fmt]
             for keep in (False, True)] + [bias_add_code(fmt)[::-1] for fmt in _SIXTEEN_BIT] + [
         bias_gelu_code(fmt, y)[::-1] for fmt in _SIXTEEN_BIT for y in dtypes[fmt]] + [
-        bias_gelu_backward_code(fmt, g, y)[::-1] for fmt in _SIXTEEN_BIT for g in dtypes[fmt] for y in dtypes[fmt]]
+        bias_gelu_backward_code(fmt, g, y)[::-1] for fmt in _SIXTEEN_BIT for g in dtypes[fmt] for y in dtypes[fmt]] + [
+        round_copy_sum_code(fmt)[::-1] for fmt in _SIXTEEN_BIT]

@@ -328,14 +328,14 @@ def test_16_bit_rounding_is_one_kernel_per_array_on_the_gpu():
         assert result["kept_for_backward_two_layers"] <= KEPT_FRACTION * plain["kept_for_backward_two_layers"]
 
 
-#: --bf16's launches per layer outside attention's core at GPT-2 124M's shapes (measured: 31 with
+#: --bf16's launches per layer outside attention's core at GPT-2 124M's shapes (measured: 29 with
 #: the fused attention): the float32 layer's 27 with 16-bit arrays between its Functions: the
 #: kernels read 16 bits and round as they store (sixteen_bit_kernels.py, LayerNorm's 16-bit
-#: variants, GEMMs writing 16-bit outputs), plus the QKV projection's bias kernel and, per
-#: branch, the bias + dropout + residual backward's rounding of the residual stream's gradient
-#: (a float32 sum at the fork, as the CPU's emulation sums it) that also writes its 16-bit copy.
-#: The issue's target is at most 30.
-BF16_LAYER_BUDGET = 31
+#: variants, GEMMs writing 16-bit outputs), plus the QKV projection's bias kernel and the float32
+#: sum of the residual stream's gradient at each branch's end (as the CPU's emulation sums it),
+#: which bias + dropout + residual's backward rounds in the kernel that writes its 16-bit copy
+#: and sums the bias's gradient. The issue's budget: at most 30.
+BF16_LAYER_BUDGET = 30
 #: Bytes kept for backward under --bf16/--fp16 against the float32 run, at most (the issue's 55 %;
 #: measured at GPT-2 124M's shapes: 50.1 % per layer, 50.0 % for the 2-layer model).
 KEPT_FRACTION = 0.55
@@ -364,17 +364,17 @@ def min_layer_bytes(b, s, h, e):
 
 MIN_LAYER_BYTES_BF16, MIN_LAYER_BYTES_FLOAT32 = min_layer_bytes(1, 1024, 768, 2), min_layer_bytes(1, 1024, 768, 4)
 #: Bytes per layer outside the GEMMs and attention's core at GPT-2 124M's shapes, measured on
-#: 2026-11-28 (143,288,832 under --bf16, 185,720,832 in float32) and rounded up by about 2 %.
-LAYER_BYTES_BF16, LAYER_BYTES_FLOAT32 = 146_200_000, 189_500_000
+#: 2026-11-28 (136,997,376 under --bf16, 185,720,832 in float32) and rounded up by about 2 %.
+LAYER_BYTES_BF16, LAYER_BYTES_FLOAT32 = 139_800_000, 189_500_000
 
 
 @pytest.mark.slow
 def test_gpt2_layer_bytes_outside_gemms_and_attention_do_not_grow():
     """A regression guard on the bytes one layer's kernels outside its GEMMs and attention's core
-    read and write per step. Measured 2026-11-28: 5.06 x the minimum under --bf16 (143,288,832
+    read and write per step. Measured 2026-11-28: 4.83 x the minimum under --bf16 (136,997,376
     against 28,344,320; most of the rest: bias + GeLU's backward writing its gradient in float32
-    too for the bias's sum, the bias sums' reductions and the float32 sums of the residual
-    stream's gradient) and 3.28 x in float32 (185,720,832 against 56,655,872). The issue's target is
+    too for the bias's sum, which reads it again, and the float32 sums of the residual stream's
+    gradient) and 3.28 x in float32 (185,720,832 against 56,655,872). The issue's target is
     at most 1.5 x the minimum; this test only keeps today's figures from growing."""
     assert (MIN_LAYER_BYTES_BF16, MIN_LAYER_BYTES_FLOAT32) == (28_344_320, 56_655_872)
     for flags, bound in ((("--bf16",), LAYER_BYTES_BF16), ((), LAYER_BYTES_FLOAT32)):

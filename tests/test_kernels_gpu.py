@@ -328,3 +328,21 @@ def test_the_16_bit_bias_gelu_and_layer_norm_gradient_kernels_against_their_twin
     for a, b in zip(row_kernels.layer_norm_column_sums(g, kept, stats),
                     row_kernels.layer_norm_column_sums(g.astype(numpy.float32), kept, stats)):
         assert bool((a == b).all())
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_the_rounding_copying_column_sum_kernel_against_its_twin(fmt, accumulate):
+    """A branch's end's backward: g rounded in place and its 16-bit copy bit for bit the twin's;
+    the column sums (float32, another order than NumPy's) to float32 summation's error."""
+    from npmegatron.autograd import sixteen_bit_kernels
+    rng = numpy.random.default_rng(4)
+    g = rng.standard_normal((3, 70, 130)).astype(numpy.float32)
+    start = rng.standard_normal(130).astype(numpy.float32)
+    device, sums = cupy.asarray(g), cupy.asarray(start)
+    copy, got = sixteen_bit_kernels.round_copy_column_sum(device, fmt, sums, accumulate)
+    twin_copy, twin_sums = numpy.empty(g.shape, copy.dtype), start.copy()
+    sixteen_bit_kernels.round_copy_column_sum_twin(g, twin_copy, twin_sums, 210, 130, accumulate)
+    assert got is sums and numpy.array_equal(cupy.asnumpy(device), g)
+    assert numpy.array_equal(cupy.asnumpy(copy).view(numpy.uint16), twin_copy.view(numpy.uint16))
+    numpy.testing.assert_allclose(cupy.asnumpy(got), twin_sums, rtol=1e-5, atol=1e-4)

@@ -177,11 +177,12 @@ class BiasDropoutAdd(Function):
         ctx.mark_fresh(1)               # the bias's reduction (y's may be g itself)
         gy = g if keep is None else dropout_backward(g, keep, ctx.scale) if need_y or need_bias else None
         if need_bias and ctx.storage is not None:      # the unfused ops' numbers, as in forward
-            copy = _rounded_keeping_copy(gy, ctx.storage)
-            if copy is not None:
+            fused = _round_copy_and_sum(gy, ctx.storage, ctx.destination(1))
+            if fused is not None:
                 # a GPU's 16-bit gradients: one kernel rounds gy (the residual's g too, when it is
-                # the same array) and writes the 16-bit gradient the projection's GEMMs take
-                gb = _bias_sum(gy, ctx.destination(1))
+                # the same array), writes the 16-bit gradient the projection's GEMMs take and sums
+                # the bias's gradient
+                copy, gb = fused
                 return copy if need_y else None, gb, g
             gy = precision.round_(gy, ctx.storage)
         # the bias's gradient summed over the leading axes as Add's backward summed it, so the
@@ -190,15 +191,18 @@ class BiasDropoutAdd(Function):
         return gy if need_y else None, gb, g
 
 
-def _rounded_keeping_copy(gy, storage):
-    """gy rounded in place to the 16-bit grid and its 16-bit copy, made by one kernel and remembered
-    for the tape's rounding to find, where a GPU holds 16-bit arrays; else None (nothing done)."""
-    if not precision.kept_in_16_bit(storage) or get_array_module(gy) is numpy or gy.dtype != numpy.float32:
+def _round_copy_and_sum(gy, storage, destination):
+    """(gy's 16-bit copy, the bias's gradient) where a GPU holds 16-bit arrays: gy rounded in place
+    to the 16-bit grid, the copy written (and remembered, for the tape's rounding of the residual's
+    gradient to find) and gy summed over its leading axes into the destination, in one kernel
+    (sixteen_bit_kernels.round_copy_column_sum); else None, nothing done."""
+    sums, accumulate = destination if destination is not None else (None, False)
+    if not precision.kept_in_16_bit(storage) or get_array_module(gy) is numpy or \
+            not sixteen_bit_kernels.takes_round_copy_sum(gy, sums):
         return None
-    copy = precision.round_keeping_copy(gy, storage)
-    if copy is not None:
-        remember_16_bit_copy(gy, copy)
-    return copy
+    copy, gb = sixteen_bit_kernels.round_copy_column_sum(gy, storage, sums, accumulate)
+    remember_16_bit_copy(gy, copy)
+    return copy, gb
 
 
 def _stream_16_bit(residual, storage):
