@@ -106,7 +106,7 @@ _kept_copies = {}
 def kept_16_bit_copy(a, fmt):
     """a (float32 on fmt's grid) as a 16-bit array: the copy its rounding made or an earlier keeping
     of the same buffer, where there is one; else one cast. A 16-bit array of fmt is itself."""
-    if a.dtype in _SIXTEEN_BIT and _precision.format_of(a.dtype) == fmt:
+    if _precision.format_of(a.dtype) == fmt:
         return a
     if not a.flags.c_contiguous:
         view = _known_view(a, fmt)

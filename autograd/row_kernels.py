@@ -25,6 +25,7 @@ residual stream itself (sixteen_bit_kernels.py), which it then keeps without wri
 import numpy
 
 from . import precision
+from .sixteen_bit_kernels import CUDA_16_BIT
 from .backend import get_array_module
 
 _BLOCK_SUM = r"""
@@ -158,10 +159,7 @@ typedef {kept} OTYPE;
 #define XHAT(row, i) (({T})(((double){from_kept}(kept[i]) - stats[2 * (row)]) * stats[2 * (row) + 1]))
 #define RSTD(row) (({T})stats[2 * (row) + 1])
 """
-_SIXTEEN_BIT = {"bf16": {"header": "cuda_bf16.h", "kept": "__nv_bfloat16", "to_kept": "__float2bfloat16",
-                         "from_kept": "__bfloat162float"},
-                "fp16": {"header": "cuda_fp16.h", "kept": "__half", "to_kept": "__float2half",
-                         "from_kept": "__half2float"}}
+_SIXTEEN_BIT = CUDA_16_BIT
 #: The input's type: the array's, or (the 16-bit residual stream, sixteen_bit_kernels.py) the kept
 #: format's, which is then the kept array itself (forward writes no copy).
 _INPUT_AS_ARRAY = r"""

@@ -23,8 +23,13 @@ import numpy
 
 from . import precision
 
-_SIXTEEN_BIT = {"bf16": ("cuda_bf16.h", "__nv_bfloat16", "__float2bfloat16_rn", "__bfloat162float"),
-                "fp16": ("cuda_fp16.h", "__half", "__float2half_rn", "__half2float")}
+#: Each 16-bit format's CUDA header, type, rounding conversion from float and widening to float
+#: (row_kernels.py's 16-bit variants use the same table)
+CUDA_16_BIT = {"bf16": {"header": "cuda_bf16.h", "kept": "__nv_bfloat16", "to_kept": "__float2bfloat16_rn",
+                        "from_kept": "__bfloat162float"},
+               "fp16": {"header": "cuda_fp16.h", "kept": "__half", "to_kept": "__float2half_rn",
+                        "from_kept": "__half2float"}}
+_SIXTEEN_BIT = {fmt: (t["header"], t["kept"], t["to_kept"], t["from_kept"]) for fmt, t in CUDA_16_BIT.items()}
 
 _SOURCE = r"""
 #include <{header}>
@@ -236,13 +241,14 @@ def bias_dropout_add(y, bias, keep, residual, scale, fmt):
     return out
 
 
-def _launch(key, make_code, args, n):
-    """Run the kernel `make_code()` makes (compiled once per CuPy module and key) over n values."""
+def _launch(key, make_code, args, n, grid=None, block=(THREADS,)):
+    """Run the kernel `make_code()` makes (compiled once per CuPy module and key): over n values
+    in a grid-stride loop, or with the `grid` and `block` given."""
     import cupy
     kernel = _compiled.get((cupy, key))     # per CuPy module: a test's stand-in is its own
     if kernel is None:
         kernel = _compiled[cupy, key] = cupy.RawKernel(*make_code())
-    kernel((max(1, min(MAX_BLOCKS, -(-n // THREADS))),), (THREADS,), args)
+    kernel(grid or (max(1, min(MAX_BLOCKS, -(-n // THREADS))),), block, args)
 
 
 def bias_gelu_tanh(y, b, fmt, cubic, sqrt_2_over_pi):
@@ -277,10 +283,9 @@ def round_copy_column_sum(g, fmt, sums=None, accumulate=False):
     rows = g.size // cols
     copy = cupy.empty(g.shape, precision.sixteen_bit_dtype(fmt))
     sums = cupy.empty(cols, numpy.float32) if sums is None else sums
-    kernel = _compiled.get((cupy, "round sum", fmt))
-    if kernel is None:
-        kernel = _compiled[cupy, "round sum", fmt] = cupy.RawKernel(*round_copy_sum_code(fmt))
-    kernel((-(-cols // 32),), (32, 32), (g, copy, sums, numpy.int64(rows), numpy.int64(cols), numpy.int32(accumulate)))
+    _launch(("round sum", fmt), lambda: round_copy_sum_code(fmt),
+            (g, copy, sums, numpy.int64(rows), numpy.int64(cols), numpy.int32(accumulate)), g.size,
+            grid=(-(-cols // 32),), block=(32, 32))
     return copy, sums
 
 
@@ -323,17 +328,17 @@ def takes_bias_add(y, bias, fmt, y_16_bit=False):
             and bias.flags.c_contiguous and bias.shape == y.shape[-1:])
 
 
-def takes(y, bias, keep, residual, fmt):
-    """Whether the kernel takes these arrays: C-ordered device arrays of one shape, y and the
-    residual float32 or fmt's 16-bit, the bias fmt's 16-bit of y's last dimension."""
+def takes(y, bias, residual, fmt):
+    """Whether bias_dropout_add takes these arrays (its keep mask is made of y's shape): C-ordered
+    device arrays of one shape, y and the residual float32 or fmt's 16-bit, the bias fmt's 16-bit
+    of y's last dimension."""
     if not type(y).__module__.startswith("cupy") or y.size == 0 or fmt not in _SIXTEEN_BIT:
         return False
-    arrays = (y, residual) if keep is None else (y, residual, keep)
-    for a in arrays:
-        if a.shape != y.shape or not a.flags.c_contiguous:
+    for a in (y, residual):
+        if a.shape != y.shape or not a.flags.c_contiguous or not (
+                a.dtype == numpy.float32 or precision.format_of(a.dtype) == fmt):
             return False
-    return (precision.format_of(bias.dtype) == fmt and bias.flags.c_contiguous and bias.shape == y.shape[-1:]
-            and all(a.dtype == numpy.float32 or precision.format_of(a.dtype) == fmt for a in (y, residual)))
+    return precision.format_of(bias.dtype) == fmt and bias.flags.c_contiguous and bias.shape == y.shape[-1:]
 
 
 def bias_dropout_add_twin(y, bias, keep, residual, out, scale, n, cols):

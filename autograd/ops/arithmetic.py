@@ -224,14 +224,12 @@ class Linear(Function):
             x = x if precision.format_of(x.dtype) == fmt else kept_16_bit_copy(x, fmt)
             ctx.save_for_backward(x, w)
             shape = x.shape[:-1] + w.shape[-1:]
-            if ctx.grid == fmt:     # a GPU's 16-bit activations: rounded as they are stored
-                if b is None:
-                    return gemm.matmul(x, w, out=get_array_module(x).empty(shape, w.dtype))
-                out = gemm.matmul(x, w, out=_float32(x, shape))
-                if sixteen_bit_kernels.takes_bias_add(out, b, fmt):
-                    return sixteen_bit_kernels.bias_add(out, b, fmt)
-            else:
-                out = gemm.matmul(x, w, out=_float32(x, shape))
+            sixteen = ctx.grid == fmt       # a GPU's 16-bit activations: rounded as they are stored
+            if sixteen and b is None:
+                return gemm.matmul(x, w, out=get_array_module(x).empty(shape, w.dtype))
+            out = gemm.matmul(x, w, out=_float32(x, shape))
+            if sixteen and sixteen_bit_kernels.takes_bias_add(out, b, fmt):
+                return sixteen_bit_kernels.bias_add(out, b, fmt)
         if b is not None:
             out += b
         return out

@@ -141,7 +141,7 @@ class BiasDropoutAdd(Function):
         ctx.scale = None if p is None else 1.0 / (1.0 - p)
         storage = ctx.storage = precision.active()
         stream = _stream_16_bit(residual, storage)
-        if stream is not None and sixteen_bit_kernels.takes(y, bias, None, stream, storage):
+        if stream is not None and sixteen_bit_kernels.takes(y, bias, stream, storage):
             residual = stream
             # a GPU's 16-bit residual stream: the same numbers in one kernel, written in 16 bits
             keep = None if p is None else keep_mask(generator, y.shape, numpy.float32, p)

@@ -143,7 +143,7 @@ class LayerNorm(Function):
         elif ctx.path == "rows":
             # under --fp16/--bf16 the kernel keeps x itself in 16 bits (precision.py), not xhat: the
             # 16-bit residual stream's x as it is
-            out, xhat, rstd = row_kernels.layer_norm_forward(x2, weight, bias, eps, keep=precision.kept_in_16_bit())
+            out, xhat, rstd = row_kernels.layer_norm_forward(x2, weight, bias, eps, keep=fmt)
         if ctx.path != "chains":
             ctx.save_for_backward(xhat, rstd, weight)
             return out.reshape(x.shape)
