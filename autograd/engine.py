@@ -85,7 +85,8 @@ def backward(tensors, grad_tensors=None):
             results, summed = node.run(grads, adopt=all(mine)), ()
         else:
             function = getattr(node, "function", None)
-            pending = _pending(buffers, node, owned) if getattr(function, "adds_pending_grads", False) else None
+            pending = (_pending(buffers, node, owned, consumers) if getattr(function, "adds_pending_grads", False)
+                       else None)
             destinations = (_destinations(buffers, node, consumers) if getattr(function, "writes_grad_destinations", False)
                             else None)
             results = node.run(grads, pending, destinations) if pending or destinations else node.run(grads)
@@ -132,14 +133,16 @@ def _make_accumulator(t):
     return edge_of(t)[0]
 
 
-def _pending(buffers, node, owned):
+def _pending(buffers, node, owned, consumers):
     """(per input of `node`, the gradient its producer has accumulated so far, or None; per
-    input, whether this walk alone holds that gradient, so backward may add to it in place)."""
+    input, whether this walk alone holds that gradient, so backward may add to it in place; per
+    input, whether that gradient is complete but for node's own: node is its last consumer)."""
     pending = []
     for edge in node.edges:
         slots = buffers.get(edge[0]) if edge is not None else None
         pending.append(slots[edge[1]] if slots is not None else None)
-    return tuple(pending), tuple(g is not None and id(g) in owned for g in pending)
+    complete = tuple(edge is not None and consumers.get(edge[0]) == 1 for edge in node.edges)
+    return tuple(pending), tuple(g is not None and id(g) in owned for g in pending), complete
 
 
 def _destinations(buffers, node, consumers):

@@ -206,17 +206,20 @@ class Node:
         self.summed_pending = ()    # the last run's ctx.summed_pending
 
     def run(self, grads, pending=None, destinations=None):
-        """Backward on the output gradients; `pending` (engine.py): the inputs' gradients so far
-        and whether the walk alone holds each, given only where no 16-bit rounding of the results
-        follows (it would round their sum);
+        """Backward on the output gradients; `pending` (engine.py): the inputs' gradients so far,
+        whether the walk alone holds each and whether each is complete, handed to backward as they
+        are where no 16-bit rounding of the results follows (it would round their sum), and under
+        16-bit storage only where the emulation rounds the sum anyway (_rounded_before_use);
         `destinations`: per input, where backward may write the gradient (Context.destination)."""
         if self.ctx is None:
             raise RuntimeError(f"backward through {self.name} a second time: its saved arrays were "
                                "freed after the first backward; run the forward again")
         if self.storage is None:
-            self.ctx.pending_grads, self.ctx.pending_owned = pending or (None, ())
+            self.ctx.pending_grads, self.ctx.pending_owned = pending[:2] if pending else (None, ())
             self.ctx.grad_destinations = destinations
-        elif destinations:
+        elif pending:
+            self.ctx.pending_grads = _rounded_before_use(pending, self.edges)
+        if self.storage is not None and destinations:
             # the results are rounded below, but a parameter's (its gradient adds up in float32,
             # precision.py): a parameter's main_grad may be written or added to (a GEMM's beta =
             # 1); another leaf's only written (the rounding in place is then its own, where a sum
@@ -245,15 +248,34 @@ class Node:
         return result
 
 
+def _rounded_before_use(pending, edges):
+    """Under 16-bit storage, per input, the pending 16-bit gradient a Function may add into its
+    own rounded gradient (rounding the sum again) where the CPU's emulation makes the same
+    numbers: the sum is the input's whole gradient (no other consumer is left) and its producer
+    hands it on for the tape to round before any arithmetic (`hands_gradient_on`: a residual add
+    without dropout), so the float32 sum the engine would make is rounded next anyway; else None."""
+    grads, _, complete = pending
+    chosen = []
+    for g, edge, whole in zip(grads, edges, complete):
+        producer = edge[0] if edge is not None else None
+        chosen.append(g if g is not None and whole and g.dtype in _SIXTEEN_BIT
+                      and getattr(producer, "storage", None) is not None
+                      and getattr(producer.ctx, "hands_gradient_on", False) else None)
+    return tuple(chosen) if any(g is not None for g in chosen) else None
+
+
 def _reaches_parameter(edge):
-    """Whether a gradient sent along `edge` reaches a parameter through views only (the tied
-    output layer's weight is the embedding's transpose, a Transpose node): it is a parameter's
-    gradient then, and not rounded either."""
+    """Whether a gradient sent along `edge` reaches parameters through views only (the tied
+    output layer's weight is the embedding's transpose, a Transpose node; SwiGLU's weight is its
+    gate's and up's, a Concatenate node): it is a parameter's gradient then, and not rounded
+    either."""
     while edge is not None and not isinstance(edge[0], AccumulateGrad):
-        node = edge[0]
-        if not getattr(getattr(node, "function", None), "passes_gradient_views", False) or len(node.edges) != 1:
+        function = getattr(edge[0], "function", None)
+        if getattr(function, "passes_gradient_parts", False):
+            return all(_reaches_parameter(part) for part in edge[0].edges)
+        if not getattr(function, "passes_gradient_views", False) or len(edge[0].edges) != 1:
             return False
-        edge = node.edges[0]
+        edge = edge[0].edges[0]
     return edge is not None and edge[0].leaf.is_parameter
 
 

@@ -28,7 +28,7 @@ from . import precision
 from .sixteen_bit_kernels import CUDA_16_BIT
 from .backend import get_array_module
 
-_BLOCK_SUM = r"""
+BLOCK_SUM = r"""
 // The sum of v over the block, returned to every thread (blockDim.x a multiple of 32, <= 1024).
 __device__ double block_sum(double v, double* shared) {
     for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffff, v, offset);
@@ -42,7 +42,7 @@ __device__ double block_sum(double v, double* shared) {
 }
 """
 
-_FORWARD = _BLOCK_SUM + r"""
+_FORWARD = BLOCK_SUM + r"""
 // twin: {module}:layer_norm_forward_rows{twin}
 // kept: xhat, or (KEEP_INPUT) x in 16 bits; stats: rstd, or (KEEP_INPUT) mean and 1/std in double.
 extern "C" __global__ void layer_norm_forward_rows_{name}(
@@ -77,7 +77,7 @@ extern "C" __global__ void layer_norm_forward_rows_{name}(
 }
 """
 
-_BACKWARD = _BLOCK_SUM + r"""
+_BACKWARD = BLOCK_SUM + r"""
 // twin: {module}:layer_norm_backward_rows{twin}
 // gx = rstd (gh - mean(gh) - xhat mean(gh xhat)), gh = g weight; plus `pending` (the gradient
 // the input already has from its other consumer, the residual path) when add_pending is 1.

@@ -39,15 +39,21 @@ typedef {residual_type} RT;
 #define WIDE_Y(v) {wide_y}(v)
 #define WIDE_R(v) {wide_r}(v)
 #define HAS_KEEP {has_keep}
+#define HAS_BIAS {has_bias}
 // the value on the 16-bit grid, as float: the rounding a 16-bit store makes
 __device__ __forceinline__ float on_grid(float v) { return {from_16}({to_16}(v)); }
 
-// twin: {module}:bias_dropout_add_twin
+// twin: {module}:{twin}
+// without a bias (HAS_BIAS 0: the bias argument is y again, unread) y is on the grid already
 extern "C" __global__ void bias_dropout_add_{name}(
         const YT* y, const ST* bias, const bool* keep, const RT* residual, ST* out, float scale,
         long long n, long long cols) {
     EACH_INDEX {
+#if HAS_BIAS
         float t = on_grid(__fadd_rn(WIDE_Y(y[i]), {from_16}(bias[i % cols])));
+#else
+        float t = WIDE_Y(y[i]);
+#endif
 #if HAS_KEEP
         t = __fmul_rn(__fmul_rn(t, keep[i] ? 1.0f : 0.0f), scale);
 #endif
@@ -157,7 +163,7 @@ __device__ __forceinline__ float gelu_tanh_t(float x, float cubic, float sqrt_2_
 THREADS, MAX_BLOCKS = 256, 4096
 
 
-def _operand(dtype, fmt):
+def operand(dtype, fmt):
     """(C type, widening to float) of an operand of numpy `dtype`: float32, or fmt's 16-bit type."""
     if numpy.dtype(dtype) == numpy.float32:
         return "float", "(float)"
@@ -166,17 +172,19 @@ def _operand(dtype, fmt):
     return _SIXTEEN_BIT[fmt][1], _SIXTEEN_BIT[fmt][3]
 
 
-def code(fmt, y_dtype, residual_dtype, has_keep):
+def code(fmt, y_dtype, residual_dtype, has_keep, has_bias=True):
     """(CUDA source, kernel name) of the variant for 16-bit format `fmt`, y and the residual of
-    these dtypes (float32 or fmt's), with or without a keep mask."""
-    (y_type, wide_y), (residual_type, wide_r) = _operand(y_dtype, fmt), _operand(residual_dtype, fmt)
-    name = f"{fmt}_y_{_short(y_dtype)}_residual_{_short(residual_dtype)}" + ("_dropout" if has_keep else "")
-    source = _render(_SOURCE, fmt, y_type=y_type, residual_type=residual_type, wide_y=wide_y, wide_r=wide_r,
-                     has_keep=str(int(has_keep)), name=name)
+    these dtypes (float32 or fmt's), with or without a keep mask, with or without a bias."""
+    (y_type, wide_y), (residual_type, wide_r) = operand(y_dtype, fmt), operand(residual_dtype, fmt)
+    name = (f"{fmt}_y_{short_name(y_dtype)}_residual_{short_name(residual_dtype)}" + ("_dropout" if has_keep else "")
+            + ("" if has_bias else "_no_bias"))
+    source = render(_SOURCE, fmt, y_type=y_type, residual_type=residual_type, wide_y=wide_y, wide_r=wide_r,
+                    has_keep=str(int(has_keep)), has_bias=str(int(has_bias)), name=name,
+                    twin="bias_dropout_add_twin" if has_bias else "dropout_add_twin")
     return source, f"bias_dropout_add_{name}"
 
 
-def _render(template, fmt, **values):
+def render(template, fmt, **values):
     """template with fmt's header, types and conversions, this module's name and `values` filled in."""
     header, store, to_16, from_16 = _SIXTEEN_BIT[fmt]
     values = dict(prelude=_PRELUDE, header=header, store=store, to_16=to_16, from_16=from_16, module=__name__,
@@ -192,9 +200,9 @@ GELU_TWIN = "npmegatron.autograd.ops.elementwise:bias_gelu_tanh_twin"
 
 def bias_gelu_code(fmt, y_dtype):
     """(CUDA source, kernel name) of bias + GeLU (tanh) from y of `y_dtype` to fmt's 16 bits."""
-    y_type, wide_y = _operand(y_dtype, fmt)
-    name = f"{fmt}_y_{_short(y_dtype)}"
-    source = _render(_BIAS_GELU_SOURCE.replace("{module}:bias_gelu_tanh_twin", GELU_TWIN), fmt, y_type=y_type,
+    y_type, wide_y = operand(y_dtype, fmt)
+    name = f"{fmt}_y_{short_name(y_dtype)}"
+    source = render(_BIAS_GELU_SOURCE.replace("{module}:bias_gelu_tanh_twin", GELU_TWIN), fmt, y_type=y_type,
                      wide_y=wide_y, name=name)
     return source, f"bias_gelu_tanh_{name}"
 
@@ -204,24 +212,24 @@ GELU_BACKWARD_TWIN = "npmegatron.autograd.ops.elementwise:bias_gelu_tanh_backwar
 
 def bias_gelu_backward_code(fmt, g_dtype, y_dtype):
     """(CUDA source, kernel name) of bias + GeLU's backward from g and y of these dtypes."""
-    (g_type, wide_g), (y_type, wide_y) = _operand(g_dtype, fmt), _operand(y_dtype, fmt)
-    name = f"{fmt}_g_{_short(g_dtype)}_y_{_short(y_dtype)}"
-    source = _render(_BIAS_GELU_BACKWARD_SOURCE.replace("{module}:bias_gelu_tanh_backward_twin", GELU_BACKWARD_TWIN),
+    (g_type, wide_g), (y_type, wide_y) = operand(g_dtype, fmt), operand(y_dtype, fmt)
+    name = f"{fmt}_g_{short_name(g_dtype)}_y_{short_name(y_dtype)}"
+    source = render(_BIAS_GELU_BACKWARD_SOURCE.replace("{module}:bias_gelu_tanh_backward_twin", GELU_BACKWARD_TWIN),
                      fmt, g_type=g_type, wide_g=wide_g, y_type=y_type, wide_y=wide_y, name=name)
     return source, f"bias_gelu_tanh_backward_{name}"
 
 
 def round_copy_sum_code(fmt):
     """(CUDA source, kernel name) of round_copy_column_sum for 16-bit format fmt."""
-    return _render(_ROUND_COPY_SUM_SOURCE, fmt), f"round_copy_column_sum_{fmt}"
+    return render(_ROUND_COPY_SUM_SOURCE, fmt), f"round_copy_column_sum_{fmt}"
 
 
 def bias_add_code(fmt):
     """(CUDA source, kernel name) of the bias add that writes a Linear's 16-bit output."""
-    return _render(_BIAS_ADD_SOURCE, fmt), f"bias_add_{fmt}"
+    return render(_BIAS_ADD_SOURCE, fmt), f"bias_add_{fmt}"
 
 
-def _short(dtype):
+def short_name(dtype):
     return "float32" if numpy.dtype(dtype) == numpy.float32 else "16"
 
 
@@ -230,18 +238,19 @@ _compiled = {}
 
 def bias_dropout_add(y, bias, keep, residual, scale, fmt):
     """residual + dropout(y + bias) as the 16-bit format `fmt` stores it (module docstring), a new
-    C-ordered 16-bit array; keep None: no dropout. y, keep and the residual: C-ordered device
-    arrays of one shape; bias: fmt's 16-bit array of y's last dimension."""
+    C-ordered 16-bit array; keep None: no dropout; bias None: residual + dropout(y) (a block
+    without biases, the Llama family's). y, keep and the residual: C-ordered device arrays of one
+    shape; bias: fmt's 16-bit array of y's last dimension."""
     import cupy
-    variant = (fmt, numpy.dtype(y.dtype), numpy.dtype(residual.dtype), keep is not None)
+    variant = (fmt, numpy.dtype(y.dtype), numpy.dtype(residual.dtype), keep is not None, bias is not None)
     out = cupy.empty(y.shape, precision.sixteen_bit_dtype(fmt))
-    _launch(variant, lambda: code(*variant),
-            (y, bias, y if keep is None else keep, residual, out, numpy.float32(1.0 if scale is None else scale),
-             numpy.int64(y.size), numpy.int64(y.shape[-1])), y.size)
+    launch(variant, lambda: code(*variant),
+           (y, y if bias is None else bias, y if keep is None else keep, residual, out,
+            numpy.float32(1.0 if scale is None else scale), numpy.int64(y.size), numpy.int64(y.shape[-1])), y.size)
     return out
 
 
-def _launch(key, make_code, args, n, grid=None, block=(THREADS,)):
+def launch(key, make_code, args, n, grid=None, block=(THREADS,)):
     """Run the kernel `make_code()` makes (compiled once per CuPy module and key): over n values
     in a grid-stride loop, or with the `grid` and `block` given."""
     import cupy
@@ -257,7 +266,7 @@ def bias_gelu_tanh(y, b, fmt, cubic, sqrt_2_over_pi):
     elementwise chain does (its twin, GELU_TWIN)."""
     import cupy
     out = cupy.empty(y.shape, precision.sixteen_bit_dtype(fmt))
-    _launch(("gelu", fmt, y.dtype), lambda: bias_gelu_code(fmt, y.dtype),
+    launch(("gelu", fmt, y.dtype), lambda: bias_gelu_code(fmt, y.dtype),
             (y, b, out, numpy.float32(cubic), numpy.float32(sqrt_2_over_pi), numpy.int64(y.size),
              numpy.int64(y.shape[-1])), y.size)
     return out
@@ -268,7 +277,7 @@ def bias_gelu_tanh_backward(g, y, b, fmt, cubic, sqrt_2_over_pi, cubic_grad):
     recomputing chain's numbers (GELU_BACKWARD_TWIN) in one launch, from 16-bit or float32 g and y."""
     import cupy
     wide, out = cupy.empty(y.shape, numpy.float32), cupy.empty(y.shape, precision.sixteen_bit_dtype(fmt))
-    _launch(("gelu backward", fmt, g.dtype, y.dtype), lambda: bias_gelu_backward_code(fmt, g.dtype, y.dtype),
+    launch(("gelu backward", fmt, g.dtype, y.dtype), lambda: bias_gelu_backward_code(fmt, g.dtype, y.dtype),
             (g, y, b, wide, out, numpy.float32(cubic), numpy.float32(sqrt_2_over_pi), numpy.float32(cubic_grad),
              numpy.int64(y.size), numpy.int64(y.shape[-1])), y.size)
     return wide, out
@@ -283,7 +292,7 @@ def round_copy_column_sum(g, fmt, sums=None, accumulate=False):
     rows = g.size // cols
     copy = cupy.empty(g.shape, precision.sixteen_bit_dtype(fmt))
     sums = cupy.empty(cols, numpy.float32) if sums is None else sums
-    _launch(("round sum", fmt), lambda: round_copy_sum_code(fmt),
+    launch(("round sum", fmt), lambda: round_copy_sum_code(fmt),
             (g, copy, sums, numpy.int64(rows), numpy.int64(cols), numpy.int32(accumulate)), g.size,
             grid=(-(-cols // 32),), block=(32, 32))
     return copy, sums
@@ -314,7 +323,7 @@ def bias_add(y, bias, fmt):
     float32 y: the sum the CPU's emulation rounds after the op), in one launch."""
     import cupy
     out = cupy.empty(y.shape, precision.sixteen_bit_dtype(fmt))
-    _launch(("bias", fmt), lambda: bias_add_code(fmt), (y, bias, out, numpy.int64(y.size), numpy.int64(y.shape[-1])),
+    launch(("bias", fmt), lambda: bias_add_code(fmt), (y, bias, out, numpy.int64(y.size), numpy.int64(y.shape[-1])),
             y.size)
     return out
 
@@ -331,14 +340,14 @@ def takes_bias_add(y, bias, fmt, y_16_bit=False):
 def takes(y, bias, residual, fmt):
     """Whether bias_dropout_add takes these arrays (its keep mask is made of y's shape): C-ordered
     device arrays of one shape, y and the residual float32 or fmt's 16-bit, the bias fmt's 16-bit
-    of y's last dimension."""
+    of y's last dimension, or None."""
     if not type(y).__module__.startswith("cupy") or y.size == 0 or fmt not in _SIXTEEN_BIT:
         return False
     for a in (y, residual):
         if a.shape != y.shape or not a.flags.c_contiguous or not (
                 a.dtype == numpy.float32 or precision.format_of(a.dtype) == fmt):
             return False
-    return precision.format_of(bias.dtype) == fmt and bias.flags.c_contiguous and bias.shape == y.shape[-1:]
+    return bias is None or precision.format_of(bias.dtype) == fmt and bias.flags.c_contiguous and bias.shape == y.shape[-1:]
 
 
 def bias_dropout_add_twin(y, bias, keep, residual, out, scale, n, cols):
@@ -347,6 +356,16 @@ def bias_dropout_add_twin(y, bias, keep, residual, out, scale, n, cols):
     fmt = precision.format_of(out.dtype)
     t = precision.round_(y.astype(numpy.float32) + bias.astype(numpy.float32), fmt)
     if keep.dtype == numpy.bool_:      # without a mask the kernel's keep argument is y (unread)
+        t = t * keep.astype(numpy.float32)
+        t *= numpy.float32(scale)
+    out[...] = (t + residual.astype(numpy.float32)).astype(out.dtype)
+
+
+def dropout_add_twin(y, unread, keep, residual, out, scale, n, cols):
+    """bias_dropout_add_{fmt}_*_no_bias: residual + dropout(y) in float32 (y on the grid already),
+    rounded to out's 16-bit format."""
+    t = y.astype(numpy.float32)
+    if keep.dtype == numpy.bool_:
         t = t * keep.astype(numpy.float32)
         t *= numpy.float32(scale)
     out[...] = (t + residual.astype(numpy.float32)).astype(out.dtype)
@@ -361,8 +380,8 @@ def all_sources():
     """(kernel name, CUDA source) of every variant, for the NVRTC compile in CI
     (tests/test_cuda_sources_compile.py)."""
     dtypes = {fmt: (numpy.float32, precision.sixteen_bit_dtype(fmt)) for fmt in _SIXTEEN_BIT}
-    return [code(fmt, y, r, keep)[::-1] for fmt in _SIXTEEN_BIT for y in dtypes[fmt] for r in dtypes[fmt]
-            for keep in (False, True)] + [bias_add_code(fmt)[::-1] for fmt in _SIXTEEN_BIT] + [
+    return [code(fmt, y, r, keep, bias)[::-1] for fmt in _SIXTEEN_BIT for y in dtypes[fmt] for r in dtypes[fmt]
+            for keep in (False, True) for bias in (True, False)] + [bias_add_code(fmt)[::-1] for fmt in _SIXTEEN_BIT] + [
         bias_gelu_code(fmt, y)[::-1] for fmt in _SIXTEEN_BIT for y in dtypes[fmt]] + [
         bias_gelu_backward_code(fmt, g, y)[::-1] for fmt in _SIXTEEN_BIT for g in dtypes[fmt] for y in dtypes[fmt]] + [
         round_copy_sum_code(fmt)[::-1] for fmt in _SIXTEEN_BIT]

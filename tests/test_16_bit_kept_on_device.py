@@ -12,6 +12,7 @@ from fakes.strict_cupy import strict_cupy_env
 
 from npmegatron import autograd as ag
 from npmegatron.autograd import precision, row_kernels
+from npmegatron.autograd.ops import fused_attention
 from npmegatron.config import GPTConfig, TrainConfig
 from npmegatron.run import assemble
 
@@ -47,8 +48,9 @@ def train_pass(cp, fmt, batch, keep, monkeypatch, **options):
     """(loss, every parameter's gradient, the arrays kept for backward) of one forward and backward
     of a 2-layer GPT on the stand-in under `fmt`, keeping on-grid arrays in 16 bits or not."""
     monkeypatch.setattr(precision, "sixteen_bit_arrays_on_gpu", keep)
+    options = {"hidden_dropout": 0.1, "attention_dropout": 0.1, **options}
     cfg = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=96, max_position_embeddings=32,
-                    hidden_dropout=0.1, attention_dropout=0.1, device="gpu", **{fmt: True}, **options)
+                    device="gpu", **{fmt: True}, **options)
     run = assemble(TrainConfig(model=cfg, seq_length=32, micro_batch_size=batch, lr=1e-4, min_lr=0.0), world_size=1)
     ids = numpy.random.default_rng(7).integers(0, cfg.vocab_size, (batch, 33))
     _, loss = run.model.chunks[0](ids[:, :-1], ids[:, 1:])
@@ -77,6 +79,25 @@ def test_keeping_16_bit_arrays_changes_no_number(cp, monkeypatch, fmt, batch):
     # what stays wider: statistics (attention's log-sum-exp, LayerNorm's rows, the loss's)
     wide = [(name, n) for name, dtype, n in kept if dtype.kind == "f" and dtype.itemsize >= 4]
     assert sum(n for _, n in wide) < 0.15 * half, wide
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_the_llama_familys_16_bit_kernels_change_no_number(cp, monkeypatch, fmt, dropout):
+    """RMSNorm, the rotary embedding, SwiGLU and the residual add in 16-bit kernels
+    (llama_kernels.py), grouped-query attention with 2 groups for 4 heads, against float32 arrays
+    on the 16-bit grid through the chains: the loss and every gradient equal bit for bit. Both take
+    blockwise attention: cuDNN's grouped attention sums a key head's gradient over its query heads
+    in its own order (test_fused_attention_on_device.py holds it to the blockwise path)."""
+    monkeypatch.setattr(fused_attention, "FUSED_ATTENTION", "never")
+    options = {"model_family": "llama", "group_query_attention": True, "num_query_groups": 2,
+               "hidden_dropout": dropout, "attention_dropout": dropout}
+    loss, grads, kept = train_pass(cp, fmt, 2, True, monkeypatch, **options)
+    loss_apart, grads_apart, _ = train_pass(cp, fmt, 2, False, monkeypatch, **options)
+    assert numpy.array_equal(loss, loss_apart)
+    for g, h in zip(grads, grads_apart):
+        assert numpy.array_equal(g, h)
+    assert {name for name, dtype, _ in kept if dtype == precision.sixteen_bit_dtype(fmt)} >= {"RMSNorm", "SwiGLU"}
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

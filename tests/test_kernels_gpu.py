@@ -4,6 +4,7 @@ dropout mask, the fused LayerNorm and the cross-entropy chains. tests/test_gemm.
 tests/test_dropout_on_device.py check the same calls on the strict stand-in, whose cuBLAS and
 fusion are emulations; this file is the check that the emulations tell the truth. It skips
 without CuPy or a CUDA device."""
+import importlib
 import itertools
 
 import ml_dtypes
@@ -346,3 +347,90 @@ def test_the_rounding_copying_column_sum_kernel_against_its_twin(fmt, accumulate
     assert got is sums and numpy.array_equal(cupy.asnumpy(device), g)
     assert numpy.array_equal(cupy.asnumpy(copy).view(numpy.uint16), twin_copy.view(numpy.uint16))
     numpy.testing.assert_allclose(cupy.asnumpy(got), twin_sums, rtol=1e-5, atol=1e-4)
+
+
+def _within_a_16_bit_step(got, want):
+    """Each value within one 16-bit rounding step of the twin's (a float32 sum in another order,
+    or CUDA's expf against NumPy's exp, may move a rounding by one step)."""
+    got, want = (numpy.asarray(a).astype(numpy.float64) for a in (got, want))
+    step = 2.0 ** -7 if want.size else 0.0
+    assert numpy.all(numpy.abs(got - want) <= step * numpy.maximum(numpy.abs(want), 1e-3)), \
+        numpy.abs(got - want).max()
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+@pytest.mark.parametrize("cols", [7, 64, 768, 1600])
+def test_the_rms_norm_kernels_against_their_twins(fmt, cols):
+    """RMSNorm's 16-bit kernels (llama_kernels.py) against their twins, the chains on the widened
+    arrays: the row sums of squares to float32 summation's error, the outputs and input gradients
+    (with the pending gradient added too) within one 16-bit step, the gain's gradient (written
+    and accumulated) to float32 summation's error."""
+    from npmegatron.autograd import llama_kernels, precision
+    rms_norm = importlib.import_module("npmegatron.autograd.ops.rms_norm")      # the package exports the function
+    sixteen = precision.sixteen_bit_dtype(fmt)
+    rng = numpy.random.default_rng(cols)
+    rows = 37
+    x, g, pending = ((rng.standard_normal((rows, cols)) * 2).astype(sixteen) for _ in range(3))
+    weight = rng.standard_normal(cols).astype(sixteen)
+    out, squares = llama_kernels.rms_norm_forward(cupy.asarray(x), cupy.asarray(weight), 1e-5, fmt)
+    twin_out, twin_squares = numpy.empty(x.shape, sixteen), numpy.empty(rows, numpy.float32)
+    rms_norm.rms_norm_forward_twin(x, weight, twin_out, twin_squares, cols, numpy.float32(cols), numpy.float32(1e-5))
+    numpy.testing.assert_allclose(cupy.asnumpy(squares), twin_squares, rtol=1e-5)
+    _within_a_16_bit_step(cupy.asnumpy(out), twin_out)
+    for g_in in (g, g.astype(numpy.float32)):
+        for added in (None, pending):
+            gx = llama_kernels.rms_norm_backward(cupy.asarray(g_in), cupy.asarray(weight), cupy.asarray(x),
+                                                 cupy.asarray(twin_squares), 1e-5, fmt,
+                                                 None if added is None else cupy.asarray(added))
+            twin = numpy.empty(x.shape, sixteen)
+            rms_norm.rms_norm_backward_twin(g_in, weight, x, twin_squares, x if added is None else added, twin, cols,
+                                            numpy.float32(cols), numpy.float32(1e-5), int(added is not None))
+            _within_a_16_bit_step(cupy.asnumpy(gx), twin)
+        for accumulate in (False, True):
+            start = rng.standard_normal(cols).astype(numpy.float32)
+            into = cupy.asarray(start)
+            got = llama_kernels.rms_norm_weight_grad(cupy.asarray(g_in), cupy.asarray(x), cupy.asarray(twin_squares),
+                                                     1e-5, fmt, (into, accumulate))
+            twin = start.copy()
+            rms_norm.rms_norm_weight_grad_twin(g_in, x, twin_squares, twin, rows, cols, numpy.float32(cols),
+                                               numpy.float32(1e-5), int(accumulate))
+            assert got is into
+            numpy.testing.assert_allclose(cupy.asnumpy(got), twin, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+def test_the_swiglu_and_rotary_kernels_against_their_twins(fmt):
+    """SwiGLU each way and the rotary embedding (a strided head view in, as the QKV projection's
+    output gives it, and a transposed gradient) within one 16-bit step of their twins; the residual
+    add without a bias bit for bit its twin."""
+    from npmegatron.autograd import llama_kernels, precision, sixteen_bit_kernels
+    rotary, swiglu = (importlib.import_module(f"npmegatron.autograd.ops.{name}") for name in ("rotary", "swiglu"))
+    sixteen = precision.sixteen_bit_dtype(fmt)
+    rng = numpy.random.default_rng(5)
+    y, g = (rng.standard_normal(s).astype(sixteen) for s in ((3, 17, 2 * 40), (3, 17, 40)))
+    out = llama_kernels.swiglu_forward(cupy.asarray(y), fmt)
+    twin = numpy.empty(g.shape, sixteen)
+    swiglu.swiglu_forward_twin(y, twin, numpy.int64(g.size), numpy.int64(40))
+    _within_a_16_bit_step(cupy.asnumpy(out), twin)
+    for g_in in (g, g.astype(numpy.float32)):
+        grad = llama_kernels.swiglu_backward(cupy.asarray(g_in), cupy.asarray(y), fmt)
+        twin = numpy.empty(y.shape, sixteen)
+        swiglu.swiglu_backward_twin(g_in, y, twin, numpy.int64(g.size), numpy.int64(40))
+        _within_a_16_bit_step(cupy.asnumpy(grad), twin)
+    b, t, groups, d = 2, 9, 3, 16
+    qkv = rng.standard_normal((b, t, groups, 4, d)).astype(sixteen)     # 2 query heads, a key and a value a group
+    angles = rotary.rotary_angles(range(t), 12, 10000.0)
+    cos, sin = (cupy.asarray(f(angles).astype(numpy.float32)) for f in (numpy.cos, numpy.sin))
+    device = cupy.asarray(qkv)
+    for x in (device[:, :, :, 2], device.transpose(0, 2, 1, 3, 4)[:, :, :, 0].transpose(0, 2, 1, 3)):
+        got = llama_kernels.rotary(x, cos, sin, fmt)
+        flat, strides = llama_kernels._strided(x)
+        twin = numpy.empty(x.shape, sixteen)
+        rotary.rotary_twin(cupy.asnumpy(flat), cupy.asnumpy(cos), cupy.asnumpy(sin), twin, numpy.int64(twin.size),
+                           t, x.shape[2], d, 6, *strides)
+        _within_a_16_bit_step(cupy.asnumpy(got), twin)
+    residual, y2 = (rng.standard_normal((4, 50)).astype(sixteen) for _ in range(2))
+    out = sixteen_bit_kernels.bias_dropout_add(cupy.asarray(y2), None, None, cupy.asarray(residual), None, fmt)
+    twin = numpy.empty(y2.shape, sixteen)
+    sixteen_bit_kernels.dropout_add_twin(y2, y2, y2, residual, twin, 1.0, y2.size, 50)
+    assert numpy.array_equal(cupy.asnumpy(out).view(numpy.uint16), twin.view(numpy.uint16))

@@ -99,12 +99,27 @@ class Dropout(Function):
 
 
 class DropoutAdd(Function):
-    """residual + dropout(y) in one pass (the end of each transformer sub-block). It draws the
-    same uniforms from the generator as Dropout, so the masks, and the model, are unchanged."""
+    """residual + dropout(y) in one pass (the end of each transformer sub-block without a bias).
+    It draws the same uniforms from the generator as Dropout, so the masks, and the model, are
+    unchanged. p None: no dropout (a GPU's 16-bit residual stream, which the kernel writes)."""
+    reads_16_bit = True     # sixteen_bit_kernels.py reads 16-bit y and residual
+    reads_16_bit_grads = True       # the gradient is handed on as it is (dropout's widens it)
 
     @staticmethod
     def forward(ctx, y, residual, p, generator):
-        ctx.scale = 1.0 / (1.0 - p)
+        ctx.scale = None if p is None else 1.0 / (1.0 - p)
+        ctx.hands_gradient_on = p is None       # both inputs get the output's gradient itself
+        storage = precision.active()
+        stream = _stream_16_bit(residual, storage)
+        if stream is not None and sixteen_bit_kernels.takes(y, None, stream, storage):
+            # a GPU's 16-bit residual stream: the same numbers in one kernel, written in 16 bits
+            keep = None if p is None else keep_mask(generator, y.shape, numpy.float32, p)
+            ctx.save_for_backward(keep)
+            return sixteen_bit_kernels.bias_dropout_add(y, None, keep, stream, ctx.scale, storage)
+        y, residual = (precision.to_float32(a) if precision.format_of(a.dtype) else a for a in (y, residual))
+        if p is None:
+            ctx.save_for_backward(None)
+            return residual + y
         out, keep = DropoutAdd.masked_sum(y, residual, p, generator)
         ctx.save_for_backward(keep)
         return out
@@ -123,8 +138,11 @@ class DropoutAdd(Function):
 
     @staticmethod
     def backward(ctx, g):
-        gy = dropout_backward(g, ctx.saved[0], ctx.scale) if ctx.needs_input_grad[0] else None
-        return gy, g
+        (keep,) = ctx.saved
+        if keep is None or not ctx.needs_input_grad[0]:
+            return (g if keep is None and ctx.needs_input_grad[0] else None), g
+        wide = precision.to_float32(g) if precision.format_of(g.dtype) else g
+        return dropout_backward(wide, keep, ctx.scale), g
 
 
 class BiasDropoutAdd(Function):
@@ -244,9 +262,16 @@ def dropout_add(y, residual, p, generator, training=True):
     if y.shape != residual.shape:
         raise InputError(f"dropout_add needs y and residual of one shape, got {tuple(y.shape)} and "
                          f"{tuple(residual.shape)}")
-    if p == 0.0 or not training:
+    active = p if p > 0.0 and training else None
+    if active is None and not _on_16_bit_device(y.data):
         return residual + y
-    return DropoutAdd.apply(y, residual, p=p, generator=generator)
+    return DropoutAdd.apply(y, residual, p=active, generator=generator)
+
+
+def _on_16_bit_device(a):
+    """Whether `a` is on a GPU whose 16-bit arrays are on (precision.kept_in_16_bit), where a
+    residual add without dropout is DropoutAdd's one 16-bit kernel rather than an Add."""
+    return precision.kept_in_16_bit() is not None and get_array_module(a) is not numpy
 
 
 def bias_dropout_add(y, bias, residual, p, generator, training=True):

@@ -46,6 +46,7 @@ class Transpose(Function):
 class Split(Function):
     """Several outputs (views); backward concatenates their gradients (zeros where none came)."""
     reads_16_bit = True     # moves values, computes none (Function.reads_16_bit)
+    reads_16_bit_grads = True       # the same of the gradients (all 16-bit, or else all widened)
 
     @staticmethod
     def forward(ctx, x, sections, axis):
@@ -57,13 +58,22 @@ class Split(Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        xp = get_array_module(*[g for g in grads if g is not None])
-        filled = [g if g is not None else xp.zeros(s, ctx.dtype) for g, s in zip(grads, ctx.part_shapes)]
+        given = [g for g in grads if g is not None]
+        xp = get_array_module(*given)
+        dtypes = {g.dtype for g in given} | {ctx.dtype for g in grads if g is None}
+        if len(dtypes) > 1:         # 16-bit and float32 gradients: concatenated in float32
+            grads = [precision.to_float32(g) if g is not None and precision.format_of(g.dtype) else g for g in grads]
+        dtype = ctx.dtype if len(dtypes) == 1 else precision.master_dtype(ctx.dtype)
+        filled = [g if g is not None else xp.zeros(s, dtype) for g, s in zip(grads, ctx.part_shapes)]
         return xp.concatenate(filled, axis=ctx.axis)
 
 
 class Concatenate(Function):
     reads_16_bit = True     # moves values, computes none (Function.reads_16_bit)
+    reads_16_bit_grads = True
+    # backward hands each input a part (a view) of its gradient: where every input is a
+    # parameter (SwiGLU's gate and up weights) the gradient is theirs, not rounded (function.py)
+    passes_gradient_parts = True
     @staticmethod
     def forward(ctx, *xs, axis):
         xp = get_array_module(*xs)
