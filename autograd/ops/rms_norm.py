@@ -107,9 +107,9 @@ class RMSNorm(Function):
             gw = llama_kernels.rms_norm_weight_grad(g2, x, squares, ctx.eps, ctx.fmt, ctx.destination(1))
             ctx.mark_fresh(1)
         if need_x:
+            # the input's whole 16-bit gradient so far, where the engine offers it (_rounded_before_use)
             pending = ctx.pending_grads[0] if ctx.pending_grads else None
-            if pending is not None and (precision.format_of(pending.dtype) != ctx.fmt or pending.shape != g.shape
-                                        or not pending.flags.c_contiguous):
+            if pending is not None and not pending.flags.c_contiguous:
                 pending = None
             gx = llama_kernels.rms_norm_backward(g2, weight, x, squares, ctx.eps, ctx.fmt,
                                                  None if pending is None else pending.reshape(x.shape))
