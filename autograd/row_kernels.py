@@ -80,7 +80,9 @@ extern "C" __global__ void layer_norm_forward_rows_{name}(
 _BACKWARD = BLOCK_SUM + r"""
 // twin: {module}:layer_norm_backward_rows{twin}
 // gx = rstd (gh - mean(gh) - xhat mean(gh xhat)), gh = g weight; plus `pending` (the gradient
-// the input already has from its other consumer, the residual path) when add_pending is 1.
+// the input already has from its other consumer, the residual path) when add_pending is 1. With
+// 16-bit gradients the sum is of d rounded (the tape rounds LayerNorm's gradient first), rounded
+// again as it is stored (the emulation rounds the fork's float32 sum before its next use).
 extern "C" __global__ void layer_norm_backward_rows_{name}(
         const GTYPE* g, const WTYPE* weight, const KEPT* kept, const STAT* stats, const GTYPE* pending,
         GTYPE* gx, int cols, int add_pending) {
@@ -98,7 +100,7 @@ extern "C" __global__ void layer_norm_backward_rows_{name}(
     for (int c = threadIdx.x; c < cols; c += blockDim.x) {
         double gh = (double)G(g[start + c]) * (double)WEIGHT(weight[c]);
         {T} d = ({T})((gh - mean_gh - (double)XHAT(blockIdx.x, start + c) * mean_ghx) * inv);
-        gx[start + c] = TO_G(add_pending ? G(pending[start + c]) + d : d);
+        gx[start + c] = TO_G(add_pending ? G(pending[start + c]) + G(TO_G(d)) : d);
     }
 }
 """
@@ -400,11 +402,14 @@ def layer_norm_backward_rows_kept_input(g, weight, kept, stats, pending, gx, col
 
 def layer_norm_backward_rows_16_bit_grads(g, weight, kept, stats, pending, gx, cols, add_pending):
     """layer_norm_backward_rows_float_kept_{fmt}_grads_16_bit: the kept-input kernel's numbers
-    from g's float32 widening, gx rounded into its 16 bits as stored."""
+    from g's float32 widening, gx rounded into its 16 bits as stored; with add_pending, that
+    rounded gradient plus the pending 16-bit one in float32, rounded again."""
     wide = numpy.empty(gx.shape, numpy.float32)
-    layer_norm_backward_rows_kept_input(g.astype(numpy.float32), weight, kept, stats, pending.astype(numpy.float32),
-                                        wide, cols, add_pending)
-    gx[...] = wide
+    layer_norm_backward_rows_kept_input(g.astype(numpy.float32), weight, kept, stats, None, wide, cols, 0)
+    rounded = wide.astype(gx.dtype)
+    if add_pending:
+        rounded = (pending.astype(numpy.float32) + rounded.astype(numpy.float32)).astype(gx.dtype)
+    gx[...] = rounded
 
 
 def layer_norm_column_sums_rows_16_bit_grads(g, kept, stats, gw, gb, rows, cols, accumulate_w, accumulate_b):

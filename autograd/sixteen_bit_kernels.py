@@ -12,7 +12,7 @@ emulation's:
   kernels and the next block's kernel read as it is;
 - a Linear's bias add, which writes the Linear's 16-bit output from its GEMM's float32 one;
 - the MLP's bias + GeLU (tanh form), from the first GEMM's 16-bit output to a 16-bit output, and
-  its backward, from a 16-bit gradient to a 16-bit one (and the float32 one the bias's sum reads).
+  its backward, from a 16-bit gradient to a 16-bit one.
 
 Products and sums use the _rn intrinsics so the compiler cannot contract them into a fused
 multiply-add the emulation does not make. Each kernel's source names its twin (row_kernels.py's
@@ -97,10 +97,10 @@ typedef {g_type} GT;
 typedef {y_type} YT;
 
 // twin: {module}:bias_gelu_tanh_backward_twin
-// elementwise.py's bias_gelu_tanh_backward_recomputed, operation by operation: the gradient in
-// float32 (for the bias's column sum) and rounded to 16 bits (the gradient handed on)
+// elementwise.py's bias_gelu_tanh_backward_recomputed, operation by operation, rounded to 16 bits
+// as it is stored (the bias's gradient is a GEMV of it: ops/arithmetic.py)
 extern "C" __global__ void bias_gelu_tanh_backward_{name}(
-        const GT* g, const YT* y, const ST* b, float* wide, ST* out, float cubic, float sqrt_2_over_pi,
+        const GT* g, const YT* y, const ST* b, ST* out, float cubic, float sqrt_2_over_pi,
         float cubic_grad, long long n, long long cols) {
     EACH_INDEX {
         float x = __fadd_rn({wide_y}(y[i]), {from_16}(b[i % cols]));
@@ -108,42 +108,7 @@ extern "C" __global__ void bias_gelu_tanh_backward_{name}(
         float grad = __fmul_rn(__fadd_rn(__fmul_rn(__fmul_rn(x, x), cubic_grad), sqrt_2_over_pi), x);
         grad = __fmul_rn(grad, __fadd_rn(-__fmul_rn(t, t), 1.0f));
         grad = __fmul_rn(__fmul_rn(__fadd_rn(grad, __fadd_rn(t, 1.0f)), 0.5f), {wide_g}(g[i]));
-        wide[i] = grad;
         out[i] = {to_16}(grad);
-    }
-}
-"""
-
-_ROUND_COPY_SUM_SOURCE = r"""
-#include <{header}>
-{prelude}typedef {store} ST;
-
-// twin: {module}:round_copy_column_sum_twin
-// g (float32, rows x cols) rounded in place to the 16-bit grid, its 16-bit copy written, and its
-// columns' sums written (or, with accumulate, added) into sums: a branch's end's gradient, the
-// projection's 16-bit gradient and the bias's gradient in one pass. A block of 32 x 32 threads
-// takes 32 columns: each thread sums every 32nd row of its column, then the first row of threads
-// adds the 32 partial sums in order (row_kernels.py's column sums).
-extern "C" __global__ void round_copy_column_sum_{fmt}(float* g, ST* copy, float* sums, long long rows,
-                                                       long long cols, int accumulate) {
-    __shared__ float part[32][33];
-    long long c = blockIdx.x * 32LL + threadIdx.x;
-    float total = 0.0f;
-    if (c < cols) {
-        for (long long r = threadIdx.y; r < rows; r += 32) {
-            ST v = {to_16}(g[r * cols + c]);
-            float wide = {from_16}(v);
-            g[r * cols + c] = wide;
-            copy[r * cols + c] = v;
-            total = __fadd_rn(total, wide);
-        }
-    }
-    part[threadIdx.y][threadIdx.x] = total;
-    __syncthreads();
-    if (threadIdx.y == 0 && c < cols) {
-        float sum = 0.0f;
-        for (int i = 0; i < 32; ++i) sum = __fadd_rn(sum, part[i][threadIdx.x]);
-        sums[c] = accumulate ? __fadd_rn(sums[c], sum) : sum;
     }
 }
 """
@@ -219,11 +184,6 @@ def bias_gelu_backward_code(fmt, g_dtype, y_dtype):
     return source, f"bias_gelu_tanh_backward_{name}"
 
 
-def round_copy_sum_code(fmt):
-    """(CUDA source, kernel name) of round_copy_column_sum for 16-bit format fmt."""
-    return render(_ROUND_COPY_SUM_SOURCE, fmt), f"round_copy_column_sum_{fmt}"
-
-
 def bias_add_code(fmt):
     """(CUDA source, kernel name) of the bias add that writes a Linear's 16-bit output."""
     return render(_BIAS_ADD_SOURCE, fmt), f"bias_add_{fmt}"
@@ -273,49 +233,14 @@ def bias_gelu_tanh(y, b, fmt, cubic, sqrt_2_over_pi):
 
 
 def bias_gelu_tanh_backward(g, y, b, fmt, cubic, sqrt_2_over_pi, cubic_grad):
-    """(the gradient of gelu(y + b) at g in float32, the same rounded to fmt's 16 bits): the
-    recomputing chain's numbers (GELU_BACKWARD_TWIN) in one launch, from 16-bit or float32 g and y."""
+    """The gradient of gelu(y + b) at g rounded to fmt's 16 bits: the recomputing chain's numbers
+    (GELU_BACKWARD_TWIN) in one launch, from 16-bit or float32 g and y."""
     import cupy
-    wide, out = cupy.empty(y.shape, numpy.float32), cupy.empty(y.shape, precision.sixteen_bit_dtype(fmt))
+    out = cupy.empty(y.shape, precision.sixteen_bit_dtype(fmt))
     launch(("gelu backward", fmt, g.dtype, y.dtype), lambda: bias_gelu_backward_code(fmt, g.dtype, y.dtype),
-            (g, y, b, wide, out, numpy.float32(cubic), numpy.float32(sqrt_2_over_pi), numpy.float32(cubic_grad),
+            (g, y, b, out, numpy.float32(cubic), numpy.float32(sqrt_2_over_pi), numpy.float32(cubic_grad),
              numpy.int64(y.size), numpy.int64(y.shape[-1])), y.size)
-    return wide, out
-
-
-def round_copy_column_sum(g, fmt, sums=None, accumulate=False):
-    """g (C-ordered float32 device array) rounded in place to fmt's grid; returns (its 16-bit copy,
-    the sums over its leading axes in float32, written into `sums` or added to it with accumulate),
-    in one launch."""
-    import cupy
-    cols = g.shape[-1]
-    rows = g.size // cols
-    copy = cupy.empty(g.shape, precision.sixteen_bit_dtype(fmt))
-    sums = cupy.empty(cols, numpy.float32) if sums is None else sums
-    launch(("round sum", fmt), lambda: round_copy_sum_code(fmt),
-            (g, copy, sums, numpy.int64(rows), numpy.int64(cols), numpy.int32(accumulate)), g.size,
-            grid=(-(-cols // 32),), block=(32, 32))
-    return copy, sums
-
-
-def takes_round_copy_sum(g, sums):
-    """Whether round_copy_column_sum takes g (and `sums`, None or its destination)."""
-    return (type(g).__module__.startswith("cupy") and g.size > 0 and g.dtype == numpy.float32
-            and g.flags.c_contiguous and (sums is None or (sums.dtype == numpy.float32 and sums.flags.c_contiguous
-                                                            and sums.shape == g.shape[-1:])))
-
-
-def round_copy_column_sum_twin(g, copy, sums, rows, cols, accumulate):
-    """round_copy_column_sum_{fmt}: the CPU's emulation's numbers, rounding in place and then the
-    sum over g's leading axes as bias + dropout + residual's backward sums the bias's gradient."""
-    fmt = precision.format_of(copy.dtype)
-    precision.round_(g, fmt)
-    copy[...] = g.astype(copy.dtype)
-    total = g.sum(axis=tuple(range(g.ndim - 1)))
-    if accumulate:
-        sums += total
-    else:
-        sums[...] = total
+    return out
 
 
 def bias_add(y, bias, fmt):
@@ -383,5 +308,4 @@ def all_sources():
     return [code(fmt, y, r, keep, bias)[::-1] for fmt in _SIXTEEN_BIT for y in dtypes[fmt] for r in dtypes[fmt]
             for keep in (False, True) for bias in (True, False)] + [bias_add_code(fmt)[::-1] for fmt in _SIXTEEN_BIT] + [
         bias_gelu_code(fmt, y)[::-1] for fmt in _SIXTEEN_BIT for y in dtypes[fmt]] + [
-        bias_gelu_backward_code(fmt, g, y)[::-1] for fmt in _SIXTEEN_BIT for g in dtypes[fmt] for y in dtypes[fmt]] + [
-        round_copy_sum_code(fmt)[::-1] for fmt in _SIXTEEN_BIT]
+        bias_gelu_backward_code(fmt, g, y)[::-1] for fmt in _SIXTEEN_BIT for g in dtypes[fmt] for y in dtypes[fmt]]

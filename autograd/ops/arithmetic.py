@@ -268,8 +268,10 @@ class Linear(Function):
             # the same product as the float32 weights' (above), summed into float32
             gw = _weight_grad(x, Linear._sixteen_bit_grad(ctx, g, w), None, ctx.destination(1), w,
                               lambda shape: _float32(g, shape))
-        if len(need) > 2 and need[2] and precision.format_of(g.dtype):
-            gb = _sixteen_bit_bias_grad(g, ctx.destination(2))
+        if len(need) > 2 and need[2] and (ctx.grid is not None or precision.format_of(g.dtype)):
+            # the GEMMs' 16-bit g under 16-bit weights (exact: g lies on the grid)
+            sixteen = precision.format_of(w.dtype) is not None
+            gb = bias_grad_by_gemv(Linear._sixteen_bit_grad(ctx, g, w) if sixteen else g, ctx.destination(2))
         elif len(need) > 2 and need[2]:
             gb = bias_grad_to(g, ctx.destination(2))
         return gw, gb
@@ -290,14 +292,17 @@ class Linear(Function):
         return precision.to_float32(g) if precision.format_of(g.dtype) else g
 
 
-#: (array module, device, rows, dtype) -> a row of ones: the left operand of a 16-bit bias gradient's GEMM.
+#: (array module, device, rows, dtype) -> a row of ones: the left operand of a bias gradient's GEMV.
 _ones = {}
 
 
-def _sixteen_bit_bias_grad(g, destination=None):
-    """The bias gradient of a 16-bit g (its rows summed), as one GEMM of a ones row with g, summed
-    in float32 into `destination` (Context.destination) or a new float32 array: cuBLAS sums 16-bit
-    operands in float32, where an array reduction would be the array library's own 16-bit rule."""
+def bias_grad_by_gemv(g, destination=None):
+    """The bias gradient of g (its rows summed) as one GEMV of a ones row with g, summed in float32
+    into `destination` (Context.destination) or a new float32 array. Under 16-bit storage every
+    bias's gradient is this GEMV (Linear's, bias + GeLU's, bias + dropout + residual's): a GPU's
+    16-bit g reaches cuBLAS as it is and is summed in float32, where an array reduction would be
+    the array library's own 16-bit rule, and the CPU's emulation, on float32 g on the 16-bit grid,
+    makes the same product, so the order of the sums is the same."""
     xp, rows = get_array_module(g), gemm.rows(g)
     key = (id(xp), -1 if xp is numpy else xp.cuda.Device().id, rows.shape[0], g.dtype.str)
     if key not in _ones:

@@ -9,6 +9,7 @@ from ..backend import get_array_module
 from ..errors import InputError
 from ..function import Function, remember_16_bit_copy, sixteen_bit_form
 from ..fusion import fused
+from .arithmetic import bias_grad_by_gemv
 
 
 @fused
@@ -150,6 +151,7 @@ class BiasDropoutAdd(Function):
     output's bias (Megatron's bias_dropout_add). One kernel forward on a GPU besides the mask's;
     with p = 0 (or p = None: not training) one kernel and no mask. The masks are Dropout's."""
     reads_16_bit = True     # sixteen_bit_kernels.py reads 16-bit y and residual
+    reads_16_bit_grads = True       # without dropout a 16-bit gradient is handed on as it is
 
     writes_grad_destinations = True
 
@@ -157,6 +159,9 @@ class BiasDropoutAdd(Function):
     def forward(ctx, y, bias, residual, p, generator):
         xp = get_array_module(y)
         ctx.scale = None if p is None else 1.0 / (1.0 - p)
+        # without dropout y and the residual get the output's gradient itself, and the bias's is
+        # summed from it rounded (below): the tape may round it before backward (Node.run)
+        ctx.hands_gradient_on = p is None
         storage = ctx.storage = precision.active()
         stream = _stream_16_bit(residual, storage)
         if stream is not None and sixteen_bit_kernels.takes(y, bias, stream, storage):
@@ -193,34 +198,37 @@ class BiasDropoutAdd(Function):
         (keep,) = ctx.saved
         need_y, need_bias = ctx.needs_input_grad[:2]
         ctx.mark_fresh(1)               # the bias's reduction (y's may be g itself)
+        if precision.format_of(g.dtype) and keep is None:
+            # a GPU's 16-bit gradient (rounded already, as the emulation rounds gy below) is y's and
+            # the residual's as it is; the bias's is one GEMV of it, summed in float32
+            gb = bias_grad_by_gemv(g, ctx.destination(1)) if need_bias else None
+            return g if need_y else None, gb, g
+        if precision.format_of(g.dtype):
+            g = precision.to_float32(g)
         gy = g if keep is None else dropout_backward(g, keep, ctx.scale) if need_y or need_bias else None
         if need_bias and ctx.storage is not None:      # the unfused ops' numbers, as in forward
-            fused = _round_copy_and_sum(gy, ctx.storage, ctx.destination(1))
-            if fused is not None:
-                # a GPU's 16-bit gradients: one kernel rounds gy (the residual's g too, when it is
-                # the same array), writes the 16-bit gradient the projection's GEMMs take and sums
-                # the bias's gradient
-                copy, gb = fused
-                return copy if need_y else None, gb, g
-            gy = precision.round_(gy, ctx.storage)
+            # rounded in place (the residual's g too, when it is the same array); a GPU's 16-bit
+            # arrays: with the 16-bit copy the projection's GEMMs take, made by the same kernel and
+            # remembered for the tape's rounding of the residual's gradient to find
+            copy = _rounded_copy(gy, ctx.storage)
+            gy = gy if copy is None else copy
+            return gy if need_y else None, bias_grad_by_gemv(gy, ctx.destination(1)), g
         # the bias's gradient summed over the leading axes as Add's backward summed it, so the
         # numbers are the unfused ops' (one reduction kernel on a GPU either way)
         gb = _bias_sum(gy, ctx.destination(1)) if need_bias else None
         return gy if need_y else None, gb, g
 
 
-def _round_copy_and_sum(gy, storage, destination):
-    """(gy's 16-bit copy, the bias's gradient) where a GPU holds 16-bit arrays: gy rounded in place
-    to the 16-bit grid, the copy written (and remembered, for the tape's rounding of the residual's
-    gradient to find) and gy summed over its leading axes into the destination, in one kernel
-    (sixteen_bit_kernels.round_copy_column_sum); else None, nothing done."""
-    sums, accumulate = destination if destination is not None else (None, False)
-    if not precision.kept_in_16_bit(storage) or get_array_module(gy) is numpy or \
-            not sixteen_bit_kernels.takes_round_copy_sum(gy, sums):
+def _rounded_copy(gy, storage):
+    """gy rounded in place to storage's 16-bit grid; returns its 16-bit copy where a GPU holds
+    16-bit arrays (made by the rounding kernel itself), else None."""
+    if not precision.kept_in_16_bit(storage) or get_array_module(gy) is numpy:
+        precision.round_(gy, storage)
         return None
-    copy, gb = sixteen_bit_kernels.round_copy_column_sum(gy, storage, sums, accumulate)
-    remember_16_bit_copy(gy, copy)
-    return copy, gb
+    copy = precision.round_keeping_copy(gy, storage)
+    if copy is not None:
+        remember_16_bit_copy(gy, copy)
+    return copy
 
 
 def _stream_16_bit(residual, storage):

@@ -8,7 +8,7 @@ from ..backend import get_array_module
 from ..errors import InputError
 from ..function import Function
 from ..fusion import fused
-from .arithmetic import bias_grad_to
+from .arithmetic import bias_grad_by_gemv, bias_grad_to
 
 
 class Exp(Function):
@@ -141,12 +141,11 @@ def bias_gelu_tanh_twin(y, b, out, cubic, sqrt_2_over_pi, n, cols):
     out[...] = _gelu_tanh(numpy, y.astype(numpy.float32) + b.astype(numpy.float32))[0]
 
 
-def bias_gelu_tanh_backward_twin(g, y, b, wide, out, cubic, sqrt_2_over_pi, cubic_grad, n, cols):
+def bias_gelu_tanh_backward_twin(g, y, b, out, cubic, sqrt_2_over_pi, cubic_grad, n, cols):
     """sixteen_bit_kernels.py's bias + GeLU backward kernel in NumPy: the recomputing chain on the
-    float32 widenings, into float32 `wide` and rounded into 16-bit `out`."""
+    float32 widenings, rounded into 16-bit `out`."""
     x = y.astype(numpy.float32) + b.astype(numpy.float32)
-    wide[...] = _gelu_tanh_grad(numpy, g.astype(numpy.float32), x, _gelu_tanh(numpy, x)[1])
-    out[...] = wide
+    out[...] = _gelu_tanh_grad(numpy, g.astype(numpy.float32), x, _gelu_tanh(numpy, x)[1])
 
 
 @fused
@@ -249,6 +248,8 @@ class BiasGelu(Function):
 
     @staticmethod
     def forward(ctx, y, b, approximate):
+        # under 16-bit storage the bias's gradient is summed from y's rounded gradient (backward)
+        ctx.storage = precision.active()
         ctx.compiled = compiled_gelu(approximate, y.dtype, y.size, get_array_module(y) is numpy)
         if ctx.compiled:
             from . import _gelu_cpu                 # numba is imported for large arrays only
@@ -271,24 +272,32 @@ class BiasGelu(Function):
     @staticmethod
     def backward(ctx, g):
         ctx.mark_fresh(0, 1)            # both made here: the chain's output and a reduction
+        need_bias = ctx.needs_input_grad[1]
         if ctx.compiled:
             from . import _gelu_cpu
             gy, gb = _gelu_cpu.backward(g, *ctx.saved)
-            return gy, (gb if ctx.needs_input_grad[1] else None)
+            if ctx.storage is not None and need_bias:      # the rounded gradient's GEMV, as below
+                gb = bias_grad_by_gemv(precision.round_(gy, ctx.storage))
+            return gy, (gb if need_bias else None)
         saved = ctx.saved
         fmt = precision.format_of(saved[0].dtype)
         if fmt and ctx.backward_chain is bias_gelu_tanh_backward_recomputed and \
                 sixteen_bit_kernels.takes_bias_add(g, saved[1], fmt, y_16_bit=True) and g.shape == saved[0].shape:
-            # a GPU's 16-bit gradients: one kernel; the bias's gradient sums the float32 one, as
-            # the CPU's emulation sums the gradient before the tape rounds it
-            wide, gy = sixteen_bit_kernels.bias_gelu_tanh_backward(g, *saved, fmt, _GELU_CUBIC, _SQRT_2_OVER_PI,
-                                                                   _GELU_CUBIC_GRAD)
-            return gy, bias_grad_to(wide, ctx.destination(1)) if ctx.needs_input_grad[1] else None
+            # a GPU's 16-bit gradients: one kernel writes y's, rounded; the bias's is one GEMV of it
+            gy = sixteen_bit_kernels.bias_gelu_tanh_backward(g, *saved, fmt, _GELU_CUBIC, _SQRT_2_OVER_PI,
+                                                             _GELU_CUBIC_GRAD)
+            return gy, bias_grad_by_gemv(gy, ctx.destination(1)) if need_bias else None
         if fmt:     # y: the 16-bit GEMM output, kept as it came
             saved = (precision.to_float32(saved[0]),) + saved[1:]
         g = precision.to_float32(g) if precision.format_of(g.dtype) else g
         gy = ctx.backward_chain(g, *saved)
-        gb = bias_grad_to(gy, ctx.destination(1)) if ctx.needs_input_grad[1] else None
+        if ctx.storage is not None and need_bias:
+            # under 16-bit storage the bias's gradient sums y's gradient as the tape rounds it (in
+            # place: the tape's rounding is then exact), in the GEMV a GPU runs on its 16-bit
+            # array; Megatron also sums its 16-bit gradient
+            precision.round_(gy, ctx.storage)
+            return gy, bias_grad_by_gemv(gy, ctx.destination(1))
+        gb = bias_grad_to(gy, ctx.destination(1)) if need_bias else None
         return gy, gb
 
 
