@@ -58,9 +58,13 @@ setup(
         # ml_dtypes: bfloat16 arrays in CuPy 14 (--bf16 keeps float32 arrays under CuPy 13).
         # nvidia-cudnn-frontend: cuDNN's flash attention (1.13: `generate_stats`; 1.16 ran on an H200,
         # later releases rewrote the graph API in Python), with cuDNN itself for CUDA 12; without them
-        # attention runs the blockwise path (fused_attention.py)
+        # attention runs the blockwise path (fused_attention.py).
+        # nvmath-python: cuBLASLt's GEMM epilogues (bias, bias + GeLU, GeLU's derivative; 1.0 the API
+        # epilogues.py calls), over CUDA 12's cuda-bindings and the CUDA toolkit's cuBLAS, as CuPy's;
+        # without it the same numbers come from kernels (epilogues.py)
         "gpu": ["cupy-cuda12x>=13,<15", "nvidia-nccl-cu12", "ml_dtypes>=0.3",
-                "nvidia-cudnn-frontend>=1.13,<1.17", "nvidia-cudnn-cu12>=9.5"],
+                "nvidia-cudnn-frontend>=1.13,<1.17", "nvidia-cudnn-cu12>=9.5",
+                "nvmath-python>=1.0,<2", "cuda-bindings>=12.9,<13"],
     },
     entry_points={"console_scripts": ["npmegatron=npmegatron.cli:main"]},
     # the machine profiles of `npmegatron plan --profile NAME`, shipped in the wheel

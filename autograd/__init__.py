@@ -18,7 +18,7 @@ from .ops import (
     exp, log, tanh, gelu, bias_gelu,
     softmax, layer_norm, dropout, dropout_add, bias_dropout_add, embedding, cross_entropy, causal_attention,
     causal_attention_packed, grouped_causal_attention, repeat_heads, rms_norm, rotary, rotary_angles,
-    swiglu,
+    swiglu, gelu_mlp,
 )
 from .gradcheck import gradcheck, numerical_grad
 
@@ -30,5 +30,5 @@ __all__ = [
     "sum", "mean", "max", "exp", "log", "tanh", "gelu", "bias_gelu",
     "softmax", "layer_norm", "dropout", "dropout_add", "bias_dropout_add", "embedding", "cross_entropy",
     "causal_attention", "causal_attention_packed", "grouped_causal_attention", "repeat_heads", "rms_norm",
-    "rotary", "rotary_angles", "swiglu", "gradcheck", "numerical_grad",
+    "rotary", "rotary_angles", "swiglu", "gelu_mlp", "gradcheck", "numerical_grad",
 ]

@@ -20,7 +20,7 @@ from .recompute import recompute_segments, run_layers
 from .timers import NO_TIMERS, timed_layer
 from .tensor_parallel import (DEFAULT, MODEL_PARALLEL, ColumnParallelLinear, RNGTracker,
                               RowParallelLinear, VocabParallelEmbedding, column_parallel_linear,
-                              pad_vocab_size, vocab_parallel_cross_entropy)
+                              pad_vocab_size, parallel_gelu_mlp, vocab_parallel_cross_entropy)
 from .tensor_parallel.random import site_number
 
 
@@ -157,6 +157,9 @@ class ParallelMLP(Module):
         # one fused chain each way; returns (output, bias): the block adds the bias
         if self.cfg.swiglu:
             return self.proj(self._swiglu(x))
+        if self.fc.bias is not None and self.cfg.gelu == "tanh" and ag.precision.active() is not None:
+            # 16-bit storage: both GEMMs and GeLU one Function, GeLU in their epilogues on a GPU
+            return parallel_gelu_mlp(x, self.fc, self.proj)
         h, bias = self.fc(x)
         return self.proj(ag.gelu(h, self.cfg.gelu) if bias is None else ag.bias_gelu(h, bias, self.cfg.gelu))
 

@@ -143,7 +143,8 @@ def moved(launch):
 def _gemm_key(launch):
     f = launch.fields
     return (f"{f['routine']} {f['a']}x{f['b']}->{f['c']} compute {f['compute']} {f['transa']}{f['transb']} "
-            f"m={f['m']} n={f['n']} k={f['k']}" + (f" batch={f['batch']}" if f["batch"] > 1 else ""))
+            f"m={f['m']} n={f['n']} k={f['k']}" + (f" batch={f['batch']}" if f["batch"] > 1 else "")
+            + (f" epilogue {f['epilogue']}" if f.get("epilogue") else ""))
 
 
 def difference(two, one):

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from npmegatron.autograd import bf16_bits, cublas_capture, fusion, sixteen_bit_kernels, row_kernels  # first: npmegatron sets the BLAS threads before NumPy loads
-from npmegatron.autograd.ops import fused_attention  # noqa: E402
+from npmegatron.autograd import bf16_bits, cublas_capture, epilogues, fusion, sixteen_bit_kernels, row_kernels  # first: npmegatron sets the BLAS threads before NumPy loads
+from npmegatron.autograd.ops import arithmetic, fused_attention, mlp  # noqa: E402
 from fakes.strict_cupy import strict_cupy  # noqa: E402
 from helpers import ROOT, run_ranks  # noqa: E402
 
@@ -57,6 +57,10 @@ def fresh_strict_cupy(monkeypatch):
         monkeypatch.setattr(fused_attention, cache, {})
     monkeypatch.setattr(cublas_capture, "_apis", {})           # another stand-in's C API and workspaces
     monkeypatch.setattr(cublas_capture, "_workspaces", {})
+    # nvmath's stand-in and its plans, and arrays kept per CuPy module, of another stand-in
+    for module, cache in ((epilogues, "_libraries"), (epilogues, "_plans"), (epilogues, "unsupported"),
+                          (arithmetic, "_ones"), (mlp, "_zeros")):
+        monkeypatch.setattr(module, cache, {})
     with strict_cupy(devices=1) as module:
         module._strict.reset()
         yield module

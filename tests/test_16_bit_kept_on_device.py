@@ -11,7 +11,7 @@ import pytest
 from fakes.strict_cupy import strict_cupy_env
 
 from npmegatron import autograd as ag
-from npmegatron.autograd import precision, row_kernels
+from npmegatron.autograd import epilogues, precision, row_kernels
 from npmegatron.autograd.ops import fused_attention
 from npmegatron.config import GPTConfig, TrainConfig
 from npmegatron.run import assemble
@@ -86,6 +86,28 @@ def test_keeping_16_bit_arrays_changes_no_number(cp, monkeypatch, fmt, batch, dr
     # what stays wider: statistics (attention's log-sum-exp, LayerNorm's rows, the loss's)
     wide = [(name, n) for name, dtype, n in kept if dtype.kind == "f" and dtype.itemsize >= 4]
     assert sum(n for _, n in wide) < 0.15 * half, wide
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_gemm_epilogues_and_the_kernels_in_their_place_give_the_emulations_numbers(cp, monkeypatch, fmt):
+    """GPT-2's MLP (one GeluMLP) and the QKV projection under 16-bit arrays: with cuBLASLt's
+    epilogues (nvmath-python's stand-in: bias, bias + GeLU keeping GeLU's input, GeLU's
+    derivative in the data gradient's GEMM) and without them (the GEMMs' float32 sums, then the
+    bias and GeLU kernels), against float32 arrays on the 16-bit grid: bit for bit."""
+    monkeypatch.setattr(fused_attention, "FUSED_ATTENTION", "never")
+    options = {"hidden_dropout": 0.0, "attention_dropout": 0.0}
+    loss, grads, _ = train_pass(cp, fmt, 2, True, monkeypatch, **options)
+    launches = cp._strict.launches("gemm")
+    assert {r.fields.get("epilogue") for r in launches} >= {"BIAS", "GELU_AUX_BIAS", "DGELU"}
+    monkeypatch.setattr(epilogues, "EPILOGUES", "never")
+    cp._strict.reset()
+    loss_kernels, grads_kernels, _ = train_pass(cp, fmt, 2, True, monkeypatch, **options)
+    assert not [r for r in cp._strict.launches("gemm") if r.fields.get("epilogue")]
+    loss_apart, grads_apart, _ = train_pass(cp, fmt, 2, False, monkeypatch, **options)
+    for other_loss, other_grads in ((loss_kernels, grads_kernels), (loss_apart, grads_apart)):
+        assert numpy.array_equal(loss, other_loss)
+        for g, h in zip(grads, other_grads):
+            assert numpy.array_equal(g, h)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -254,9 +276,9 @@ def test_the_16_bit_residual_stream_is_the_cpu_emulations_numbers_in_one_kernel(
     assert numpy.array_equal(cp.asnumpy(layer_norm.data), cp.asnumpy(widened.data))
 
 
-def dtypes_between_functions(cp, fmt, monkeypatch):
+def dtypes_between_functions(cp, fmt, monkeypatch, hidden_dropout=0.1):
     """{("forward" or "backward", Function name): dtype names} of every array a Function handed on
-    in one forward and backward of a 2-layer GPT (hidden dropout on) on the stand-in: its outputs,
+    in one forward and backward of a 2-layer GPT on the stand-in: its outputs,
     and the gradients its backward returned for inputs that are not parameters (nor views of one)."""
     from npmegatron.autograd import function
     seen = {}
@@ -280,7 +302,7 @@ def dtypes_between_functions(cp, fmt, monkeypatch):
     monkeypatch.setattr(function.Function, "apply", classmethod(recording_apply))
     monkeypatch.setattr(function.Node, "run", recording_run)
     cfg = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=96, max_position_embeddings=32,
-                    hidden_dropout=0.1, attention_dropout=0.0, device="gpu", **{fmt: True})
+                    hidden_dropout=hidden_dropout, attention_dropout=0.0, device="gpu", **{fmt: True})
     run_ = assemble(TrainConfig(model=cfg, seq_length=32, micro_batch_size=2, lr=1e-4, min_lr=0.0), world_size=1)
     ids = numpy.random.default_rng(7).integers(0, cfg.vocab_size, (2, 33))
     _, loss = run_.model.chunks[0](ids[:, :-1], ids[:, 1:])
@@ -291,22 +313,26 @@ def dtypes_between_functions(cp, fmt, monkeypatch):
 #: What a --fp16/--bf16 step on a GPU still hands on in float32 (on the 16-bit grid, with its
 #: 16-bit copy where a 16-bit reader takes it): the loss and its logits' gradient (the loss and its
 #: reductions are float32, as Megatron keeps them), the embedding's lookup, position add and dropout
-#: each way (not yet 16-bit: the first layer reads their 16-bit copy), and the residual stream's
-#: gradient at each branch's end, the fork's float32 sum that the CPU's emulation hands on there.
+#: each way (not yet 16-bit: the first layer reads their 16-bit copy), and, with hidden dropout,
+#: the residual stream's gradient at each branch's end, the fork's float32 sum that the CPU's
+#: emulation hands on there (without dropout LayerNorm's kernel adds it and rounds it as stored).
 FLOAT32_BETWEEN_FUNCTIONS = {("forward", "_VocabParallelCrossEntropy"), ("backward", "_VocabParallelCrossEntropy"),
-                             ("forward", "_ShardLookup"), ("forward", "Add"), ("backward", "Add"),
-                             ("forward", "Dropout"), ("backward", "Dropout"), ("backward", "BiasDropoutAdd")}
+                             ("forward", "_ShardLookup"), ("forward", "Add"), ("backward", "Add")}
+FLOAT32_WITH_HIDDEN_DROPOUT = {("forward", "Dropout"), ("backward", "Dropout"), ("backward", "BiasDropoutAdd")}
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_a_steps_tape_hands_on_16_bit_arrays_between_the_layers_functions(cp, monkeypatch, fmt):
-    seen = dtypes_between_functions(cp, fmt, monkeypatch)
+@pytest.mark.parametrize("hidden_dropout", [0.1, 0.0])
+def test_a_steps_tape_hands_on_16_bit_arrays_between_the_layers_functions(cp, monkeypatch, fmt, hidden_dropout):
+    seen = dtypes_between_functions(cp, fmt, monkeypatch, hidden_dropout)
     sixteen = precision.sixteen_bit_dtype(fmt).name
     float32 = {key for key, dtypes in seen.items() if "float32" in dtypes}
-    assert float32 == FLOAT32_BETWEEN_FUNCTIONS, float32
-    layer_functions = {"LayerNorm", "Linear", "FusedCausalAttention", "BiasDropoutAdd", "BiasGelu"}
+    expected = FLOAT32_BETWEEN_FUNCTIONS | (FLOAT32_WITH_HIDDEN_DROPOUT if hidden_dropout else set())
+    assert float32 == expected, float32
+    # the MLP is one Function under 16-bit storage (ops/mlp.py)
+    layer_functions = {"LayerNorm", "Linear", "FusedCausalAttention", "BiasDropoutAdd", "GeluMLP"}
     assert {name for _, name in seen} >= layer_functions, seen
     for (phase, name), dtypes in seen.items():
         assert dtypes <= {sixteen, "float32"}, (phase, name, dtypes)
-        if (phase, name) not in FLOAT32_BETWEEN_FUNCTIONS:
+        if (phase, name) not in expected:
             assert dtypes == {sixteen}, (phase, name, dtypes)

@@ -421,3 +421,52 @@ def test_the_swiglu_and_rotary_kernels_against_their_twins(fmt):
     twin = numpy.empty(y2.shape, sixteen)
     sixteen_bit_kernels.dropout_add_twin(y2, y2, y2, residual, twin, 1.0, y2.size, 50)
     assert numpy.array_equal(cupy.asnumpy(out).view(numpy.uint16), twin.view(numpy.uint16))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+def test_the_gemm_epilogues_against_the_emulations_numbers(fmt):
+    """nvmath-python's cuBLASLt epilogues (autograd/epilogues.py) on 16-bit operands: x w + b, GeLU
+    of it with GeLU's input kept, and (g w^T) times GeLU's derivative there, each within one 16-bit
+    step of the CPU's emulation (float32 sums in cuBLASLt's order, its own tanh); then each again on
+    new operands through the cached plan, and the same under a CUDA graph's capture and replay."""
+    pytest.importorskip("nvmath")
+    from npmegatron.autograd import epilogues, precision
+    from npmegatron.autograd.ops import elementwise
+    sixteen = precision.sixteen_bit_dtype(fmt)
+    rng = numpy.random.default_rng(5)
+
+    def operands():
+        x, w, g = ((rng.standard_normal(s) * 0.5).astype(sixteen) for s in ((3, 40, 64), (64, 96), (3, 40, 64)))
+        b = rng.standard_normal(96).astype(sixteen)
+        return x, w, b, g
+
+    for _ in range(2):          # the second call: the plans made by the first, new operands
+        x, w, b, g = operands()
+        wide = [a.astype(numpy.float32) for a in (x, w, b, g)]
+        pre = wide[0] @ wide[1] + wide[2]
+        xd, wd, bd, gd = map(cupy.asarray, (x, w, b, g))
+        assert epilogues.takes(xd, wd, bd, fmt, gelu=True)
+        _within_a_16_bit_step(cupy.asnumpy(epilogues.linear_bias(xd, wd, bd)).astype(numpy.float32), pre)
+        h, a = epilogues.linear_bias_gelu(xd, wd, bd)
+        assert h.flags.c_contiguous and a.flags.c_contiguous and h.dtype == a.dtype == sixteen
+        _within_a_16_bit_step(cupy.asnumpy(a).astype(numpy.float32), pre)
+        _within_a_16_bit_step(cupy.asnumpy(h).astype(numpy.float32), elementwise._gelu_tanh(numpy, pre.copy())[0])
+        a_wide = cupy.asnumpy(a).astype(numpy.float32)
+        # the MLP's second weight w2 (96, 64) = w^T: (g w2^T) gelu'(a), g w2^T = g w
+        d = epilogues.gelu_input_grad(gd, cupy.asarray(numpy.ascontiguousarray(w.T)), a)
+        want = elementwise._gelu_tanh_grad(numpy, wide[3] @ wide[1], a_wide,
+                                           elementwise._gelu_tanh(numpy, a_wide.copy())[1])
+        _within_a_16_bit_step(cupy.asnumpy(d).astype(numpy.float32), want)
+    stream, eager = cupy.cuda.Stream(non_blocking=True), cupy.cuda.get_allocator()
+    with stream:
+        epilogues.linear_bias(xd, wd, bd)       # the plan for this stream, before the capture
+        cupy.cuda.set_allocator(cupy.cuda.MemoryPool().malloc)      # the graph's own pool
+        try:
+            stream.begin_capture()
+            y = epilogues.linear_bias(xd, wd, bd)
+            graph = stream.end_capture()
+        finally:
+            cupy.cuda.set_allocator(eager)
+        graph.launch(stream)
+    stream.synchronize()
+    _within_a_16_bit_step(cupy.asnumpy(y).astype(numpy.float32), pre)

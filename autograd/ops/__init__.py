@@ -9,6 +9,7 @@ from .attention import causal_attention, causal_attention_packed, grouped_causal
 from .rms_norm import rms_norm
 from .rotary import rotary, rotary_angles
 from .swiglu import swiglu
+from .mlp import gelu_mlp
 from ..tensor import Tensor
 
 

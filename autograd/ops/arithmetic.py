@@ -1,7 +1,7 @@
 """Broadcasting arithmetic and matrix products; gradients are summed back to each input's shape."""
 import numpy
 
-from .. import gemm, precision, sixteen_bit_kernels
+from .. import epilogues, gemm, precision, sixteen_bit_kernels
 from ..backend import get_array_module
 from ..errors import InputError
 from ..function import Function, kept_16_bit_copy
@@ -227,6 +227,9 @@ class Linear(Function):
             sixteen = ctx.grid == fmt       # a GPU's 16-bit activations: rounded as they are stored
             if sixteen and b is None:
                 return gemm.matmul(x, w, out=get_array_module(x).empty(shape, w.dtype))
+            out = epilogues.linear_bias(x, w, b) if sixteen and epilogues.takes(x, w, b, fmt) else None
+            if out is not None:
+                return out          # the bias added in the GEMM's epilogue
             out = gemm.matmul(x, w, out=_float32(x, shape))
             if sixteen and sixteen_bit_kernels.takes_bias_add(out, b, fmt):
                 return sixteen_bit_kernels.bias_add(out, b, fmt)

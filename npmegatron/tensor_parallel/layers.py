@@ -4,6 +4,7 @@ from npmegatron import autograd as ag
 from npmegatron import comm
 from npmegatron.autograd import Function, InputError
 from npmegatron.autograd.ops.arithmetic import Linear
+from npmegatron.autograd.ops.mlp import GeluMLP
 from npmegatron.autograd.backend import get_array_module, scatter_add
 from npmegatron.module import Module, ParamSpec, parameter
 
@@ -83,6 +84,40 @@ class _LinearWithAsyncGradAllReduce(Linear):
         reduction = comm.all_reduce_async(gx, ctx.group) if gx is not None else None
         gw, gb = Linear.parameter_grads(ctx, g)
         return (reduction.wait() if reduction else None), gw, gb
+
+
+def parallel_gelu_mlp(x, fc, proj):
+    """proj(gelu(fc(x))) as the model's MLP under 16-bit storage (ag.gelu_mlp: both GEMMs and GeLU
+    in one Function, GeLU in their epilogues on a GPU): x enters the TP region as it enters fc (f
+    fused with the Function, or the sequence's all-gather under SP) and the partial sums leave it
+    as they leave proj. Returns (y, proj's bias), as the two Linears with skip_bias_add do."""
+    group = fc.group
+    if fc.sequence_parallel:
+        partial = ag.gelu_mlp(gather_from_sp_region(x, group), fc.weight, fc.bias, proj.weight)
+        return reduce_scatter_to_sp_region(partial, group), proj.bias
+    if group.size > 1:
+        partial = _GeluMLPWithAsyncGradAllReduce.apply(x, fc.weight, fc.bias, proj.weight, group=group)
+    else:
+        partial = ag.gelu_mlp(x, fc.weight, fc.bias, proj.weight)
+    return reduce_from_tp_region(partial, group), proj.bias
+
+
+class _GeluMLPWithAsyncGradAllReduce(GeluMLP):
+    """f then the MLP as one op, f's all-reduce of x's gradient started before the weights'
+    gradients are computed and waited for after (_LinearWithAsyncGradAllReduce's overlap)."""
+
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, group=None):
+        ctx.group = group
+        return GeluMLP.forward(ctx, x, w1, b1, w2)
+
+    @staticmethod
+    def backward(ctx, g):
+        d = GeluMLP.gelu_input_grad(ctx, g)
+        gx = GeluMLP.input_grad(ctx, d, sixteen_bit=False)     # summed in float32, then rounded
+        reduction = comm.all_reduce_async(gx, ctx.group) if gx is not None else None
+        grads = GeluMLP.parameter_grads(ctx, g, d)
+        return ((reduction.wait() if reduction else None),) + grads
 
 
 class RowParallelLinear(Module):

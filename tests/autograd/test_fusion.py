@@ -312,6 +312,7 @@ def _cases(dtype=np.float64):
         "bias_gelu_tanh_backward": ((g, x, b, tb), lambda: _gelu_tanh_grad_ref(g, x + b)),
         "bias_gelu_tanh_output": ((x, b), lambda: _gelu_tanh_ref(x + b)[0]),
         "bias_gelu_tanh_backward_recomputed": ((g, x, b), lambda: _gelu_tanh_grad_ref(g, x + b)),
+        "gelu_tanh_backward_at": ((g, x), lambda: _gelu_tanh_grad_ref(g, x)),
         "gelu_erf": ((x,), lambda: _gelu_erf_ref(x)),
         "gelu_erf_backward": ((g, x, cdf), lambda: _gelu_erf_grad_ref(g, x)),
         "bias_gelu_erf": ((x, b), lambda: _gelu_erf_ref(x + b)),

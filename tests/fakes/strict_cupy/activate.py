@@ -1,6 +1,7 @@
 """Putting the strict CuPy stand-in in front of any installed CuPy.
 
-The folder also holds `cudnn`, a stand-in for nvidia-cudnn-frontend's graph API (cudnn/__init__.py).
+The folder also holds `cudnn`, a stand-in for nvidia-cudnn-frontend's graph API (cudnn/__init__.py),
+and `nvmath`, one for nvmath-python's cuBLASLt matrix multiplication with epilogues.
 
 In-process:
 
@@ -15,7 +16,7 @@ import importlib
 import os
 import sys
 
-_PACKAGES = ("cupy", "cupyx", "cudnn")
+_PACKAGES = ("cupy", "cupyx", "cudnn", "nvmath")
 
 
 def strict_cupy_path():

@@ -1,0 +1,1 @@
+"""nvmath.linalg stand-in: `advanced` only."""
