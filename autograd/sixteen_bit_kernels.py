@@ -11,8 +11,9 @@ emulation's:
   block's output as a 16-bit array, the residual stream Megatron keeps, which LayerNorm's row
   kernels and the next block's kernel read as it is;
 - a Linear's bias add, which writes the Linear's 16-bit output from its GEMM's float32 one;
-- the MLP's bias + GeLU (tanh form), from the first GEMM's 16-bit output to a 16-bit output, and
-  its backward, from a 16-bit gradient to a 16-bit one.
+- the MLP's bias + GeLU (tanh form), from the first GEMM's output (16-bit, or float32 sums, then
+  also keeping GeLU's 16-bit input: the GEMM epilogue's numbers where nvmath-python is absent), and
+  its backward, from a 16-bit (or float32) gradient to a 16-bit one.
 
 Products and sums use the _rn intrinsics so the compiler cannot contract them into a fused
 multiply-add the emulation does not make. Each kernel's source names its twin (row_kernels.py's
@@ -77,15 +78,20 @@ _BIAS_GELU_SOURCE = r"""
 #include <{header}>
 {prelude}typedef {store} ST;
 typedef {y_type} YT;
+#define KEEPS_INPUT {keeps_input}
 
-// twin: {module}:bias_gelu_tanh_twin
-// elementwise.py's _gelu_tanh on x = y + b, operation by operation
-extern "C" __global__ void bias_gelu_tanh_{name}(const YT* y, const ST* b, ST* out, float cubic,
+// twin: {module}:{twin}
+// elementwise.py's _gelu_tanh on x = y + b, operation by operation; with KEEPS_INPUT also x
+// rounded into `kept` (GeLU's input, which GeluMLP's backward reads: a GEMM epilogue's GELU_AUX)
+extern "C" __global__ void bias_gelu_tanh_{name}(const YT* y, const ST* b, ST* out, ST* kept, float cubic,
                                                   float sqrt_2_over_pi, long long n, long long cols) {
     EACH_INDEX {
         float x = __fadd_rn({wide_y}(y[i]), {from_16}(b[i % cols]));
         float t = gelu_tanh_t(x, cubic, sqrt_2_over_pi);
         out[i] = {to_16}(__fmul_rn(__fmul_rn(__fadd_rn(t, 1.0f), x), 0.5f));
+#if KEEPS_INPUT
+        kept[i] = {to_16}(x);
+#endif
     }
 }
 """
@@ -163,12 +169,18 @@ def render(template, fmt, **values):
 GELU_TWIN = "npmegatron.autograd.ops.elementwise:bias_gelu_tanh_twin"
 
 
-def bias_gelu_code(fmt, y_dtype):
-    """(CUDA source, kernel name) of bias + GeLU (tanh) from y of `y_dtype` to fmt's 16 bits."""
+#: ... and the variant's that also keeps GeLU's input
+GELU_KEEPING_INPUT_TWIN = "npmegatron.autograd.ops.elementwise:bias_gelu_tanh_keeping_input_twin"
+
+
+def bias_gelu_code(fmt, y_dtype, keeps_input=False):
+    """(CUDA source, kernel name) of bias + GeLU (tanh) from y of `y_dtype` to fmt's 16 bits;
+    keeps_input: also y + b rounded to fmt's 16 bits."""
     y_type, wide_y = operand(y_dtype, fmt)
-    name = f"{fmt}_y_{short_name(y_dtype)}"
-    source = render(_BIAS_GELU_SOURCE.replace("{module}:bias_gelu_tanh_twin", GELU_TWIN), fmt, y_type=y_type,
-                     wide_y=wide_y, name=name)
+    name = f"{fmt}_y_{short_name(y_dtype)}" + ("_keeping_input" if keeps_input else "")
+    twin = GELU_KEEPING_INPUT_TWIN if keeps_input else GELU_TWIN
+    source = render(_BIAS_GELU_SOURCE.replace("{module}:{twin}", twin), fmt, y_type=y_type, wide_y=wide_y, name=name,
+                    keeps_input=str(int(keeps_input)))
     return source, f"bias_gelu_tanh_{name}"
 
 
@@ -220,16 +232,18 @@ def launch(key, make_code, args, n, grid=None, block=(THREADS,)):
     kernel(grid or (max(1, min(MAX_BLOCKS, -(-n // THREADS))),), block, args)
 
 
-def bias_gelu_tanh(y, b, fmt, cubic, sqrt_2_over_pi):
+def bias_gelu_tanh(y, b, fmt, cubic, sqrt_2_over_pi, keep_input=False):
     """gelu(y + b), the tanh form with these constants, as fmt's 16-bit array: the MLP's activation
     from its first GEMM's output (16-bit, or float32), computed operation by operation as the
-    elementwise chain does (its twin, GELU_TWIN)."""
+    elementwise chain does (its twin, GELU_TWIN); keep_input: (that, y + b as fmt's 16-bit array),
+    in the same launch."""
     import cupy
     out = cupy.empty(y.shape, precision.sixteen_bit_dtype(fmt))
-    launch(("gelu", fmt, y.dtype), lambda: bias_gelu_code(fmt, y.dtype),
-            (y, b, out, numpy.float32(cubic), numpy.float32(sqrt_2_over_pi), numpy.int64(y.size),
+    kept = cupy.empty(y.shape, out.dtype) if keep_input else out
+    launch(("gelu", fmt, y.dtype, keep_input), lambda: bias_gelu_code(fmt, y.dtype, keep_input),
+            (y, b, out, kept, numpy.float32(cubic), numpy.float32(sqrt_2_over_pi), numpy.int64(y.size),
              numpy.int64(y.shape[-1])), y.size)
-    return out
+    return (out, kept) if keep_input else out
 
 
 def bias_gelu_tanh_backward(g, y, b, fmt, cubic, sqrt_2_over_pi, cubic_grad):
@@ -307,5 +321,5 @@ def all_sources():
     dtypes = {fmt: (numpy.float32, precision.sixteen_bit_dtype(fmt)) for fmt in _SIXTEEN_BIT}
     return [code(fmt, y, r, keep, bias)[::-1] for fmt in _SIXTEEN_BIT for y in dtypes[fmt] for r in dtypes[fmt]
             for keep in (False, True) for bias in (True, False)] + [bias_add_code(fmt)[::-1] for fmt in _SIXTEEN_BIT] + [
-        bias_gelu_code(fmt, y)[::-1] for fmt in _SIXTEEN_BIT for y in dtypes[fmt]] + [
+        bias_gelu_code(fmt, y, keeps)[::-1] for fmt in _SIXTEEN_BIT for y in dtypes[fmt] for keeps in (False, True)] + [
         bias_gelu_backward_code(fmt, g, y)[::-1] for fmt in _SIXTEEN_BIT for g in dtypes[fmt] for y in dtypes[fmt]]

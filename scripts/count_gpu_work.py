@@ -19,7 +19,9 @@ calls(1 layer) + 11 x (calls(2 layers) - calls(1 layer)) (--check-python-calls N
 layers to compare).
 No GPU is used: the stand-in computes with NumPy and records what CuPy would launch; its cudnn
 stand-in stands for nvidia-cudnn-frontend, so attention is cuDNN's fused attention wherever a GPU
-with the gpu extra would run it (--blockwise-attention counts the blockwise path there instead).
+with the gpu extra would run it (--blockwise-attention counts the blockwise path there instead),
+and its nvmath stand-in for nvmath-python, so GEMMs carry their epilogues (--no-epilogues counts
+the kernels that take their place without the library).
 """
 import argparse
 import cProfile
@@ -38,6 +40,7 @@ import cupy  # noqa: E402
 import numpy  # noqa: E402
 
 from npmegatron.autograd.memory import saved_bytes_by_function  # noqa: E402
+from npmegatron.autograd import epilogues  # noqa: E402
 from npmegatron.autograd.ops import fused_attention  # noqa: E402
 from npmegatron.config import GPTConfig, TrainConfig  # noqa: E402
 from npmegatron.run import assemble  # noqa: E402
@@ -278,6 +281,8 @@ def main(argv=None):
         parser.add_argument(flag, action="store_true")
     parser.add_argument("--blockwise-attention", action="store_true", help="count the blockwise attention "
                         "where cuDNN's fused attention would run (the cudnn stand-in is on the path)")
+    parser.add_argument("--no-epilogues", action="store_true", help="count the bias and GeLU kernels where "
+                        "cuBLASLt's GEMM epilogues would run (the nvmath stand-in is on the path)")
     parser.add_argument("--json", metavar="FILE", help="also write the counts as JSON")
     parser.add_argument("--check-depth", action="store_true", help="also count a 3-layer model: its third "
                         "layer must add the launches of the second")
@@ -286,6 +291,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.blockwise_attention:
         fused_attention.FUSED_ATTENTION = "never"
+    if args.no_epilogues:
+        epilogues.EPILOGUES = "never"
     cfg = GPTConfig(num_layers=1, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
                     vocab_size=args.vocab_size, max_position_embeddings=args.seq_length, dtype=args.dtype,
                     hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,

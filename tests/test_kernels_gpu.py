@@ -310,7 +310,16 @@ def test_the_16_bit_bias_gelu_and_layer_norm_gradient_kernels_against_their_twin
     assert numpy.array_equal(out.view(numpy.uint16), twin.view(numpy.uint16))
     constants = (elementwise._GELU_CUBIC, elementwise._SQRT_2_OVER_PI)
     out = cupy.asnumpy(sixteen_bit_kernels.bias_gelu_tanh(cupy.asarray(y16), cupy.asarray(b16), fmt, *constants))
-    elementwise.bias_gelu_tanh_twin(y16, b16, twin, *map(numpy.float32, constants), y16.size, shape[-1])
+    elementwise.bias_gelu_tanh_twin(y16, b16, twin, twin, *map(numpy.float32, constants), y16.size, shape[-1])
+    assert numpy.abs(out.astype(numpy.float64) - twin.astype(numpy.float64)).max() <= \
+        numpy.abs(twin.astype(numpy.float64)).max() * 2.0 ** -7
+    # from float32 sums, also keeping GeLU's input (GeluMLP without nvmath-python): that bit for bit
+    out, kept = (cupy.asnumpy(a) for a in sixteen_bit_kernels.bias_gelu_tanh(
+        cupy.asarray(y32), cupy.asarray(b16), fmt, *constants, keep_input=True))
+    kept_twin = numpy.empty(shape, sixteen)
+    elementwise.bias_gelu_tanh_keeping_input_twin(y32, b16, twin, kept_twin, *map(numpy.float32, constants),
+                                                  y32.size, shape[-1])
+    assert numpy.array_equal(kept.view(numpy.uint16), kept_twin.view(numpy.uint16))
     assert numpy.abs(out.astype(numpy.float64) - twin.astype(numpy.float64)).max() <= \
         numpy.abs(twin.astype(numpy.float64)).max() * 2.0 ** -7
     out = cupy.asnumpy(sixteen_bit_kernels.bias_gelu_tanh_backward(

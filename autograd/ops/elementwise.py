@@ -135,10 +135,17 @@ def bias_gelu_tanh_output(xp, y, b):
     return _gelu_tanh(xp, y + b)[0]
 
 
-def bias_gelu_tanh_twin(y, b, out, cubic, sqrt_2_over_pi, n, cols):
+def bias_gelu_tanh_twin(y, b, out, unused, cubic, sqrt_2_over_pi, n, cols):
     """sixteen_bit_kernels.py's bias + GeLU kernel in NumPy: bias_gelu_tanh_output's chain on y + b
     widened to float32, rounded into 16-bit `out` (the constants are this module's)."""
     out[...] = _gelu_tanh(numpy, y.astype(numpy.float32) + b.astype(numpy.float32))[0]
+
+
+def bias_gelu_tanh_keeping_input_twin(y, b, out, kept, cubic, sqrt_2_over_pi, n, cols):
+    """The variant that keeps GeLU's input: also y + b in float32, rounded into 16-bit `kept`."""
+    x = y.astype(numpy.float32) + b.astype(numpy.float32)
+    kept[...] = x
+    out[...] = _gelu_tanh(numpy, x)[0]
 
 
 def bias_gelu_tanh_backward_twin(g, y, b, out, cubic, sqrt_2_over_pi, cubic_grad, n, cols):

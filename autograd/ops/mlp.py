@@ -14,8 +14,8 @@ It rounds where those GEMMs store, and nowhere else (precision.py's 16-bit stora
     x's gradient d w1^T, w1's x^T d, b1's one GEMV of d, w2's h^T g (into main_grad)
 The CPU's emulation computes these numbers on float32 arrays on the 16-bit grid; a GPU's 16-bit
 arrays compute them with the epilogues, or, where nvmath-python is absent or a shape is not one
-they take, with the GEMMs' float32 results and sixteen_bit_kernels.py's bias and GeLU kernels
-(the same numbers). Without 16-bit storage the model keeps Linear, BiasGelu, Linear."""
+they take, with the GEMMs' float32 results and sixteen_bit_kernels.py's GeLU kernels (the same
+numbers). Without 16-bit storage the model keeps Linear, BiasGelu, Linear."""
 import numpy
 
 from .. import epilogues, gemm, precision, sixteen_bit_kernels
@@ -57,8 +57,7 @@ class GeluMLP(Function):
             h, a = fused
         else:       # the GEMM's float32 sums, then the bias and GeLU kernels (the same numbers)
             sums = gemm.matmul(x, w1, out=_float32(x, shape))
-            a = sixteen_bit_kernels.bias_add(sums, b1, fmt)
-            h = sixteen_bit_kernels.bias_gelu_tanh(sums, b1, fmt, _GELU_CUBIC, _SQRT_2_OVER_PI)
+            h, a = sixteen_bit_kernels.bias_gelu_tanh(sums, b1, fmt, _GELU_CUBIC, _SQRT_2_OVER_PI, keep_input=True)
         ctx.save_for_backward(x, a, h, w1, w2)
         return gemm.matmul(h, w2, out=xp.empty(shape[:-1] + w2.shape[-1:], w2.dtype))
 

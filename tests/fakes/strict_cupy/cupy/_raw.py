@@ -13,8 +13,10 @@ The bytes a call reads and writes (cupy._strict.traffic) follow the kernel's par
 passed as a `const` pointer is read; one passed as another pointer is written, and read as well
 when the twin's results depend on what it held before (the twin is run once more on copies of
 the arguments with that array's bytes inverted: a kernel that adds into its output, or rounds an
-array in place, reads it; one that only stores into it does not). Each distinct array counts its
-bytes once (a kernel given the same array for two parameters reads it once)."""
+array in place, reads it; one that only stores into it does not). An array passed as a `const`
+pointer and again as another pointer that the twin leaves as it was is read only (a kernel given
+its input again where one of its variants writes a copy, LayerNorm's 16-bit input). Each distinct
+array counts its bytes once (a kernel given the same array for two parameters reads it once)."""
 import importlib
 import re
 
@@ -70,12 +72,15 @@ class RawKernel:
             before = [v.copy() if isinstance(v, numpy.ndarray) else v for v in values]
             self.twin(*values)
             read, written = [], []
+            constant = [id(v) for i, v in enumerate(values) if i < len(self.const) and self.const[i]]
             for i, v in enumerate(values):
                 if not isinstance(v, numpy.ndarray):
                     continue
                 if i < len(self.const) and self.const[i]:
                     read.append(v)
                     continue
+                if id(v) in constant and v.tobytes() == before[i].tobytes():
+                    continue        # the input again, unwritten
                 written.append(v)
                 if self._reads(before, values, i):
                     read.append(v)
