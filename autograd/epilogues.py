@@ -111,16 +111,27 @@ def _run(epilog, a, b, inputs):
         if key in unsupported:
             return None
         if len(_plans) >= MAX_PLANS:
-            _plans.clear()      # layouts that keep changing: start again
+            _forget_plans()     # layouts that keep changing (a growing sequence): start again
         try:
             plan = advanced.Matmul(a, b, stream=stream)
-            plan.plan(epilog=getattr(advanced.MatmulEpilog, epilog), epilog_inputs=inputs, stream=stream)
+            # the heuristic's best algorithm alone: the workspace a plan keeps is sized for it
+            plan.plan(preferences={"limit": 1}, epilog=getattr(advanced.MatmulEpilog, epilog),
+                      epilog_inputs=inputs, stream=stream)
         except Exception as error:      # nvmath's and cuBLASLt's refusals have no common type
             unsupported[key] = f"{type(error).__name__}: {error}"
             return None
         _plans[key] = plan
     else:
         plan.reset_operands(a=a, b=b, epilog_inputs=inputs, stream=stream)
-    result = plan.execute(stream=stream)
-    plan.release_operands()
-    return result
+    try:
+        return plan.execute(stream=stream)
+    finally:
+        plan.release_operands()
+
+
+def _forget_plans():
+    """Free every plan's cuBLASLt descriptors and workspace (a Matmul does not free them when it
+    dies) and forget them."""
+    for plan in _plans.values():
+        plan.free()
+    _plans.clear()

@@ -109,3 +109,17 @@ def test_the_stand_in_takes_the_installed_nvmath_pythons_calls():
             ours = list(inspect.signature(getattr(advanced.Matmul, method)).parameters)
             assert set(ours) <= set(names) and set(names) - set(ours) <= {"quantization_scales"}, (method, ours)
         assert {e.name: int(e) for e in advanced.MatmulEpilog} == real["epilogues"]
+
+
+def test_plans_beyond_the_cap_are_freed_and_forgotten(cp, monkeypatch):
+    """Layouts that keep changing (a growing sequence): at MAX_PLANS every plan frees its cuBLASLt
+    descriptors and workspace (free(); a Matmul does not when it dies) and the cache starts again."""
+    monkeypatch.setattr(epilogues, "MAX_PLANS", 2)
+    rng = numpy.random.default_rng(3)
+    w, b = sixteen_bit(cp, rng, (16, 24)), sixteen_bit(cp, rng, (24,))
+    made = []
+    for rows in (4, 5, 6):
+        epilogues.linear_bias(sixteen_bit(cp, rng, (rows, 16)), w, b)
+        made += [plan for plan in epilogues._plans.values() if plan not in made]
+    assert len(made) == 3 and [plan.freed for plan in made] == [True, True, False]
+    assert list(epilogues._plans.values()) == made[2:]

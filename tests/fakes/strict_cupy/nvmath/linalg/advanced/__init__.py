@@ -102,13 +102,17 @@ class Matmul:
             raise ValueError(f"a {a.shape} and b {b.shape} do not multiply")
         self._check_stream(stream)
         self.a, self.b, self.layout = a, b, (_layout(a), _layout(b))
-        self.epilog, self.inputs, self.planned, self.released = None, {}, False, False
+        self.epilog, self.inputs, self.planned, self.released, self.freed = None, {}, False, False, False
 
     def _check_stream(self, stream):
         if stream is not None and not _strict.replaying() and stream.ptr != cupy.cuda.get_current_stream().ptr:
             raise RuntimeError(f"Matmul on stream {stream.ptr:#x}, not the current stream")
 
     def plan(self, *, preferences=None, algorithms=None, epilog=None, epilog_inputs=None, stream=None):
+        if self.freed:
+            raise RuntimeError("plan() after free()")
+        if preferences is not None and (not isinstance(preferences, dict) or set(preferences) - {"limit"}):
+            raise NotImplementedError(f"the stand-in takes preferences {{'limit': n}} only, got {preferences!r}")
         epilog = MatmulEpilog.DEFAULT if epilog is None else MatmulEpilog(epilog)
         if epilog not in _TAKEN:
             raise NotImplementedError(f"the stand-in does not compute the {epilog.name} epilogue")
@@ -181,6 +185,7 @@ class Matmul:
     def free(self):
         self.a = self.b = None
         self.inputs = {}
+        self.planned, self.freed = False, True
 
 
 @_strict.device_work
