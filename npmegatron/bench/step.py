@@ -84,7 +84,7 @@ class GemmCeiling:
 
 # Functions by kind, for --profile; anything else is "other ops" (embeddings, reshapes, the
 # tensor-parallel mappings).
-OP_KINDS = {"matmul": ("MatMul", "Linear"),
+OP_KINDS = {"matmul": ("MatMul", "Linear", "GeluMLP"),      # GeluMLP: two GEMMs, GeLU in their epilogues
             "attention": ("Softmax", "CausalAttention", "PackedCausalAttention"),
             "layernorm": ("LayerNorm",),
             "loss": ("CrossEntropy", "_VocabParallelCrossEntropy"),

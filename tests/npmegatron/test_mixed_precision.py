@@ -139,15 +139,17 @@ def test_pipeline_stages_round_as_the_serial_model(tmp_path, fmt):
     """Untied, a stage boundary changes no rounding: the losses are equal bit for bit. Tied, the
     shared weight's float32 gradient is summed in another order (serial: the output layer's GEMM, then
     the embedding's rows scattered onto it; two stages: each part alone, then their all-reduce), so
-    from the step where one master weight's last bit moves a 16-bit copy the losses agree to float32's
-    summation error, far inside one 16-bit rounding's effect."""
+    from the step where one master weight's last bit moves a 16-bit copy the losses drift apart by
+    float32's summation error grown over the steps left (1.5e-6 relative measured at the last of 8
+    steps with OpenBLAS), held to 1e-5: far inside one 16-bit rounding's effect (fp16's step is
+    2^-11, 4.9e-4)."""
     untie = ["--untie-embeddings-and-output-weights"]
     serial = run(tmp_path, "serial", 0, [fmt] + untie)
     staged = run(tmp_path, "pp2", 2, [fmt, "--pp", "2"] + untie)
     assert [r["loss"] for r in staged] == [r["loss"] for r in serial]
     serial_tied = run(tmp_path, "serial-tied", 0, [fmt])
     staged_tied = run(tmp_path, "pp2-tied", 2, [fmt, "--pp", "2"])
-    np.testing.assert_allclose([r["loss"] for r in staged_tied], [r["loss"] for r in serial_tied], rtol=1e-6)
+    np.testing.assert_allclose([r["loss"] for r in staged_tied], [r["loss"] for r in serial_tied], rtol=1e-5)
 
 
 @pytest.mark.parametrize("ranks, extra", [
