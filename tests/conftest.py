@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from npmegatron.autograd import bf16_bits, cublas_capture, epilogues, fusion, sixteen_bit_kernels, row_kernels  # first: npmegatron sets the BLAS threads before NumPy loads
-from npmegatron.autograd.ops import arithmetic, fused_attention, mlp  # noqa: E402
+from npmegatron.autograd.ops import arithmetic, fused_attention  # noqa: E402
 from fakes.strict_cupy import strict_cupy  # noqa: E402
 from helpers import ROOT, run_ranks  # noqa: E402
 
@@ -59,7 +59,7 @@ def fresh_strict_cupy(monkeypatch):
     monkeypatch.setattr(cublas_capture, "_workspaces", {})
     # nvmath's stand-in and its plans, and arrays kept per CuPy module, of another stand-in
     for module, cache in ((epilogues, "_libraries"), (epilogues, "_plans"), (epilogues, "unsupported"),
-                          (arithmetic, "_ones"), (mlp, "_zeros")):
+                          (arithmetic, "_constants")):
         monkeypatch.setattr(module, cache, {})
     with strict_cupy(devices=1) as module:
         module._strict.reset()

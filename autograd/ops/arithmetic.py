@@ -253,7 +253,7 @@ class Linear(Function):
             return None
         if precision.format_of(w.dtype) is None:
             return gemm.matmul(Linear._wide(g), w.T, grid=ctx.grid)
-        g16 = Linear._sixteen_bit_grad(ctx, g, w)
+        g16 = Linear.sixteen_bit_grad(ctx, g, w)
         shape = g.shape[:-1] + w.shape[:1]
         if sixteen_bit and ctx.grid == precision.format_of(w.dtype):    # a GPU's 16-bit gradients: rounded as stored
             return gemm.matmul(g16, w.T, out=get_array_module(g).empty(shape, w.dtype))
@@ -269,18 +269,18 @@ class Linear(Function):
             gw = _weight_grad(x, Linear._wide(g), ctx.grid, ctx.destination(1), w)
         elif need[1]:
             # the same product as the float32 weights' (above), summed into float32
-            gw = _weight_grad(x, Linear._sixteen_bit_grad(ctx, g, w), None, ctx.destination(1), w,
+            gw = _weight_grad(x, Linear.sixteen_bit_grad(ctx, g, w), None, ctx.destination(1), w,
                               lambda shape: _float32(g, shape))
         if len(need) > 2 and need[2] and (ctx.grid is not None or precision.format_of(g.dtype)):
             # the GEMMs' 16-bit g under 16-bit weights (exact: g lies on the grid)
             sixteen = precision.format_of(w.dtype) is not None
-            gb = bias_grad_by_gemv(Linear._sixteen_bit_grad(ctx, g, w) if sixteen else g, ctx.destination(2))
+            gb = bias_grad_by_gemv(Linear.sixteen_bit_grad(ctx, g, w) if sixteen else g, ctx.destination(2))
         elif len(need) > 2 and need[2]:
             gb = bias_grad_to(g, ctx.destination(2))
         return gw, gb
 
     @staticmethod
-    def _sixteen_bit_grad(ctx, g, w):
+    def sixteen_bit_grad(ctx, g, w):
         """The output's gradient in w's 16-bit format (on its grid): the copy its rounding made
         (function.py), else one cast, for both GEMMs."""
         if precision.format_of(g.dtype):
@@ -295,8 +295,18 @@ class Linear(Function):
         return precision.to_float32(g) if precision.format_of(g.dtype) else g
 
 
-#: (array module, device, rows, dtype) -> a row of ones: the left operand of a bias gradient's GEMV.
-_ones = {}
+#: (array module, device, length, dtype, value) -> a vector of that value: a bias gradient's GEMV's
+#: row of ones, the zero bias of GeluMLP's GeLU-gradient kernel
+_constants = {}
+
+
+def constant_vector(like, n, dtype, value):
+    """A vector of n `value`s of `dtype` on like's device, made once and kept (read-only use)."""
+    xp = get_array_module(like)
+    key = (id(xp), -1 if xp is numpy else xp.cuda.Device().id, n, numpy.dtype(dtype).str, value)
+    if key not in _constants:
+        _constants[key] = xp.full(n, value, dtype)
+    return _constants[key]
 
 
 def bias_grad_by_gemv(g, destination=None):
@@ -306,12 +316,10 @@ def bias_grad_by_gemv(g, destination=None):
     16-bit g reaches cuBLAS as it is and is summed in float32, where an array reduction would be
     the array library's own 16-bit rule, and the CPU's emulation, on float32 g on the 16-bit grid,
     makes the same product, so the order of the sums is the same."""
-    xp, rows = get_array_module(g), gemm.rows(g)
-    key = (id(xp), -1 if xp is numpy else xp.cuda.Device().id, rows.shape[0], g.dtype.str)
-    if key not in _ones:
-        _ones[key] = xp.ones((1, rows.shape[0]), g.dtype)
+    rows = gemm.rows(g)
+    ones = constant_vector(g, rows.shape[0], g.dtype, 1).reshape(1, -1)
     out, accumulate = destination or (_float32(g, rows.shape[1:]), False)
-    gemm.matmul(_ones[key], rows, out=out.reshape(1, -1), accumulate=accumulate)
+    gemm.matmul(ones, rows, out=out.reshape(1, -1), accumulate=accumulate)
     return out
 
 

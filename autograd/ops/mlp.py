@@ -22,7 +22,7 @@ from .. import epilogues, gemm, precision, sixteen_bit_kernels
 from ..backend import get_array_module
 from ..function import Function, kept_16_bit_copy
 from ..fusion import fused
-from .arithmetic import _float32, _weight_grad, bias_grad_by_gemv
+from .arithmetic import Linear, _float32, _weight_grad, bias_grad_by_gemv, constant_vector
 from .elementwise import (_GELU_CUBIC, _GELU_CUBIC_GRAD, _SQRT_2_OVER_PI, _gelu_tanh, _gelu_tanh_grad,
                           bias_gelu_tanh_output)
 
@@ -31,10 +31,6 @@ from .elementwise import (_GELU_CUBIC, _GELU_CUBIC_GRAD, _SQRT_2_OVER_PI, _gelu_
 def gelu_tanh_backward_at(xp, g, x):
     """g * gelu'(x), the tanh form, t recomputed from x by forward's own expression."""
     return _gelu_tanh_grad(xp, g, x, _gelu_tanh(xp, x)[1])
-
-
-#: (array module, device, columns, dtype) -> zeros: the bias the GeLU-gradient kernel adds to a
-_zeros = {}
 
 
 class GeluMLP(Function):
@@ -88,14 +84,16 @@ class GeluMLP(Function):
             g = precision.to_float32(g) if precision.format_of(g.dtype) else g
             d = gelu_tanh_backward_at(gemm.matmul(g, w2.T, grid=ctx.storage), a)
             return precision.round_(d, ctx.storage)
-        g16 = GeluMLP._sixteen_bit_grad(ctx, g, fmt)
+        g16 = Linear.sixteen_bit_grad(ctx, g, w2)
         if epilogues.takes(g16, w2.T, None, fmt, gelu=True) and a.flags.c_contiguous:
             d = epilogues.gelu_input_grad(g16, w2, a)
             if d is not None:
                 return d
         sums = gemm.matmul(g16, w2.T, out=_float32(g16, a.shape))
-        return sixteen_bit_kernels.bias_gelu_tanh_backward(sums, a, _zeros_like_row(a), fmt, _GELU_CUBIC,
-                                                           _SQRT_2_OVER_PI, _GELU_CUBIC_GRAD)
+        # the kernel's x = a + 0 is a itself
+        zeros = constant_vector(a, a.shape[-1], a.dtype, 0)
+        return sixteen_bit_kernels.bias_gelu_tanh_backward(sums, a, zeros, fmt, _GELU_CUBIC, _SQRT_2_OVER_PI,
+                                                           _GELU_CUBIC_GRAD)
 
     @staticmethod
     def input_grad(ctx, d, sixteen_bit=True):
@@ -118,7 +116,7 @@ class GeluMLP(Function):
         need = ctx.needs_input_grad
         sixteen = precision.format_of(w1.dtype)
         if sixteen:
-            g = GeluMLP._sixteen_bit_grad(ctx, g, sixteen)
+            g = Linear.sixteen_bit_grad(ctx, g, w1)
         elif precision.format_of(g.dtype):
             g = precision.to_float32(g)
         grid = None if sixteen else ctx.storage
@@ -127,25 +125,6 @@ class GeluMLP(Function):
         gb1 = bias_grad_by_gemv(d, ctx.destination(2)) if need[2] else None
         gw2 = _weight_grad(h, g, grid, ctx.destination(3), w2, result) if need[3] else None
         return gw1, gb1, gw2
-
-    @staticmethod
-    def _sixteen_bit_grad(ctx, g, fmt):
-        """y's gradient in fmt's 16 bits (on its grid), cast once for both GEMMs."""
-        if precision.format_of(g.dtype) == fmt:
-            return g
-        if getattr(ctx, "grad_16_bit", None) is None:
-            ctx.grad_16_bit = kept_16_bit_copy(g, fmt)
-        return ctx.grad_16_bit
-
-
-def _zeros_like_row(a):
-    """Zeros of a's last dimension and dtype (cached): the bias of the GeLU-gradient kernel, whose
-    x = a + 0 is a itself."""
-    xp = get_array_module(a)
-    key = (id(xp), -1 if xp is numpy else xp.cuda.Device().id, a.shape[-1], a.dtype.str)
-    if key not in _zeros:
-        _zeros[key] = xp.zeros(a.shape[-1:], a.dtype)
-    return _zeros[key]
 
 
 def gelu_mlp(x, w1, b1, w2):
