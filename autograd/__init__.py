@@ -16,8 +16,8 @@ from .ops import (
     reshape, transpose, split, concatenate, getitem,
     sum, mean, max,
     exp, log, tanh, gelu, bias_gelu,
-    softmax, layer_norm, dropout, dropout_add, bias_dropout_add, embedding, cross_entropy, causal_attention,
-    causal_attention_packed, grouped_causal_attention, repeat_heads, rms_norm, rotary, rotary_angles,
+    softmax, layer_norm, dropout, dropout_add, bias_dropout_add, add_rows_dropout, embedding, cross_entropy,
+    causal_attention, causal_attention_packed, grouped_causal_attention, repeat_heads, rms_norm, rotary, rotary_angles,
     swiglu, gelu_mlp,
 )
 from .gradcheck import gradcheck, numerical_grad
@@ -28,7 +28,8 @@ __all__ = [
     "add", "sub", "mul", "div", "neg", "pow", "matmul", "linear",
     "reshape", "transpose", "split", "concatenate", "getitem",
     "sum", "mean", "max", "exp", "log", "tanh", "gelu", "bias_gelu",
-    "softmax", "layer_norm", "dropout", "dropout_add", "bias_dropout_add", "embedding", "cross_entropy",
+    "softmax", "layer_norm", "dropout", "dropout_add", "bias_dropout_add", "add_rows_dropout", "embedding",
+    "cross_entropy",
     "causal_attention", "causal_attention_packed", "grouped_causal_attention", "repeat_heads", "rms_norm",
     "rotary", "rotary_angles", "swiglu", "gelu_mlp", "gradcheck", "numerical_grad",
 ]

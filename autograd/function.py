@@ -252,15 +252,15 @@ def _rounded_before_use(pending, edges):
     """Under 16-bit storage, per input, the pending 16-bit gradient a Function may add into its
     own rounded gradient (rounding the sum again) where the CPU's emulation makes the same
     numbers: the sum is the input's whole gradient (no other consumer is left) and its producer
-    hands it on for the tape to round before any arithmetic (`hands_gradient_on`: a residual add
-    without dropout), so the float32 sum the engine would make is rounded next anyway; else None."""
+    rounds it before any arithmetic (`ctx.rounds_gradient_first`: a residual add, the embedding's
+    end), so the float32 sum the engine would make is rounded next anyway; else None."""
     grads, _, complete = pending
     chosen = []
     for g, edge, whole in zip(grads, edges, complete):
         producer = edge[0] if edge is not None else None
         chosen.append(g if g is not None and whole and g.dtype in _SIXTEEN_BIT
                       and getattr(producer, "storage", None) is not None
-                      and getattr(producer.ctx, "hands_gradient_on", False) else None)
+                      and getattr(producer.ctx, "rounds_gradient_first", False) else None)
     return tuple(chosen) if any(g is not None for g in chosen) else None
 
 

@@ -13,7 +13,10 @@ emulation's:
 - a Linear's bias add, which writes the Linear's 16-bit output from its GEMM's float32 one;
 - the MLP's bias + GeLU (tanh form), from the first GEMM's output (16-bit, or float32 sums, then
   also keeping GeLU's 16-bit input: the GEMM epilogue's numbers where nvmath-python is absent), and
-  its backward, from a 16-bit (or float32) gradient to a 16-bit one.
+  its backward, from a 16-bit (or float32) gradient to a 16-bit one;
+- the embedding's end: dropout(x + rows), the word embedding's lookup plus the position table's
+  rows, rounded after the add and again after the dropout, as the two ops it fuses;
+- dropout's backward, from a 16-bit (or float32) gradient to a 16-bit one.
 
 Products and sums use the _rn intrinsics so the compiler cannot contract them into a fused
 multiply-add the emulation does not make. Each kernel's source names its twin (row_kernels.py's
@@ -119,6 +122,48 @@ extern "C" __global__ void bias_gelu_tanh_backward_{name}(
 }
 """
 
+_ADD_ROWS_DROPOUT_SOURCE = r"""
+#include <{header}>
+{prelude}typedef {store} ST;
+typedef {x_type} XT;
+#define HAS_ROWS {has_rows}
+#define HAS_KEEP {has_keep}
+
+// twin: {module}:add_rows_dropout_twin
+// dropout(x + rows): rows (a table's rows, one per position) repeat every `cols` values of x; the
+// sum is on the 16-bit grid before the dropout (the emulation's two rounded ops). Without rows
+// (HAS_ROWS 0: the argument is x again and cols 0, unread) x is on the grid already.
+extern "C" __global__ void add_rows_dropout_{name}(const XT* x, const ST* rows, const bool* keep, ST* out,
+                                                   float scale, long long n, long long cols) {
+    EACH_INDEX {
+#if HAS_ROWS
+        float t = __fadd_rn({wide_x}(x[i]), {from_16}(rows[i % cols]));
+        t = {from_16}({to_16}(t));
+#else
+        float t = {wide_x}(x[i]);
+#endif
+#if HAS_KEEP
+        t = __fmul_rn(__fmul_rn(t, keep[i] ? 1.0f : 0.0f), scale);
+#endif
+        out[i] = {to_16}(t);
+    }
+}
+"""
+
+_DROPOUT_BACKWARD_SOURCE = r"""
+#include <{header}>
+{prelude}typedef {store} ST;
+typedef {g_type} GT;
+
+// twin: {module}:dropout_backward_twin
+// dropouts.py's dropout_backward chain (g where kept, times 1 / (1 - p)), rounded as it is stored
+extern "C" __global__ void dropout_backward_{name}(const GT* g, const bool* keep, ST* out, float scale,
+                                                   long long n) {
+    EACH_INDEX
+        out[i] = {to_16}(__fmul_rn(__fmul_rn({wide_g}(g[i]), keep[i] ? 1.0f : 0.0f), scale));
+}
+"""
+
 _PRELUDE = r"""
 // a grid-stride loop over the n values
 #define EACH_INDEX for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; \
@@ -201,6 +246,22 @@ def bias_add_code(fmt):
     return render(_BIAS_ADD_SOURCE, fmt), f"bias_add_{fmt}"
 
 
+def add_rows_dropout_code(fmt, x_dtype, has_rows, has_keep):
+    """(CUDA source, kernel name) of dropout(x + rows) from x of `x_dtype` to fmt's 16 bits."""
+    x_type, wide_x = operand(x_dtype, fmt)
+    name = f"{fmt}_x_{short_name(x_dtype)}" + ("_rows" if has_rows else "") + ("_dropout" if has_keep else "")
+    source = render(_ADD_ROWS_DROPOUT_SOURCE, fmt, x_type=x_type, wide_x=wide_x, name=name,
+                    has_rows=str(int(has_rows)), has_keep=str(int(has_keep)))
+    return source, f"add_rows_dropout_{name}"
+
+
+def dropout_backward_code(fmt, g_dtype):
+    """(CUDA source, kernel name) of dropout's backward from g of `g_dtype` to fmt's 16 bits."""
+    g_type, wide_g = operand(g_dtype, fmt)
+    name = f"{fmt}_g_{short_name(g_dtype)}"
+    return render(_DROPOUT_BACKWARD_SOURCE, fmt, g_type=g_type, wide_g=wide_g, name=name), f"dropout_backward_{name}"
+
+
 def short_name(dtype):
     return "float32" if numpy.dtype(dtype) == numpy.float32 else "16"
 
@@ -230,6 +291,37 @@ def launch(key, make_code, args, n, grid=None, block=(THREADS,)):
     if kernel is None:
         kernel = _compiled[cupy, key] = cupy.RawKernel(*make_code())
     kernel(grid or (max(1, min(MAX_BLOCKS, -(-n // THREADS))),), block, args)
+
+
+def add_rows_dropout(x, rows, keep, scale, fmt):
+    """dropout(x + rows) as fmt's 16-bit array, in one launch (module docstring): x a C-ordered
+    float32 or fmt's 16-bit device array, rows fmt's 16-bit C-ordered array whose size divides x's
+    (None: no rows), keep a bool mask of x's shape (None: no dropout)."""
+    import cupy
+    out = cupy.empty(x.shape, precision.sixteen_bit_dtype(fmt))
+    variant = (fmt, numpy.dtype(x.dtype), rows is not None, keep is not None)
+    launch(("add rows dropout",) + variant, lambda: add_rows_dropout_code(*variant),
+           (x, x if rows is None else rows, x if keep is None else keep, out,
+            numpy.float32(1.0 if scale is None else scale), numpy.int64(x.size),
+            numpy.int64(0 if rows is None else rows.size)), x.size)
+    return out
+
+
+def dropout_backward(g, keep, scale, fmt):
+    """g where kept, times scale, rounded to fmt's 16-bit array (one launch) from C-ordered
+    float32 or fmt's 16-bit device g."""
+    import cupy
+    out = cupy.empty(g.shape, precision.sixteen_bit_dtype(fmt))
+    launch(("dropout backward", fmt, numpy.dtype(g.dtype)), lambda: dropout_backward_code(fmt, g.dtype),
+           (g, keep, out, numpy.float32(scale), numpy.int64(g.size)), g.size)
+    return out
+
+
+def takes_16_bit_operand(a, fmt):
+    """Whether the kernels above take device array `a` as an operand: non-empty, C-ordered,
+    float32 or fmt's 16-bit."""
+    return (type(a).__module__.startswith("cupy") and a.size > 0 and fmt in _SIXTEEN_BIT and a.flags.c_contiguous
+            and (a.dtype == numpy.float32 or precision.format_of(a.dtype) == fmt))
 
 
 def bias_gelu_tanh(y, b, fmt, cubic, sqrt_2_over_pi, keep_input=False):
@@ -310,6 +402,26 @@ def dropout_add_twin(y, unread, keep, residual, out, scale, n, cols):
     out[...] = (t + residual.astype(numpy.float32)).astype(out.dtype)
 
 
+def add_rows_dropout_twin(x, rows, keep, out, scale, n, cols):
+    """add_rows_dropout_{fmt}_*: (x + rows) rounded to out's 16-bit grid (without rows, x as it
+    is), then where kept times scale, in float32, rounded to out's format."""
+    fmt = precision.format_of(out.dtype)
+    t = x.astype(numpy.float32)
+    if cols:        # without rows cols is 0 (and the rows argument x, unread)
+        t = precision.round_((t.reshape(-1, cols) + rows.astype(numpy.float32).reshape(-1)).reshape(x.shape), fmt)
+    if keep.dtype == numpy.bool_:       # without a mask the keep argument is x (unread)
+        t = t * keep.astype(numpy.float32)
+        t *= numpy.float32(scale)
+    out[...] = t.astype(out.dtype)
+
+
+def dropout_backward_twin(g, keep, out, scale, n):
+    """dropout_backward_{fmt}_*: g where kept, times scale, in float32, rounded to out's format."""
+    t = g.astype(numpy.float32) * keep.astype(numpy.float32)
+    t *= numpy.float32(scale)
+    out[...] = t.astype(out.dtype)
+
+
 def bias_add_twin(y, bias, out, n, cols):
     """bias_add_{fmt}: y + bias in float32, rounded to out's 16-bit format."""
     out[...] = (y + bias.astype(numpy.float32)).astype(out.dtype)
@@ -322,4 +434,7 @@ def all_sources():
     return [code(fmt, y, r, keep, bias)[::-1] for fmt in _SIXTEEN_BIT for y in dtypes[fmt] for r in dtypes[fmt]
             for keep in (False, True) for bias in (True, False)] + [bias_add_code(fmt)[::-1] for fmt in _SIXTEEN_BIT] + [
         bias_gelu_code(fmt, y, keeps)[::-1] for fmt in _SIXTEEN_BIT for y in dtypes[fmt] for keeps in (False, True)] + [
-        bias_gelu_backward_code(fmt, g, y)[::-1] for fmt in _SIXTEEN_BIT for g in dtypes[fmt] for y in dtypes[fmt]]
+        bias_gelu_backward_code(fmt, g, y)[::-1] for fmt in _SIXTEEN_BIT for g in dtypes[fmt] for y in dtypes[fmt]] + [
+        add_rows_dropout_code(fmt, x, rows, keep)[::-1] for fmt in _SIXTEEN_BIT for x in dtypes[fmt]
+        for rows in (False, True) for keep in (False, True) if rows or keep] + [
+        dropout_backward_code(fmt, g)[::-1] for fmt in _SIXTEEN_BIT for g in dtypes[fmt]]

@@ -311,9 +311,10 @@ class GPT(Module):
         positions = self._positions(ids.shape[1], offset)
         ids = self.xp.asarray(self.local_tokens(ids))
         x = self.wte(ids)
-        if self.cfg.position_embedding_type == "learned_absolute":
-            x = x + self.wpe[positions]      # positions are in range: nothing to check
-        return ag.dropout(x, self.cfg.hidden_dropout, self.embedding_dropout, self.training)
+        # positions are in range: nothing to check. Under --fp16/--bf16 the add and the dropout
+        # are one Function (one 16-bit kernel each way on a GPU)
+        table = self.wpe if self.cfg.position_embedding_type == "learned_absolute" else None
+        return ag.add_rows_dropout(x, table, positions, self.cfg.hidden_dropout, self.embedding_dropout, self.training)
 
     def _positions(self, t, offset):
         """The positions of the tokens whose embeddings this rank computes: a slice, or under

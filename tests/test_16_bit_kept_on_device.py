@@ -276,6 +276,86 @@ def test_the_16_bit_residual_stream_is_the_cpu_emulations_numbers_in_one_kernel(
     assert numpy.array_equal(cp.asnumpy(layer_norm.data), cp.asnumpy(widened.data))
 
 
+def _bits(a, cp=None):
+    """A 16-bit array's bits (a device array's fetched first)."""
+    a = cp.asnumpy(a) if cp is not None else a
+    return numpy.asarray(a).view(numpy.uint16)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("p", [0.25, None])
+def test_the_embeddings_end_reads_and_writes_16_bits_with_the_emulations_numbers(cp, fmt, p):
+    """The word embedding's 16-bit lookup plus the position table's rows, then dropout: one 16-bit
+    kernel forward and one backward (the dropout's; none without it), the table's gradient one
+    GEMV summed in float32 over the batch: bit for bit the CPU's emulation of the two ops, the
+    incoming gradient rounded first."""
+    from npmegatron.autograd.ops.dropouts import AddRowsDropout
+    rng = numpy.random.default_rng(9)
+    sixteen = precision.sixteen_bit_dtype(fmt)
+    shape, rows = (3, 8, 16), slice(4, 12)
+    x, table = (rng.standard_normal(s).astype(sixteen) for s in (shape, (20, 16)))
+    g = rng.standard_normal(shape).astype(sixteen)
+    mask = rng.random(shape) >= (p or 0)
+    results = {}
+    for device in ("cpu", "gpu"):
+        to = cp.asarray if device == "gpu" else (lambda a: a.astype(numpy.float32))
+        xt, tt = ag.Tensor(to(x), requires_grad=True), ag.Tensor(to(table), requires_grad=True)
+        tt.is_parameter = True
+        generator, grad = _FixedMask(to(mask) if device == "gpu" else mask), to(g)
+        cp._strict.reset()
+        with precision.storage(fmt):
+            out = AddRowsDropout.apply(xt, tt, rows=rows, p=p, generator=generator)
+        forward = [launch.name for launch in cp._strict.launches()]
+        cp._strict.reset()
+        ag.backward(out, grad)
+        results[device] = (out.data, xt.grad, tt.grad, forward, [launch.kind for launch in cp._strict.launches()
+                                                                 if launch.op == "AddRowsDropout.backward"
+                                                                 and launch.name != "full"])     # (the GEMV's ones, made once)
+    (out, gx, gt, _, _), (dout, dgx, dgt, forward, backward) = results["cpu"], results["gpu"]
+    assert dout.dtype == dgx.dtype == sixteen and dgt.dtype == numpy.float32
+    assert forward == [f"add_rows_dropout_{fmt}_x_16_rows" + ("_dropout" if p else "")]
+    assert backward == (["raw"] if p else []) + ["elementwise", "gemm"]     # the dropout, the table's zeros, the GEMV
+    assert numpy.array_equal(_bits(dout, cp), _bits(out.astype(sixteen)))
+    assert numpy.array_equal(_bits(dgx, cp), _bits(gx.astype(sixteen)))
+    assert numpy.array_equal(cp.asnumpy(dgt), gt)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_the_loss_reads_16_bit_logits_once_and_writes_their_16_bit_gradient(cp, fmt, reduction):
+    """The cross-entropy on a GPU's 16-bit logits: one kernel forward reads them (each row's
+    maximum, sum of exponentials and target logit), one backward writes the gradient in 16 bits,
+    padded columns included; the loss and the gradient bit for bit the CPU's emulation (the
+    gradient as the tape rounds it)."""
+    from npmegatron.comm import Group
+    from npmegatron.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+    rng = numpy.random.default_rng(4)
+    sixteen = precision.sixteen_bit_dtype(fmt)
+    logits = (rng.standard_normal((2, 6, 40)) * 3).astype(sixteen)
+    targets = rng.integers(0, 37, (2, 6))
+    g = rng.random((2, 6)).astype(numpy.float32) if reduction == "none" else None
+    results = {}
+    for device in ("cpu", "gpu"):
+        z = ag.Tensor(cp.asarray(logits) if device == "gpu" else logits.astype(numpy.float32), requires_grad=True)
+        cp._strict.reset()
+        with precision.storage(fmt):
+            loss = vocab_parallel_cross_entropy(z, targets, Group.single("tp"), 0, 37, reduction)
+        forward = [launch for launch in cp._strict.launches() if launch.kind == "raw"]
+        cp._strict.reset()
+        ag.backward(loss, None if g is None else (cp.asarray(g) if device == "gpu" else g))
+        backward = [launch for launch in cp._strict.launches() if launch.kind == "raw"]
+        results[device] = (loss.data, z.grad, forward, backward)
+    (loss, grad, _, _), (dloss, dgrad, forward, backward) = results["cpu"], results["gpu"]
+    assert [launch.name for launch in forward] == [f"cross_entropy_rows_{fmt}"]
+    assert forward[0].fields["read_bytes"] < logits.nbytes + 1024        # the logits once, the targets
+    assert [launch.name for launch in backward] == [f"cross_entropy_grad_rows_{fmt}_grad_{fmt}"]
+    assert backward[0].fields["written_bytes"] == logits.nbytes
+    assert dloss.dtype == numpy.float32 and dgrad.dtype == sixteen
+    assert numpy.array_equal(cp.asnumpy(dloss), loss)
+    assert numpy.array_equal(_bits(dgrad, cp), _bits(grad.astype(sixteen)))
+    assert not numpy.asarray(cp.asnumpy(dgrad).astype(numpy.float32)[..., 37:]).any()
+
+
 def dtypes_between_functions(cp, fmt, monkeypatch, hidden_dropout=0.1):
     """{("forward" or "backward", Function name): dtype names} of every array a Function handed on
     in one forward and backward of a 2-layer GPT on the stand-in: its outputs,
@@ -310,15 +390,11 @@ def dtypes_between_functions(cp, fmt, monkeypatch, hidden_dropout=0.1):
     return seen
 
 
-#: What a --fp16/--bf16 step on a GPU still hands on in float32 (on the 16-bit grid, with its
-#: 16-bit copy where a 16-bit reader takes it): the loss and its logits' gradient (the loss and its
-#: reductions are float32, as Megatron keeps them), the embedding's lookup, position add and dropout
-#: each way (not yet 16-bit: the first layer reads their 16-bit copy), and, with hidden dropout,
-#: the residual stream's gradient at each branch's end, the fork's float32 sum that the CPU's
-#: emulation hands on there (without dropout LayerNorm's kernel adds it and rounds it as stored).
-FLOAT32_BETWEEN_FUNCTIONS = {("forward", "_VocabParallelCrossEntropy"), ("backward", "_VocabParallelCrossEntropy"),
-                             ("forward", "_ShardLookup"), ("forward", "Add"), ("backward", "Add")}
-FLOAT32_WITH_HIDDEN_DROPOUT = {("forward", "Dropout"), ("backward", "Dropout"), ("backward", "BiasDropoutAdd")}
+#: What a --fp16/--bf16 step on a GPU hands on in float32: the loss (the loss and its reductions
+#: are float32, as Megatron keeps them). Everything else, forward and backward, with and without
+#: hidden dropout, is a 16-bit array: the embedding's lookup and its end (AddRowsDropout), every
+#: layer's Functions, the logits, and the gradients from the logits' to the embedding's.
+FLOAT32_BETWEEN_FUNCTIONS = {("forward", "_VocabParallelCrossEntropy")}
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -327,10 +403,11 @@ def test_a_steps_tape_hands_on_16_bit_arrays_between_the_layers_functions(cp, mo
     seen = dtypes_between_functions(cp, fmt, monkeypatch, hidden_dropout)
     sixteen = precision.sixteen_bit_dtype(fmt).name
     float32 = {key for key, dtypes in seen.items() if "float32" in dtypes}
-    expected = FLOAT32_BETWEEN_FUNCTIONS | (FLOAT32_WITH_HIDDEN_DROPOUT if hidden_dropout else set())
+    expected = FLOAT32_BETWEEN_FUNCTIONS
     assert float32 == expected, float32
     # the MLP is one Function under 16-bit storage (ops/mlp.py)
-    layer_functions = {"LayerNorm", "Linear", "FusedCausalAttention", "BiasDropoutAdd", "GeluMLP"}
+    layer_functions = {"LayerNorm", "Linear", "FusedCausalAttention", "BiasDropoutAdd", "GeluMLP", "AddRowsDropout",
+                       "_ShardLookup"}
     assert {name for _, name in seen} >= layer_functions, seen
     for (phase, name), dtypes in seen.items():
         assert dtypes <= {sixteen, "float32"}, (phase, name, dtypes)

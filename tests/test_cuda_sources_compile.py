@@ -27,12 +27,13 @@ import pytest
 
 from helpers import ROOT
 from npmegatron.autograd import bf16_bits, llama_kernels, sixteen_bit_kernels, row_kernels
+from npmegatron.tensor_parallel import _cross_entropy_gpu
 
 #: the GPUs the project runs on: A100 (sm_80), H100 and H200 (sm_90)
 ARCHS = ("80", "90")
 
 #: the modules whose CUDA sources CuPy compiles at run time, each with its all_sources()
-SOURCE_MODULES = (row_kernels, bf16_bits, sixteen_bit_kernels, llama_kernels)
+SOURCE_MODULES = (row_kernels, bf16_bits, sixteen_bit_kernels, llama_kernels, _cross_entropy_gpu)
 
 #: the calls that compile CUDA at run time; outside SOURCE_MODULES only the exceptions below may use them
 KERNEL_MAKERS = {"RawKernel", "RawModule", "ElementwiseKernel", "ReductionKernel", "compile_with_cache",

@@ -479,3 +479,57 @@ def test_the_gemm_epilogues_against_the_emulations_numbers(fmt):
         graph.launch(stream)
     stream.synchronize()
     _within_a_16_bit_step(cupy.asnumpy(y).astype(numpy.float32), pre)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+def test_the_embeddings_end_and_dropout_backward_kernels_equal_their_twins(fmt):
+    """dropout(x + rows) and dropout's backward in 16 bits: bit for bit their twins (one add, one
+    rounding, two products each, all with _rn intrinsics), from 16-bit and float32 inputs."""
+    from npmegatron.autograd import precision, sixteen_bit_kernels
+    sixteen = precision.sixteen_bit_dtype(fmt)
+    rng = numpy.random.default_rng(12)
+    shape = (3, 37, 96)
+    rows = (rng.standard_normal(shape[1:]) * 2).astype(sixteen)
+    keep = rng.random(shape) >= 0.1
+    for x in ((rng.standard_normal(shape) * 3).astype(sixteen), rng.standard_normal(shape).astype(numpy.float32)):
+        for r, k in ((rows, keep), (rows, None), (None, keep)):
+            out = sixteen_bit_kernels.add_rows_dropout(cupy.asarray(x), None if r is None else cupy.asarray(r),
+                                                       None if k is None else cupy.asarray(k), 1 / 0.9, fmt)
+            twin = numpy.empty(shape, sixteen)
+            sixteen_bit_kernels.add_rows_dropout_twin(x, x if r is None else r, x if k is None else k, twin,
+                                                      numpy.float32(1 / 0.9), x.size, 0 if r is None else r.size)
+            assert numpy.array_equal(cupy.asnumpy(out).view(numpy.uint16), twin.view(numpy.uint16))
+        out = sixteen_bit_kernels.dropout_backward(cupy.asarray(x), cupy.asarray(keep), 1 / 0.9, fmt)
+        twin = numpy.empty(shape, sixteen)
+        sixteen_bit_kernels.dropout_backward_twin(x, keep, twin, numpy.float32(1 / 0.9), x.size)
+        assert numpy.array_equal(cupy.asnumpy(out).view(numpy.uint16), twin.view(numpy.uint16))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bf16", "fp16"])
+@pytest.mark.parametrize("width,real", [(50304, 50257), (96, 96), (1000, 1)])
+def test_the_cross_entropy_kernels_against_their_twins(dtype, width, real):
+    """The loss's row statistics (maximum and target logit bit for bit, the sum of exponentials to
+    float32's round-off: the kernel sums in another order) and its gradient (within a 16-bit step,
+    or float32's round-off) against their twins, padded columns included."""
+    from npmegatron.autograd import precision
+    from npmegatron.tensor_parallel import _cross_entropy_gpu as kernels
+    kind = numpy.dtype(numpy.float32) if dtype == "float32" else precision.sixteen_bit_dtype(dtype)
+    rng = numpy.random.default_rng(5)
+    rows = 9
+    logits = (rng.standard_normal((rows, width)) * 4).astype(kind)
+    target = rng.integers(0, real, rows).astype(numpy.int64)
+    stats = [numpy.empty(rows, numpy.float32) for _ in range(3)]
+    kernels.row_statistics_twin(logits, target, *stats, real, width)
+    device = kernels.row_statistics(cupy.asarray(logits), real, cupy.asarray(target))
+    row_max, sums, target_logit = (cupy.asnumpy(a) for a in device)
+    assert numpy.array_equal(row_max, stats[0]) and numpy.array_equal(target_logit, stats[2])
+    numpy.testing.assert_allclose(sums, stats[1], rtol=1e-5)
+    scale = numpy.array([1 / rows], numpy.float32)
+    target[0] = -1                                  # another rank's target
+    twin = numpy.empty(logits.shape, kind)
+    kernels.softmax_minus_one_hot_twin(logits, stats[0], stats[1], target, scale, 0, twin, real, width)
+    grad = cupy.asnumpy(kernels.softmax_minus_one_hot(cupy.asarray(logits), *(cupy.asarray(a) for a in (
+        stats[0], stats[1], target, scale)), real, kind))
+    step = 2.0 ** -7 if dtype != "float32" else 1e-6
+    numpy.testing.assert_allclose(grad.astype(numpy.float64), twin.astype(numpy.float64), rtol=step, atol=1e-7)
+    assert not grad[:, real:].astype(numpy.float32).any()

@@ -3,7 +3,7 @@ from .arithmetic import add, sub, mul, div, neg, pow, matmul, linear
 from .shape import reshape, transpose, split, concatenate, getitem, repeat_heads
 from .reduce import sum, mean, max
 from .elementwise import exp, log, tanh, gelu, bias_gelu
-from .dropouts import dropout, dropout_add, bias_dropout_add
+from .dropouts import add_rows_dropout, dropout, dropout_add, bias_dropout_add
 from .nn import softmax, layer_norm, embedding, cross_entropy
 from .attention import causal_attention, causal_attention_packed, grouped_causal_attention
 from .rms_norm import rms_norm

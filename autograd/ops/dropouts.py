@@ -5,7 +5,7 @@ from the generator passed in, so callers decide which RNG stream."""
 import numpy
 
 from .. import precision, sixteen_bit_kernels
-from ..backend import get_array_module
+from ..backend import get_array_module, scatter_add
 from ..errors import InputError
 from ..function import Function, remember_16_bit_copy, sixteen_bit_form
 from ..fusion import fused
@@ -109,8 +109,9 @@ class DropoutAdd(Function):
     @staticmethod
     def forward(ctx, y, residual, p, generator):
         ctx.scale = None if p is None else 1.0 / (1.0 - p)
-        ctx.hands_gradient_on = p is None       # both inputs get the output's gradient itself
-        storage = precision.active()
+        storage = ctx.storage = precision.active()
+        # backward reads the output's gradient rounded to the 16-bit grid (Function.rounds_gradient_first)
+        ctx.rounds_gradient_first = storage is not None
         stream = _stream_16_bit(residual, storage)
         if stream is not None and sixteen_bit_kernels.takes(y, None, stream, storage):
             # a GPU's 16-bit residual stream: the same numbers in one kernel, written in 16 bits
@@ -140,10 +141,10 @@ class DropoutAdd(Function):
     @staticmethod
     def backward(ctx, g):
         (keep,) = ctx.saved
+        g = _rounded_first(g, ctx.storage)
         if keep is None or not ctx.needs_input_grad[0]:
             return (g if keep is None and ctx.needs_input_grad[0] else None), g
-        wide = precision.to_float32(g) if precision.format_of(g.dtype) else g
-        return dropout_backward(wide, keep, ctx.scale), g
+        return _dropout_backward(g, keep, ctx.scale, ctx.storage), g
 
 
 class BiasDropoutAdd(Function):
@@ -159,10 +160,9 @@ class BiasDropoutAdd(Function):
     def forward(ctx, y, bias, residual, p, generator):
         xp = get_array_module(y)
         ctx.scale = None if p is None else 1.0 / (1.0 - p)
-        # without dropout y and the residual get the output's gradient itself, and the bias's is
-        # summed from it rounded (below): the tape may round it before backward (Node.run)
-        ctx.hands_gradient_on = p is None
         storage = ctx.storage = precision.active()
+        # backward reads the output's gradient rounded to the 16-bit grid (Function.rounds_gradient_first)
+        ctx.rounds_gradient_first = storage is not None
         stream = _stream_16_bit(residual, storage)
         if stream is not None and sixteen_bit_kernels.takes(y, bias, stream, storage):
             residual = stream
@@ -198,37 +198,107 @@ class BiasDropoutAdd(Function):
         (keep,) = ctx.saved
         need_y, need_bias = ctx.needs_input_grad[:2]
         ctx.mark_fresh(1)               # the bias's reduction (y's may be g itself)
-        if precision.format_of(g.dtype) and keep is None:
-            # a GPU's 16-bit gradient (rounded already, as the emulation rounds gy below) is y's and
-            # the residual's as it is; the bias's is one GEMV of it, summed in float32
-            gb = bias_grad_by_gemv(g, ctx.destination(1)) if need_bias else None
-            return g if need_y else None, gb, g
-        if precision.format_of(g.dtype):
-            g = precision.to_float32(g)
+        if ctx.storage is not None:
+            # the residual's gradient is g rounded, y's g rounded through the dropout and rounded
+            # again, the bias's one GEMV of y's, summed in float32 (a GPU's 16-bit g: LayerNorm's
+            # kernel rounded the fork's sum; the 16-bit arrays go on as they are)
+            g = _rounded_first(g, ctx.storage)
+            gy = g if keep is None else _dropout_backward(g, keep, ctx.scale, ctx.storage) \
+                if need_y or need_bias else None
+            gb = bias_grad_by_gemv(gy, ctx.destination(1)) if need_bias else None
+            return gy if need_y else None, gb, g
         gy = g if keep is None else dropout_backward(g, keep, ctx.scale) if need_y or need_bias else None
-        if need_bias and ctx.storage is not None:      # the unfused ops' numbers, as in forward
-            # rounded in place (the residual's g too, when it is the same array); a GPU's 16-bit
-            # arrays: with the 16-bit copy the projection's GEMMs take, made by the same kernel and
-            # remembered for the tape's rounding of the residual's gradient to find
-            copy = _rounded_copy(gy, ctx.storage)
-            gy = gy if copy is None else copy
-            return gy if need_y else None, bias_grad_by_gemv(gy, ctx.destination(1)), g
         # the bias's gradient summed over the leading axes as Add's backward summed it, so the
         # numbers are the unfused ops' (one reduction kernel on a GPU either way)
         gb = _bias_sum(gy, ctx.destination(1)) if need_bias else None
         return gy if need_y else None, gb, g
 
 
-def _rounded_copy(gy, storage):
-    """gy rounded in place to storage's 16-bit grid; returns its 16-bit copy where a GPU holds
-    16-bit arrays (made by the rounding kernel itself), else None."""
+def _rounded_first(g, storage):
+    """The output's gradient as a Function that rounds it first uses it: a 16-bit array as it is,
+    float32 rounded in place to storage's grid (where the tape would round it as a result anyway:
+    the residual's gradient is g itself); outside 16-bit storage g as it is."""
+    if storage is None or precision.format_of(g.dtype):
+        return g
+    return precision.round_(g, storage)
+
+
+def _dropout_backward(g, keep, scale, storage):
+    """Dropout's gradient of g (rounded already) under 16-bit storage, rounded as the tape rounds
+    it: one 16-bit kernel from a GPU's 16-bit g; else the chain, rounded in place (with its 16-bit
+    copy where a GPU holds 16-bit arrays, which the GEMMs reading it take), so a bias's GEMV sums
+    the rounded numbers."""
+    if precision.format_of(g.dtype) and sixteen_bit_kernels.takes_16_bit_operand(g, storage):
+        return sixteen_bit_kernels.dropout_backward(g, keep, scale, storage)
+    gy = dropout_backward(precision.to_float32(g) if precision.format_of(g.dtype) else g, keep, scale)
     if not precision.kept_in_16_bit(storage) or get_array_module(gy) is numpy:
-        precision.round_(gy, storage)
-        return None
+        return precision.round_(gy, storage)
     copy = precision.round_keeping_copy(gy, storage)
     if copy is not None:
         remember_16_bit_copy(gy, copy)
-    return copy
+    return gy if copy is None else copy
+
+
+class AddRowsDropout(Function):
+    """dropout(x + table[rows]) under 16-bit storage: the embedding's end, the word embedding's
+    lookup plus the position table's rows (table None: the lookup's dropout alone). It keeps the
+    numbers of the two ops it fuses, the sum rounded to the grid before the dropout; on a GPU that
+    holds 16-bit arrays it is one kernel each way, writing 16 bits. The table's gradient (its rows'
+    summed over the batch by one GEMV, as every bias's) goes to the parameter unrounded, as every
+    parameter's gradient does (precision.py)."""
+    reads_16_bit = True     # sixteen_bit_kernels.py reads 16-bit x and rows
+    reads_16_bit_grads = True
+
+    @staticmethod
+    def forward(ctx, x, table, rows, p, generator):
+        storage = ctx.storage = precision.active()
+        ctx.rounds_gradient_first = True    # (Function.rounds_gradient_first)
+        ctx.scale = None if p is None else 1.0 / (1.0 - p)
+        ctx.table = None if table is None else (table.shape, table.dtype, rows)
+        picked = None if table is None else table[rows]
+        if _adds_rows_in_16_bit(x, picked, storage):
+            keep = None if p is None else keep_mask(generator, x.shape, numpy.float32, p)
+            ctx.save_for_backward(keep)
+            copy = sixteen_bit_form(x, storage)     # a float32 x's 16-bit copy, where its rounding made one
+            return sixteen_bit_kernels.add_rows_dropout(x if copy is None else copy, picked, keep, ctx.scale, storage)
+        out = precision.to_float32(x) if precision.format_of(x.dtype) else x
+        if picked is not None:
+            picked = precision.to_float32(picked) if precision.format_of(picked.dtype) else picked
+            out = precision.round_(out + picked, storage)
+        keep = None
+        if p is not None:
+            keep = keep_mask(generator, out.shape, out.dtype, p)
+            if get_array_module(out) is not get_array_module(keep):
+                keep = get_array_module(out).asarray(keep)
+            out = dropout_backward(out, keep, ctx.scale)     # Dropout's product (its backward's chain)
+        ctx.save_for_backward(keep)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (keep,) = ctx.saved
+        g = _rounded_first(g, ctx.storage)
+        gx = g if keep is None else _dropout_backward(g, keep, ctx.scale, ctx.storage)
+        if ctx.table is None or not ctx.needs_input_grad[1]:
+            return gx, None
+        shape, dtype, rows = ctx.table
+        xp = get_array_module(gx)
+        g_table = xp.zeros(shape, precision.master_dtype(dtype))
+        ctx.mark_fresh(1)
+        per_position = gx.reshape(-1, g_table[rows].size)      # (batch, the rows' values)
+        if isinstance(rows, slice):         # a C-ordered block of the table's rows: summed into it
+            bias_grad_by_gemv(per_position, (g_table[rows].reshape(-1), False))
+        else:
+            scatter_add(g_table, rows, bias_grad_by_gemv(per_position).reshape(-1, shape[1]))
+        return gx, g_table
+
+
+def _adds_rows_in_16_bit(x, picked, storage):
+    """Whether AddRowsDropout's 16-bit kernel takes x and the picked rows: a GPU that holds 16-bit
+    arrays, x float32 or 16-bit, the rows C-ordered 16-bit."""
+    return (precision.kept_in_16_bit(storage) is not None and sixteen_bit_kernels.takes_16_bit_operand(x, storage)
+            and (picked is None or (precision.format_of(picked.dtype) == storage and picked.flags.c_contiguous
+                                    and picked.size and x.size % picked.size == 0)))
 
 
 def _stream_16_bit(residual, storage):
@@ -280,6 +350,19 @@ def _on_16_bit_device(a):
     """Whether `a` is on a GPU whose 16-bit arrays are on (precision.kept_in_16_bit), where a
     residual add without dropout is DropoutAdd's one 16-bit kernel rather than an Add."""
     return precision.kept_in_16_bit() is not None and get_array_module(a) is not numpy
+
+
+def add_rows_dropout(x, table, rows, p, generator, training=True):
+    """dropout(x + table[rows], p) (table None: dropout(x, p)): the embedding's end. Under 16-bit
+    storage one Function (AddRowsDropout); else the two ops."""
+    if not 0.0 <= p < 1.0:
+        raise InputError(f"dropout probability {p} is outside [0, 1); use e.g. 0.1")
+    active = p if p > 0.0 and training else None
+    if precision.active() is None:
+        return dropout(x if table is None else x + table[rows], p, generator, training)
+    if table is None and active is None:
+        return x
+    return AddRowsDropout.apply(x, table, rows=rows, p=active, generator=generator)
 
 
 def bias_dropout_add(y, bias, residual, p, generator, training=True):

@@ -7,9 +7,12 @@ import numpy
 
 from npmegatron import comm
 from npmegatron.autograd import Function, InputError, Tensor
+from npmegatron.autograd import precision as ag_precision
 from npmegatron.autograd.backend import get_array_module
 from npmegatron.autograd.fusion import fused, fused_reduction
 from npmegatron.autograd.ops.nn import check_ids
+
+from . import _cross_entropy_gpu
 
 
 @fused_reduction
@@ -32,12 +35,15 @@ def cross_entropy_grad_(xp, logits, shift, sum_exp, target, columns, scale, out)
 
 class _VocabParallelCrossEntropy(Function):
     """On a GPU the logits (batch x seq x vocabulary, the largest activation) are never copied:
-    forward reads them in a max and one fused exp-sum, backward recomputes the softmax from them
-    (they stay alive as the head's output anyway). On the CPU the exponentials are made in one
+    forward reads them once, in one kernel (each row's maximum, sum of exponentials and target
+    logit), and backward recomputes the softmax from them in another, which writes the gradient
+    (they stay alive as the head's output anyway). Under --fp16/--bf16 both read the 16-bit logits
+    as they are and the gradient is written in 16 bits (_cross_entropy_gpu.py). On the CPU the exponentials are made in one
     copy and kept, and backward turns them into the gradient in place (one exp pass instead of
     two): for large logits by threads in one read of them (_cross_entropy_cpu.py), at once for
     small ones."""
     float32_output = True       # the loss stays in float32 under --fp16/--bf16, as Megatron's
+    reads_16_bit = True         # a GPU's kernels read 16-bit logits (_cross_entropy_gpu.py)
 
     @staticmethod
     def forward(ctx, logits, targets, group, vocab_start, vocab_size, reduction):
@@ -49,17 +55,27 @@ class _VocabParallelCrossEntropy(Function):
         check_ids(targets, vocab_size, "target id", "targets must be token ids of the model's vocabulary")
         local_t, mine = _local_targets(xp, xp.asarray(targets).reshape(-1), vocab_start, real, group)
         ctx.compiled = _compiled(flat, real)
+        ctx.kernels = xp is not numpy and real > 0 and _cross_entropy_gpu.takes(flat)
+        if not ctx.kernels and ag_precision.format_of(flat.dtype):
+            flat = ag_precision.to_float32(flat)      # 16-bit logits the kernels do not take: widened
         if ctx.compiled:        # the exponentials made with the shard's own maxima (see below)
             from . import _cross_entropy_cpu
             local_max, kept, sums = _cross_entropy_cpu.shifted_exponentials(flat, real)
+        elif ctx.kernels:       # one read of the logits (float32 or 16-bit): the same statistics
+            local_max, sums, target_logit = _cross_entropy_gpu.row_statistics(flat, real, local_t.astype(numpy.int64, copy=False))
         else:
             local_max = flat[:, :real].max(axis=-1) if real else xp.full(flat.shape[0], -xp.inf, flat.dtype)
         global_max = comm.all_reduce(local_max, group, "max")[:, None]
-        target_z = xp.take_along_axis(flat, local_t[:, None], axis=1) - global_max
+        target_z = (target_logit[:, None] if ctx.kernels else xp.take_along_axis(flat, local_t[:, None], axis=1)) \
+            - global_max
         if mine is not None:
             target_z = xp.where(mine[:, None], target_z, 0)
         target_z = comm.all_reduce(target_z, group)
-        if ctx.compiled:
+        if ctx.kernels:         # the shard's sums rescaled to the global maximum, as below
+            sum_exp = sums[:, None] if group.size == 1 else \
+                comm.all_reduce(sums[:, None] * xp.exp(local_max[:, None] - global_max), group)
+            kept = flat
+        elif ctx.compiled:
             # exp(z - local max) = exp(z - global max) / rescale: the shard's sums are rescaled
             # before they are added, and backward multiplies the kept exponentials by
             # rescale / sum_exp (which cannot overflow: rescale <= 1 <= sum_exp). So the logits
@@ -92,7 +108,13 @@ class _VocabParallelCrossEntropy(Function):
         kept, global_max, per_row, local_t, mine = ctx.saved
         xp, real, width = get_array_module(kept), ctx.real, ctx.shape[-1]
         scale = g.reshape(-1, 1) if ctx.reduction == "none" else g / local_t.size
-        if ctx.compiled:       # the kept exponentials become the gradient in one pass
+        if ctx.kernels:        # one kernel: the logits read once, the gradient written in their dtype
+            target = local_t if mine is None else xp.where(mine, local_t, -1)
+            scale = xp.ascontiguousarray(xp.asarray(scale, numpy.float32).reshape(-1))
+            grad = _cross_entropy_gpu.softmax_minus_one_hot(kept, global_max.reshape(-1), per_row.reshape(-1),
+                                                            target.astype(numpy.int64, copy=False), scale, real,
+                                                            kept.dtype)
+        elif ctx.compiled:     # the kept exponentials become the gradient in one pass
             from . import _cross_entropy_cpu
             rows = numpy.ascontiguousarray(numpy.broadcast_to(scale, (local_t.size, 1))[:, 0], kept.dtype)
             owned = numpy.ones(local_t.size, bool) if mine is None else mine

@@ -153,17 +153,20 @@ class _ShardLookup(Function):
     """Rows of this rank's vocabulary shard; tokens outside [start, start + rows) read zeros and
     send no gradient (another rank owns them). Masks multiply rather than index: a boolean index
     would need the count of its true elements on the host (a GPU synchronisation). Backward adds
-    its rows straight into the weight's gradient so far when the backward walk alone holds it
-    (the tied output layer's, computed first): no vocabulary-sized zeros, no vocabulary-sized add."""
+    its rows straight into the weight's gradient so far (the tied output layer's, computed first)
+    when that is the weight's main_grad or an array the backward walk alone holds: no
+    vocabulary-sized zeros, no vocabulary-sized add."""
 
     adds_pending_grads = True
+    writes_grad_destinations = True
 
     @staticmethod
     def forward(ctx, ids, weight, start, whole=False):
         xp = get_array_module(weight)
         if whole:           # one shard holds every row (TP = 1): a plain gather, no masks
             ctx.local, ctx.inside, ctx.shape, ctx.dtype = ids, None, weight.shape, weight.dtype
-            return _wide(weight[ids])
+            # a GPU's 16-bit rows stay 16-bit under --fp16/--bf16 (the embedding's end reads them)
+            return weight[ids] if ag.precision.active() else _wide(weight[ids])
         local = ids - start
         inside = (local >= 0) & (local < weight.shape[0])
         local = xp.where(inside, local, 0)
@@ -176,8 +179,12 @@ class _ShardLookup(Function):
     def backward(ctx, g):
         xp = get_array_module(g)
         dtype = ag.precision.master_dtype(ctx.dtype)            # float32 for 16-bit weights
-        gw = ctx.owned_pending(1)
-        if gw is not None and gw.shape == ctx.shape and gw.dtype == dtype and gw.flags.c_contiguous:
+        destination, gw = ctx.destination(1), ctx.owned_pending(1)
+        if destination is not None and destination[0].shape == ctx.shape and destination[0].dtype == dtype:
+            gw, accumulate = destination
+            if not accumulate:          # the weight's first gradient this step
+                gw.fill(0)
+        elif gw is not None and gw.shape == ctx.shape and gw.dtype == dtype and gw.flags.c_contiguous:
             ctx.sum_pending(1)
         else:
             gw = xp.zeros(ctx.shape, dtype)

@@ -515,6 +515,28 @@ def test_bias_dropout_add_equals_its_parts_and_gradchecks():
         ag.bias_dropout_add(y, leaf(4), r, 0.1, FixedDraws())
 
 
+@pytest.mark.parametrize("rows", [slice(2, 6), np.array([5, 0, 3, 3])], ids=["slice", "index"])
+@pytest.mark.parametrize("p", [0.4, None])
+def test_add_rows_dropout_equals_its_parts_and_gradchecks(rows, p):
+    """AddRowsDropout (the embedding's end under 16-bit storage) outside storage: dropout(x + the
+    table's rows) as the two ops give it, and finite differences for x and the table, the rows a
+    slice (positions) or an index array with a repeated row (context parallelism's positions)."""
+    x, table = leaf(3, 4, 5), leaf(7, 5)
+    fused = ag.ops.dropouts.AddRowsDropout.apply(x, table, rows=rows, p=p, generator=FixedDraws())
+    expected = x + table[rows]
+    if p:
+        expected = ag.dropout(expected, p, FixedDraws())
+    np.testing.assert_array_equal(fused.data, expected.data)
+    assert gradcheck(lambda a, t: ag.ops.dropouts.AddRowsDropout.apply(a, t, rows=rows, p=p, generator=FixedDraws()),
+                     [x, table]) < 1e-6
+    assert gradcheck(lambda a: ag.ops.dropouts.AddRowsDropout.apply(a, None, rows=None, p=0.4, generator=FixedDraws()),
+                     [x]) < 1e-6
+    # outside 16-bit storage the public op is the two ops themselves
+    np.testing.assert_array_equal(ag.add_rows_dropout(x, table, rows, 0.4, FixedDraws()).data,
+                                  ag.dropout(x + table[rows], 0.4, FixedDraws()).data)
+    assert ag.add_rows_dropout(x, None, None, 0.0, FixedDraws()) is x
+
+
 def test_dropout_add_refuses_bad_input():
     with pytest.raises(InputError, match="outside"):
         ag.dropout_add(leaf(2), leaf(2), 1.0, FixedDraws())
