@@ -6,8 +6,8 @@
     grid = comm.ProcessGrid(tp=2, pp=1, dp=2)
     y = comm.all_reduce(x, grid.tp_group)
 """
-from .collectives import (all_gather, all_reduce, all_reduce_async, barrier, broadcast, reduce_scatter,
-                          reduce_scatter_async)
+from .collectives import (all_gather, all_reduce, all_reduce_async, all_to_all, all_to_all_v, barrier,
+                          broadcast, reduce_scatter, reduce_scatter_async)
 from .debug import CommMismatchError
 from .ending import set_checkpoint_folder, set_resume_hint
 from .grid import ProcessGrid, grid_coordinates, grid_ranks
@@ -26,7 +26,7 @@ __all__ = [
     "ExitSignal",
     "Group", "ProcessGrid", "grid_ranks", "grid_coordinates",
     "all_reduce", "all_reduce_async", "all_gather", "reduce_scatter", "reduce_scatter_async", "broadcast",
-    "barrier",
+    "all_to_all", "all_to_all_v", "barrier",
     "send", "recv", "isend", "irecv", "sendrecv", "batch_isend_irecv", "P2POp", "Request", "wait_all",
     "stats", "reset_stats", "Stats", "watch", "Watch", "CommMismatchError",
 ]

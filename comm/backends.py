@@ -6,11 +6,13 @@ NumPy goes through MPI; CuPy goes through NCCL when every local rank has a GPU o
 through MPI staged in host memory (NCCL refuses two ranks on one GPU).
 """
 import functools
+import math
 import os
 
 import numpy
 
 from npmegatron.autograd.backend import get_array_module, to_numpy
+from npmegatron.autograd.errors import InputError
 
 from . import shared_memory
 from .streams import EventClock, StreamRequest
@@ -85,6 +87,20 @@ class MPIBackend:
         request = group.mpi.Ireduce_scatter_block(host, out, op=self._ops()[op])
         return MPIRequest(request, result=out, keep=host, xp=get_array_module(x))
 
+    def all_to_all(self, group, x):
+        host = self._host(x)
+        out = numpy.empty_like(host)
+        group.mpi.Alltoall(_bits(host), _bits(out))
+        return self._like(x, out)
+
+    def all_to_all_v(self, group, x, send_counts, recv_counts):
+        """Rows are counted in elements of the flat buffers (rows × row size), as MPI counts."""
+        host = self._host(x)
+        out = numpy.empty((int(recv_counts.sum()),) + host.shape[1:], host.dtype)
+        row = math.prod(host.shape[1:])
+        group.mpi.Alltoallv(_vector(host, send_counts * row), _vector(out, recv_counts * row))
+        return self._like(x, out)
+
     def broadcast(self, group, x, root):
         host = numpy.array(self._host(x), copy=True)
         group.mpi.Bcast(host, root=root)
@@ -103,6 +119,22 @@ class MPIBackend:
 
     def end_batch(self):
         pass
+
+
+def _bits(host):
+    """host, or where MPI has no type for its dtype (ml_dtypes' bfloat16, float8) the same bytes
+    as unsigned integers: the calls that use this move values and compute none."""
+    return host.view(f"u{host.dtype.itemsize}") if host.dtype.kind == "V" else host
+
+
+def _spans(counts):
+    """(offset, count) of each rank's consecutive part of a flat buffer, counts in rank order."""
+    return list(zip((numpy.cumsum(counts) - counts).tolist(), counts.tolist()))
+
+
+def _vector(host, counts):
+    """mpi4py's [flat buffer, (counts, displacements)] for Alltoallv (datatype from the array)."""
+    return [_bits(host).reshape(-1), (counts, numpy.cumsum(counts) - counts)]
 
 
 def p2p_ordered():
@@ -243,6 +275,40 @@ class NCCLBackend:
         communicator.reduceScatter(x.data.ptr, out.data.ptr, out.size, self.types[x.dtype],
                                    self.ops[op], stream.ptr)
         return self._end(stream, StreamRequest(result=out, keep=x, cuda=self.cuda), clock)
+
+    def all_to_all(self, group, x, clock=None):
+        counts = numpy.full(group.size, x.shape[0] // group.size)
+        return self.all_to_all_v(group, x, counts, counts, clock)
+
+    def all_to_all_v(self, group, x, send_counts, recv_counts, clock=None):
+        """NCCL has no all-to-all: one group call of a send and a receive per peer that has rows
+        to move (none for a count of zero; this rank's own block too, so that every byte moves on
+        the group's stream), ordered against compute as the collectives are."""
+        out = get_array_module(x).empty((int(recv_counts.sum()),) + x.shape[1:], x.dtype)
+        send, recv = self._carried(x).reshape(-1), self._carried(out).reshape(-1)
+        row, datatype = math.prod(x.shape[1:]), self.types[send.dtype]
+        sends, receives = _spans(send_counts * row), _spans(recv_counts * row)
+        communicator, stream = self._begin(group, clock)
+        self.nccl.groupStart()
+        for peer in range(group.size):
+            (start, count), (at, expected) = sends[peer], receives[peer]
+            if count:
+                communicator.send(send[start:start + count].data.ptr, count, datatype, peer, stream.ptr)
+            if expected:
+                communicator.recv(recv[at:at + expected].data.ptr, expected, datatype, peer, stream.ptr)
+        self.nccl.groupEnd()
+        return self._blocking(stream, out, clock)
+
+    def _carried(self, x):
+        """x, or where NCCL's table lacks its dtype (bfloat16) the same bytes as the table's type
+        of that size: an all-to-all moves values and computes none."""
+        if x.dtype in self.types:
+            return x
+        carrier = {2: numpy.float16, 4: numpy.float32, 8: numpy.float64}.get(x.dtype.itemsize)
+        if carrier is None:
+            raise InputError(f"NCCL's all-to-all moves elements of 2, 4 or 8 bytes, and {x.dtype} has "
+                             f"{x.dtype.itemsize}; view the array as one of those types")
+        return x.view(carrier)
 
     def broadcast(self, group, x, root, clock=None):
         out = x.copy()

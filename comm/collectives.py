@@ -1,4 +1,5 @@
-"""Collectives on a group: all_reduce, all_gather, reduce_scatter, broadcast, barrier, and the
+"""Collectives on a group: all_reduce, all_gather, reduce_scatter, broadcast, barrier, the
+all-to-alls of mixture-of-experts token dispatch (all_to_all, all_to_all_v), and the
 asynchronous all_reduce_async and reduce_scatter_async, which return a Request (request.py).
 
 Each returns at once when its group has one rank, checks agreement in debug mode and records op,
@@ -8,6 +9,8 @@ for host arrays, with node shared memory for mid-sized all-reduces (shared_memor
 for GPU arrays when each rank has its own GPU.
 """
 import time
+
+import numpy
 
 from npmegatron.autograd.backend import get_array_module
 from npmegatron.autograd.errors import InputError
@@ -37,6 +40,11 @@ def _run(name, group, x, call, detail=""):
     """Debug check, then the call, timed and recorded. `call(backend, **timing)`."""
     if debug.enabled():
         debug.check_agreement(group, f"{name}(shape={tuple(x.shape)}, dtype={x.dtype}{detail})")
+    return _timed(name, group, x, call)
+
+
+def _timed(name, group, x, call):
+    """The call, timed and recorded with x's bytes (what this rank hands to it)."""
     backend = backend_for(x)
     clock, timing = timed(backend)
     start = time.perf_counter()
@@ -148,6 +156,62 @@ def broadcast(x, group, root=0):
         return x
     x = contiguous(x)
     return _run("broadcast", group, x, lambda b, **t: b.broadcast(group, x, root, **t), f", root={root}")
+
+
+def all_to_all(x, group):
+    """Block i of x along axis 0 goes to group rank i; the result is the blocks every rank sent
+    this one, concatenated along axis 0 in rank order. Every rank passes x of one shape (expert
+    parallelism's token dispatch with even splits, as Megatron-Core's all_to_all)."""
+    if x.ndim == 0 or x.shape[0] % group.size:
+        raise InputError(f"all_to_all splits axis 0 into one block per rank and needs its length to be a "
+                         f"multiple of the group size {group.size}, got shape {tuple(x.shape)}; pad it "
+                         "or use all_to_all_v")
+    if group.size == 1:
+        return x
+    x = contiguous(x)
+    return _run("all_to_all", group, x, lambda b, **t: b.all_to_all(group, x, **t))
+
+
+def all_to_all_v(x, group, send_counts, recv_counts):
+    """Uneven all-to-all along axis 0: the first send_counts[0] rows of x go to rank 0, the next
+    send_counts[1] to rank 1, and so on; recv_counts[j] rows arrive from rank j, concatenated in
+    rank order into (sum(recv_counts),) + x.shape[1:]. Counts are host integers, zeros allowed
+    (Megatron-Core's all_to_all with input_split_sizes and output_split_sizes)."""
+    send = _counts(send_counts, "send_counts", group)
+    recv = _counts(recv_counts, "recv_counts", group)
+    if x.ndim == 0 or send.sum() != x.shape[0]:
+        raise InputError(f"all_to_all_v's send_counts {send.tolist()} add up to {send.sum()}, but x of "
+                         f"shape {tuple(x.shape)} has {x.shape[0] if x.ndim else 'no'} rows; the counts "
+                         "must split axis 0 of x")
+    if group.size == 1:
+        if recv[0] != send[0]:
+            raise InputError(f"on a group of one rank all_to_all_v receives what it sends, so recv_counts "
+                             f"{recv.tolist()} must equal send_counts {send.tolist()}")
+        return x
+    x = contiguous(x)
+    if debug.enabled():     # the number of rows differs between ranks: the rest must agree
+        debug.check_agreement(group, f"all_to_all_v(rows={tuple(x.shape[1:])}, dtype={x.dtype}, "
+                                     f"ranks={group.size})")
+        debug.check_counts(group, send, recv)
+    return _timed("all_to_all_v", group, x, lambda b, **t: b.all_to_all_v(group, x, send, recv, **t))
+
+
+def _counts(counts, name, group):
+    """`counts` as a host int64 array: one non-negative integer per rank of the group."""
+    try:
+        array = numpy.asarray(counts)
+    except (TypeError, ValueError):     # CuPy refuses the implicit copy to host; ragged lists
+        array = None
+    if array is None or array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+        raise InputError(f"all_to_all_v's {name} must be a list or NumPy array of host integers, one "
+                         f"per rank, got {counts!r}")
+    if array.size != group.size:
+        raise InputError(f"all_to_all_v's {name} {array.tolist()} has {array.size} entries, but group "
+                         f"{group.name} has {group.size} ranks; give one count per rank")
+    if (array < 0).any():
+        raise InputError(f"all_to_all_v's {name} {array.tolist()} holds a negative count; counts are "
+                         "numbers of rows, 0 or more")
+    return array.astype(numpy.int64)
 
 
 def barrier(group):

@@ -1,14 +1,16 @@
 """The NCCL backend's host-side logic, with stand-ins for cupy.cuda.nccl and CUDA events (no CuPy,
 GPU or MPI needed): communicator creation across CuPy's unique-id types, the events behind
-StreamRequest, and when NCCL is usable at all."""
+StreamRequest, when NCCL is usable at all, and the all-to-all's group call of sends and receives."""
 import sys
 import types
 
+import ml_dtypes
 import numpy
 import pytest
 
 from fakes.fake_cupy import FakeCupy
 
+from npmegatron.autograd.errors import InputError
 from npmegatron.comm import backends
 from npmegatron.comm.group import Group
 
@@ -254,3 +256,92 @@ def test_ranks_sharing_a_gpu_do_not_use_nccl(cupy_with):
 def test_cupy_without_libnccl_does_not_use_nccl(cupy_with):
     cupy_with(types.SimpleNamespace(available=False), EIGHT_GPUS)
     assert not backends.nccl_usable()
+
+
+class PointerArray(numpy.ndarray):
+    """A host array with CuPy's `.data.ptr` (its address): what the all-to-all hands NCCL."""
+
+    @property
+    def data(self):
+        return types.SimpleNamespace(ptr=self.__array_interface__["data"][0])
+
+
+class PeerRecorder:
+    """A group's NCCL communicator recording (op, peer, element offset into `base`, count, datatype,
+    stream) for each send and receive."""
+
+    def __init__(self, log, buffers):
+        self.log, self.buffers = log, buffers     # buffers: {"x": array, "out": array} once known
+
+    def _where(self, ptr):
+        for name, array in self.buffers.items():
+            start = array.__array_interface__["data"][0]
+            if start <= ptr < start + max(array.nbytes, 1):
+                return name, (ptr - start) // array.itemsize
+        raise AssertionError(f"pointer {ptr:#x} is in no known buffer")
+
+    def send(self, ptr, count, datatype, peer, stream):
+        self.log.append(("send", peer, *self._where(ptr), count, datatype, stream))
+
+    def recv(self, ptr, count, datatype, peer, stream):
+        self.log.append(("recv", peer, *self._where(ptr), count, datatype, stream))
+
+
+def all_to_all_setup(monkeypatch, log, size=3, rank=1):
+    """A recording NCCL backend and a `size`-rank group seen from `rank`, whose communicator is a
+    PeerRecorder; received arrays are registered with it as "out"."""
+    backend = recording_backend(log)
+    group = group_of(size, rank)
+    buffers = {}
+    group.nccl, group.nccl_stream = PeerRecorder(log, buffers), backend.cuda.Stream()
+
+    def empty(shape, dtype):
+        buffers["out"] = numpy.empty(shape, dtype).view(PointerArray)
+        return buffers["out"]
+    monkeypatch.setattr(backends, "get_array_module", lambda x: types.SimpleNamespace(empty=empty))
+    return backend, group, buffers
+
+
+def group_of(size, rank):
+    group = Group.single("ep")
+    group.size, group.rank, group.ranks = size, rank, tuple(range(size))
+    return group
+
+
+def test_all_to_all_v_is_one_group_call_of_sends_and_receives_on_the_group_stream(monkeypatch):
+    """Rank 1 of 3 sends 2 rows to rank 0, none to itself and 1 to rank 2, and receives none from
+    rank 0, 3 from itself and 1 from rank 2, in rows of 4 elements: counts and offsets go to NCCL
+    in elements, and a count of zero posts nothing."""
+    log = []
+    backend, group, buffers = all_to_all_setup(monkeypatch, log)
+    x = buffers["x"] = numpy.arange(12, dtype=numpy.float32).reshape(3, 4).view(PointerArray)
+    out = backend.all_to_all_v(group, x, numpy.array([2, 0, 1]), numpy.array([0, 3, 1]))
+    assert out.shape == (4, 4) and out.dtype == numpy.float32
+    stream, float32 = group.nccl_stream.ptr, backend.types[numpy.dtype(numpy.float32)]
+    assert log == ["e0 on 0", f"{stream} waits e0", "groupStart",
+                   ("send", 0, "x", 0, 8, float32, stream),
+                   ("recv", 1, "out", 0, 12, float32, stream),
+                   ("send", 2, "x", 8, 4, float32, stream), ("recv", 2, "out", 12, 4, float32, stream),
+                   "groupEnd", f"e1 on {stream}", "0 waits e1"]
+
+
+def test_all_to_all_sends_even_blocks_and_bfloat16_travels_as_float16(monkeypatch):
+    log = []
+    backend, group, buffers = all_to_all_setup(monkeypatch, log, size=2, rank=0)
+    x = buffers["x"] = numpy.zeros((4, 3), ml_dtypes.bfloat16).view(PointerArray)
+    out = backend.all_to_all(group, x)
+    assert out.shape == (4, 3) and out.dtype == ml_dtypes.bfloat16
+    float16, stream = backend.types[numpy.dtype(numpy.float16)], group.nccl_stream.ptr
+    assert [entry for entry in log if isinstance(entry, tuple)] == [
+        ("send", 0, "x", 0, 6, float16, stream), ("recv", 0, "out", 0, 6, float16, stream),
+        ("send", 1, "x", 6, 6, float16, stream), ("recv", 1, "out", 6, 6, float16, stream)]
+
+
+def test_all_to_all_of_nothing_posts_nothing_and_one_byte_types_are_refused(monkeypatch):
+    log = []
+    backend, group, buffers = all_to_all_setup(monkeypatch, log, size=2, rank=0)
+    x = buffers["x"] = numpy.zeros((0, 3), numpy.float64).view(PointerArray)
+    assert backend.all_to_all_v(group, x, numpy.zeros(2, int), numpy.zeros(2, int)).shape == (0, 3)
+    assert not any(isinstance(entry, tuple) for entry in log)
+    with pytest.raises(InputError, match="moves elements of 2, 4 or 8 bytes, and float8_e4m3fn has 1"):
+        backend.all_to_all(group, numpy.zeros((2, 3), ml_dtypes.float8_e4m3fn).view(PointerArray))
