@@ -9,6 +9,7 @@ profile and its own `--recompute none|selective|full`). Flags are Megatron-LM's 
 `TrainConfig.plan(world_size)` turns a configuration into the run's shape (DP size, micro-batches
 per step, pipeline layout and schedule): every check that needs the number of ranks is there.
 """
+import ast
 import dataclasses
 import math
 import os
@@ -131,6 +132,33 @@ class GPTConfig:
     device: str = option("cpu", "NumPy on the CPU or CuPy on the GPU.", choices=("cpu", "gpu"))
     tf32: bool = option(False, "TF32 tensor cores for float32 matmuls (GPU, float32 only).")
     seed: int = option(1234, "Seed of weights, data and dropout.", minimum=0)
+    # Mixture of experts (npmegatron/moe/), Megatron-Core's flags
+    num_experts: Optional[int] = option(None, "Experts in each MoE layer (none: every layer's MLP is dense).",
+                                        minimum=1)
+    moe_layer_freq: str = option("1", "Which layers are MoE: every N-th (an integer N, layer 0 first) or a "
+                                      "pattern of one 0/1 per layer, e.g. '([0]*1+[1]*3)'.")
+    moe_ffn_hidden_size: Optional[int] = option(None, "Each expert's inner size (default: --ffn-hidden-size).",
+                                                minimum=1)
+    moe_router_topk: int = option(2, "Experts each token goes to.", minimum=1)
+    moe_router_score_function: str = option("softmax", "softmax (Mixtral, Qwen-MoE) or sigmoid (DeepSeek-V3).",
+                                            choices=("softmax", "sigmoid"))
+    moe_router_pre_softmax: bool = option(False, "Softmax over all experts before the top k (the weights are "
+                                                 "then not renormalised over the k).")
+    moe_router_topk_scaling_factor: Optional[float] = option(None, "Multiplies the routing weights.", minimum=0)
+    moe_router_num_groups: Optional[int] = option(None, "Group-limited routing: expert groups.", minimum=1)
+    moe_router_group_topk: Optional[int] = option(None, "Group-limited routing: groups each token may use.",
+                                                  minimum=1)
+    moe_router_load_balancing_type: str = option("aux_loss", "aux_loss (over the micro-batch's tokens), "
+                                                             "seq_aux_loss (per sequence) or none.",
+                                                 choices=("aux_loss", "seq_aux_loss", "none"))
+    moe_aux_loss_coeff: float = option(0.0, "Coefficient of the load-balancing loss.", minimum=0)
+    moe_z_loss_coeff: Optional[float] = option(None, "Coefficient of the router's z-loss.", minimum=0)
+    moe_router_enable_expert_bias: bool = option(False, "Auxiliary-loss-free balancing (DeepSeek-V3): a bias "
+                                                        "on each expert's score for choosing, updated each step.")
+    moe_router_bias_update_rate: float = option(1e-3, "How far the expert bias moves a step.", minimum=0)
+    moe_shared_expert_intermediate_size: Optional[int] = option(
+        None, "A shared expert of this inner size that every token goes through.", minimum=1)
+    moe_shared_expert_gate: bool = option(False, "Gate the shared expert's output by sigmoid(x w) (Qwen2-MoE).")
 
     def __post_init__(self):
         if self.model_family not in MODEL_FAMILIES:
@@ -160,6 +188,7 @@ class GPTConfig:
             raise InputError(f"device {self.device!r} is not supported; use cpu or gpu")
         self._check_recompute()
         self._check_mixed_precision()
+        self._check_moe()
         if self.tf32 and (self.device, self.dtype) != ("gpu", "float32"):
             raise InputError(f"tf32 is for float32 matmuls on the GPU, but this run has device "
                              f"{self.device} and dtype {self.dtype}; drop --tf32 or use --device gpu "
@@ -212,6 +241,40 @@ class GPTConfig:
             raise InputError(f"--{self.storage_format} computes in float32 on 16-bit values, but dtype "
                              f"is {self.dtype}; drop --dtype {self.dtype} or drop --{self.storage_format}")
 
+    def _check_moe(self):
+        if self.num_experts is None:
+            given = [name for name in ("moe_shared_expert_intermediate_size", "moe_ffn_hidden_size")
+                     if getattr(self, name) is not None]
+            if given or self.moe_shared_expert_gate or self.moe_router_enable_expert_bias:
+                flag = "--" + (given[0] if given else "moe_shared_expert_gate").replace("_", "-")
+                raise InputError(f"{flag} configures mixture-of-experts layers, but --num-experts is not "
+                                 "given; add --num-experts or drop it")
+            return
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        if self.moe_router_topk > self.num_experts:
+            raise InputError(f"--moe-router-topk {self.moe_router_topk} is more than the {self.num_experts} "
+                             "experts; choose at most --num-experts")
+        self.moe_layers = parse_moe_layer_freq(self.moe_layer_freq, self.num_layers)
+        groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
+        if (groups is None) != (group_topk is None):
+            raise InputError("group-limited routing needs both --moe-router-num-groups and "
+                             "--moe-router-group-topk; give both or neither")
+        if groups and (self.num_experts % groups or group_topk > groups or self.moe_router_topk % group_topk):
+            raise InputError(f"--moe-router-num-groups {groups} must divide the {self.num_experts} experts and "
+                             f"--moe-router-group-topk {group_topk} must be at most the groups and divide "
+                             f"--moe-router-topk {self.moe_router_topk}; choose such values")
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+            raise InputError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid "
+                             "(DeepSeek-V3's routing), as Megatron-Core; add it or drop the expert bias")
+        if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
+            raise InputError("--moe-shared-expert-gate gates a shared expert, but "
+                             "--moe-shared-expert-intermediate-size is not given; add it or drop the gate")
+
+    def is_moe_layer(self, layer):
+        """Whether layer number `layer` (from 0) has experts in place of its MLP."""
+        return self.num_experts is not None and bool(self.moe_layers[layer])
+
     @property
     def storage_format(self):
         """'fp16' or 'bf16' under mixed precision (autograd/precision.py), else None."""
@@ -220,6 +283,51 @@ class GPTConfig:
     @property
     def head_dim(self):
         return self.hidden_size // self.num_attention_heads
+
+
+def parse_moe_layer_freq(freq, num_layers):
+    """--moe-layer-freq as one 0/1 per layer: an integer N (layers 0, N, 2N, ... are MoE) or
+    Megatron's pattern, a Python list expression of 0s and 1s such as "([0]*1+[1]*3)", read
+    without eval: only lists of 0 and 1, +, * by an integer and parentheses."""
+    text = str(freq).strip()
+    if text.isdigit():
+        every = int(text)
+        if every < 1:
+            raise InputError(f"--moe-layer-freq {freq} must be a positive integer or a pattern such as "
+                             "'([0]*1+[1]*3)'")
+        return [int(i % every == 0) for i in range(num_layers)]
+    pattern = _pattern_value(text, freq)
+    if len(pattern) != num_layers:
+        raise InputError(f"--moe-layer-freq {freq} gives {len(pattern)} layers, but the model has "
+                         f"{num_layers}; give one 0 or 1 per layer")
+    return pattern
+
+
+def _pattern_value(text, freq):
+    bad = InputError(f"--moe-layer-freq {freq!r} is neither an integer nor a list pattern of 0s and 1s "
+                     "such as '([0]*1+[1]*3)'")
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except SyntaxError:
+        raise bad from None
+
+    def value(node):
+        if isinstance(node, ast.List) and all(isinstance(e, ast.Constant) and e.value in (0, 1) for e in node.elts):
+            return [int(e.value) for e in node.elts]
+        if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+            return node.value
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Add) and isinstance(left, list) and isinstance(right, list):
+                return left + right
+            if isinstance(node.op, ast.Mult) and isinstance(left, list) != isinstance(right, list):
+                return left * right
+        raise bad
+
+    result = value(tree)
+    if not isinstance(result, list):
+        raise bad
+    return result
 
 
 # Context parallelism's conditions (context_parallel/split.py splits the sequence).

@@ -16,6 +16,7 @@ from .autograd.ops.nn import check_ids
 from .config import GPTConfig, check_context_parallel_split, check_context_parallel_dropout
 from .context_parallel import local_positions, ring_attention
 from .module import Module, ParamSpec, parameter
+from .moe import MoELayer
 from .recompute import recompute_segments, run_layers
 from .timers import NO_TIMERS, timed_layer
 from .tensor_parallel import (DEFAULT, MODEL_PARALLEL, ColumnParallelLinear, RNGTracker,
@@ -186,7 +187,7 @@ class Block(Module):
         self.ln_1 = normalization(cfg, xp, dtype)
         self.attn = ParallelAttention(cfg, xp, dtype, group, rng, layer, rotary, cp_group)
         self.ln_2 = normalization(cfg, xp, dtype)
-        self.mlp = ParallelMLP(cfg, xp, dtype, group)
+        self.mlp = MoELayer(cfg, xp, dtype, layer) if cfg.is_moe_layer(layer) else ParallelMLP(cfg, xp, dtype, group)
 
     def forward(self, x, cache=None):
         # training steps only, as the phases they are held against (evaluation runs untimed)

@@ -20,6 +20,7 @@ import numpy
 from .. import autograd as ag
 from ..autograd import InputError
 from ..autograd.memory import saved_bytes_by_function
+from ..moe import aux_loss
 from ..timers import BACKWARD as BACKWARD_COMPUTE, FORWARD as FORWARD_COMPUTE, NO_TIMERS, PIPELINE_WAIT
 from .exchange import ACTIVATION, GRADIENT, deallocate
 from .order import BACKWARD, FORWARD, ReceiveOrder
@@ -100,6 +101,8 @@ class ScheduleRun:
         # loss on the host would synchronise a GPU M times a step.
         self.loss_sum = model.xp.zeros((), numpy.float64)
         self.loss_scale = loss_scale    # --fp16's loss scaling multiplies the loss gradient
+        # MoE layers' auxiliary losses are seeded as the loss is, on every stage (moe/aux_loss.py)
+        aux_loss.set_scale(loss_scale / len(batches))
         self.logits = outputs           # a list to collect the last stage's logits in, or None
         self.loss_seed = None           # loss_scale / M, made once in the loss's dtype
 

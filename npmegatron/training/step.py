@@ -6,6 +6,7 @@ import math
 
 from .. import comm
 from ..autograd.backend import to_numpy
+from ..moe import update_expert_biases
 from ..pipeline import run_schedule
 from ..optim.adamw import clip_gradients, grad_norm_squared
 from ..timers import FINALIZE_GRADS, NO_TIMERS
@@ -45,6 +46,7 @@ def train_step(model, exchange, batches, buckets, schedule="1f1b", timers=None, 
     buckets.finish_sync(timers)
     with timers(FINALIZE_GRADS):    # SP partial gradients over TP, the tied embedding over PP ends
         model.finalize_grads()
+    update_expert_biases(model, model.grid.dp_cp_group)   # MoE routers' (none without them)
     return loss_sum
 
 

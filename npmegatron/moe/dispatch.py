@@ -1,0 +1,51 @@
+"""Tokens to their experts and back, on one rank (expert parallelism 1): Megatron-Core's
+permute and unpermute. The k copies of the tokens are sorted by expert (a stable sort, so each
+expert sees its tokens in order), each expert runs on its contiguous block, and each output row,
+weighted by its router weight, is added back into its token's row.
+
+The sort and the block sizes are computed on the host: the blocks' sizes are needed there to
+split the rows (on a GPU that is the dispatcher's one synchronisation a layer, Megatron's too)."""
+import numpy
+
+from .. import autograd as ag
+from ..autograd import Function
+from ..autograd.backend import get_array_module, scatter_add, to_numpy
+
+
+class _AddRowsInto(Function):
+    """out (n, h) = zeros, then out[index[i]] += rows[i]; backward gathers: g[index]."""
+
+    @staticmethod
+    def forward(ctx, rows, index, n):
+        xp = get_array_module(rows)
+        ctx.index = index
+        out = xp.zeros((n,) + rows.shape[1:], rows.dtype)
+        scatter_add(out, index, rows)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return g[ctx.index]
+
+
+def sort_by_expert(experts, num_experts):
+    """(order: the k T (token, slot) pairs sorted by expert, stably; each expert's count), on the
+    host, from the router's (tokens, k) choice."""
+    flat = to_numpy(experts).reshape(-1)
+    return numpy.argsort(flat, kind="stable"), numpy.bincount(flat, minlength=num_experts)
+
+
+def run_experts(x, weights, experts, mlps):
+    """sum over each token's k experts of weight x expert(token): x (tokens, hidden) Tensor,
+    weights (tokens, k) Tensor, experts (tokens, k) int array, mlps one callable per expert."""
+    tokens, k = experts.shape
+    order, counts = sort_by_expert(experts, len(mlps))
+    xp = get_array_module(x.data)
+    device_order = xp.asarray(order)
+    source = device_order // k                                  # the token of each sorted row
+    permuted = x[source]
+    parts = ag.split(permuted, [int(c) for c in numpy.cumsum(counts)[:-1]], axis=0)
+    outputs = [mlp(part) for mlp, part, count in zip(mlps, parts, counts) if count]
+    y = outputs[0] if len(outputs) == 1 else ag.concatenate(outputs, axis=0)
+    chosen = ag.reshape(ag.reshape(weights, (tokens * k,))[device_order], (tokens * k, 1))
+    return _AddRowsInto.apply(y * chosen, index=source, n=tokens)

@@ -1,0 +1,36 @@
+"""The mixture-of-experts layer in place of a block's MLP (Megatron-Core's MoELayer): the router
+picks each token's k experts and their weights, the tokens go to their experts and come back
+weighted (dispatch.py), and the shared expert, when there is one, adds its output for every
+token, gated by sigmoid(x w) under --moe-shared-expert-gate (Qwen2-MoE). Dropless: every expert
+takes every token sent to it."""
+from .. import autograd as ag
+from ..module import Module, ParamSpec, parameter
+from .dispatch import run_experts
+from .experts import ExpertMLP
+from .router import TopKRouter, sigmoid
+
+
+class MoELayer(Module):
+    def __init__(self, cfg, xp, dtype, layer):
+        self.router = TopKRouter(cfg, xp, dtype, layer)
+        self.experts = [ExpertMLP(cfg, xp, dtype, cfg.moe_ffn_hidden_size) for _ in range(cfg.num_experts)]
+        self.shared_expert = None
+        self.specs = {}
+        if cfg.moe_shared_expert_intermediate_size:
+            self.shared_expert = ExpertMLP(cfg, xp, dtype, cfg.moe_shared_expert_intermediate_size)
+            if cfg.moe_shared_expert_gate:
+                self.shared_expert_gate = parameter(xp, (1, cfg.hidden_size), dtype)
+                self.specs["shared_expert_gate"] = ParamSpec(cfg.init_method_std, (1, cfg.hidden_size))
+
+    def forward(self, x):
+        """x (batch, seq, hidden) -> (the layer's output, None: no bias left for the block to add)."""
+        batch, seq, hidden = x.shape
+        flat = ag.reshape(x, (batch * seq, hidden))
+        weights, experts = self.router(flat, sequences=batch)
+        out = run_experts(flat, weights, experts, self.experts)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(flat)
+            if "shared_expert_gate" in self.specs:
+                shared = shared * sigmoid(ag.linear(flat, self.shared_expert_gate.T))
+            out = out + shared
+        return ag.reshape(out, (batch, seq, hidden)), None

@@ -1,0 +1,165 @@
+"""The router of a mixture-of-experts layer (Megatron-Core's TopKRouter): each token's logits
+over the experts, the k experts it goes to, their weights, and the load-balancing losses.
+
+Routing follows Megatron-Core's `topk_routing_with_score_function`:
+- softmax: the top k logits, then a softmax over those k (Mixtral's weights, renormalised); with
+  --moe-router-pre-softmax a softmax over all experts, then its top k (Qwen2-MoE without
+  norm_topk_prob);
+- sigmoid (DeepSeek-V3): the top k of sigmoid(logits) (plus the expert bias, which chooses the
+  experts but does not weigh them), normalised to sum to one when k > 1;
+- group-limited routing picks --moe-router-group-topk of --moe-router-num-groups expert groups by
+  the sum of each group's top k / group-topk scores, then the top k inside them;
+- --moe-router-topk-scaling-factor multiplies the weights.
+The choice of experts carries no gradient; the weights do, through the chosen logits.
+
+Losses (each added to the training objective through `aux_loss.attach`, as Megatron's
+MoEAuxLossAutoScaler does, so a pipeline stage needs no loss of its own):
+- aux_loss (Switch Transformer): E * sum_i f_i P_i * coeff, f_i the fraction of the k T choices
+  that went to expert i, P_i the mean over tokens of expert i's score (softmax over all experts;
+  sigmoid normalised per token);
+- seq_aux_loss: the same per sequence, averaged over sequences (DeepSeek-V2/V3);
+- z-loss (ST-MoE): coeff * mean over tokens of logsumexp(logits)^2.
+"""
+import numpy
+
+from .. import autograd as ag
+from .. import comm
+from ..module import Module, ParamSpec, parameter
+from . import aux_loss
+
+
+class TopKRouter(Module):
+    """Router weight (experts, hidden), replicated; an expert bias (not a parameter: updated from
+    the token counts, DeepSeek-V3's auxiliary-loss-free balancing) when enabled."""
+
+    def __init__(self, cfg, xp, dtype, layer):
+        self.cfg, self.layer = cfg, layer
+        self.weight = parameter(xp, (cfg.num_experts, cfg.hidden_size), dtype)
+        self.specs = {"weight": ParamSpec(cfg.init_method_std, (cfg.num_experts, cfg.hidden_size))}
+        self.expert_bias = xp.zeros(cfg.num_experts, numpy.float32) if cfg.moe_router_enable_expert_bias else None
+        self.tokens_per_expert = None       # the last forward's counts
+        self.step_tokens_per_expert = None  # summed over the step's forwards (the bias's update)
+
+    def forward(self, x, sequences=1):
+        """x (tokens, hidden), `sequences` sequences of equal length one after the other -> (weights
+        (tokens, k) Tensor, experts (tokens, k) array)."""
+        cfg = self.cfg
+        logits = ag.linear(x, self.weight.T)
+        if cfg.moe_z_loss_coeff:
+            logits = aux_loss.attach(logits, z_loss(logits) * cfg.moe_z_loss_coeff, "z_loss", self.layer)
+        weights, experts = route(logits, cfg, self.expert_bias)
+        counts = _counts(experts, cfg.num_experts)
+        self.tokens_per_expert = counts
+        if ag.is_grad_enabled():
+            self.step_tokens_per_expert = counts if self.step_tokens_per_expert is None \
+                else self.step_tokens_per_expert + counts
+        kind = cfg.moe_router_load_balancing_type
+        if kind != "none" and cfg.moe_aux_loss_coeff and ag.is_grad_enabled():
+            loss = balancing_loss(logits, experts, counts, cfg, kind, sequences) * cfg.moe_aux_loss_coeff
+            weights = aux_loss.attach(weights, loss, "load_balancing_loss", self.layer)
+        return weights, experts
+
+    def update_expert_bias(self, group=None):
+        """DeepSeek-V3's update after a step: each expert's bias moves by the rate towards balance
+        (up where it took fewer tokens than the mean, down where more), from the step's counts
+        summed over `group` (the data-parallel replicas, as Megatron sums them), which every
+        replica then agrees on. The counts start again from zero."""
+        counts, self.step_tokens_per_expert = self.step_tokens_per_expert, None
+        if self.expert_bias is None or counts is None:
+            return
+        if group is not None:
+            counts = comm.all_reduce(numpy.asarray(counts, numpy.int64), group)
+        xp = ag.get_array_module(self.expert_bias)
+        counts = xp.asarray(counts, numpy.float32)
+        self.expert_bias += numpy.float32(self.cfg.moe_router_bias_update_rate) * xp.sign(counts.mean() - counts)
+
+
+def update_expert_biases(model, group=None):
+    """Every MoE router's expert bias under `model` updated from its step's counts (TopKRouter)."""
+    for _, module in model.named_modules():
+        if isinstance(module, TopKRouter):
+            module.update_expert_bias(group)
+
+
+def route(logits, cfg, expert_bias=None):
+    """(each token's k weights, Tensor; its k experts, int array) from the router's logits."""
+    k, data = cfg.moe_router_topk, logits.data
+    xp = ag.get_array_module(data)
+    rows = xp.arange(data.shape[0])[:, None]
+    if cfg.moe_router_score_function == "softmax":
+        if cfg.moe_router_pre_softmax:
+            scores = ag.softmax(logits)
+            experts = top_k(scores.data, k, cfg)
+            weights = scores[rows, experts]
+        else:
+            experts = top_k(data, k, cfg)
+            weights = ag.softmax(logits[rows, experts])
+    else:
+        scores = sigmoid(logits)
+        choosing = scores.data if expert_bias is None else scores.data + expert_bias.astype(scores.dtype)
+        experts = top_k(choosing, k, cfg)
+        weights = scores[rows, experts]
+        if k > 1:
+            weights = weights / (ag.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    if cfg.moe_router_topk_scaling_factor:
+        weights = weights * cfg.moe_router_topk_scaling_factor
+    return weights, experts
+
+
+def top_k(scores, k, cfg):
+    """The k highest-scoring experts of each row, best first; with group-limited routing only
+    among the rows' chosen groups."""
+    xp = ag.get_array_module(scores)
+    groups, group_topk = cfg.moe_router_num_groups, cfg.moe_router_group_topk
+    if group_topk:
+        tokens, experts = scores.shape
+        grouped = scores.reshape(tokens, groups, experts // groups)
+        best = -xp.sort(-grouped, axis=-1)[..., :k // group_topk]
+        chosen = xp.argsort(-best.sum(axis=-1), axis=-1)[:, :group_topk]
+        keep = xp.zeros((tokens, groups), bool)
+        keep[xp.arange(tokens)[:, None], chosen] = True
+        scores = xp.where(xp.repeat(keep, experts // groups, axis=1), scores, -xp.inf)
+    return xp.argsort(-scores, axis=-1)[:, :k]
+
+
+def sigmoid(x):
+    return 1.0 / (1.0 + ag.exp(-x))
+
+
+def z_loss(logits):
+    """mean over tokens of logsumexp(logits)^2, the row maximum taken out for stability."""
+    shift = logits.data.max(axis=-1, keepdims=True)
+    lse = ag.log(ag.sum(ag.exp(logits - shift), axis=-1)) + shift[:, 0]
+    return ag.mean(lse * lse)
+
+
+def _counts(experts, num_experts):
+    """Tokens sent to each expert (host integers: the dispatcher's splits need them there)."""
+    return numpy.bincount(ag.backend.to_numpy(experts).reshape(-1), minlength=num_experts)
+
+
+def balancing_loss(logits, experts, counts, cfg, kind, sequences=1):
+    """The Switch Transformer's load-balancing loss over this micro-batch's tokens (aux_loss), or
+    per sequence, averaged (seq_aux_loss); without its coefficient."""
+    scores = ag.softmax(logits)
+    if cfg.moe_router_score_function == "sigmoid":
+        raw = sigmoid(logits)
+        scores = raw / (ag.sum(raw, axis=-1, keepdims=True) + 1e-20)
+    if kind == "aux_loss":
+        return _switch_loss(scores, counts, logits.shape[0], cfg)
+    per_sequence = logits.shape[0] // sequences
+    losses = []
+    for s in range(sequences):
+        block = slice(s * per_sequence, (s + 1) * per_sequence)
+        counts_s = _counts(experts[block], cfg.num_experts)
+        losses.append(_switch_loss(scores[block], counts_s, per_sequence, cfg))
+    total = losses[0]
+    for loss in losses[1:]:
+        total = total + loss
+    return total / sequences
+
+
+def _switch_loss(scores, counts, tokens, cfg):
+    xp = ag.get_array_module(scores.data)
+    f = xp.asarray(counts, scores.dtype)
+    return ag.sum(ag.sum(scores, axis=0) * f) * (cfg.num_experts / (cfg.moe_router_topk * tokens * tokens))

@@ -1,0 +1,240 @@
+"""The mixture-of-experts layer (npmegatron/moe/) against an independent NumPy reference written
+from Megatron-Core's routing rules (moe_utils.topk_routing_with_score_function, the Switch
+load-balancing loss, the ST-MoE z-loss), its gradients by finite differences in float64, and its
+flags' checks."""
+import math
+
+import numpy as np
+import pytest
+
+from npmegatron import autograd as ag
+from npmegatron.autograd import InputError, gradcheck
+from npmegatron.config import GPTConfig, parse_moe_layer_freq
+from npmegatron.model import GPT
+from npmegatron.moe import MoELayer, aux_loss
+from npmegatron.moe.router import balancing_loss, z_loss
+
+BASE = dict(num_layers=2, hidden_size=16, num_attention_heads=2, vocab_size=40, max_position_embeddings=16,
+            hidden_dropout=0.0, attention_dropout=0.0, dtype="float64", num_experts=6, moe_router_topk=2,
+            moe_ffn_hidden_size=12)
+
+ROUTINGS = {
+    "softmax": {},
+    "pre-softmax": {"moe_router_pre_softmax": True},
+    "sigmoid, expert bias": {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True},
+    "grouped, scaled": {"moe_router_num_groups": 3, "moe_router_group_topk": 2,
+                        "moe_router_topk_scaling_factor": 2.5},
+    "top-1 sigmoid": {"moe_router_score_function": "sigmoid", "moe_router_topk": 1},
+}
+FAMILIES = {"gpt2": {}, "llama": {"model_family": "llama"},
+            "shared, gated": {"moe_shared_expert_intermediate_size": 20, "moe_shared_expert_gate": True}}
+
+
+def layer_and_input(seed=0, **options):
+    cfg = GPTConfig(**{**BASE, **options})
+    layer = MoELayer(cfg, np, np.float64, 0)
+    layer.initialize(cfg.seed, None)
+    for p in layer.parameters():            # biases away from zero, so they are checked too
+        p.data += np.random.default_rng(seed).normal(0, 0.05, p.shape)
+    if layer.router.expert_bias is not None:
+        layer.router.expert_bias[...] = np.random.default_rng(seed + 1).normal(0, 0.3, cfg.num_experts)
+    x = np.random.default_rng(seed + 2).standard_normal((2, 5, cfg.hidden_size))
+    return cfg, layer, x
+
+
+def reference_choice(logits, cfg, bias):
+    """(experts, weights) of one token's logits, Megatron-Core's rules written out."""
+    k, e = cfg.moe_router_topk, cfg.num_experts
+    if cfg.moe_router_score_function == "sigmoid":
+        scores = 1 / (1 + np.exp(-logits))
+        choosing = scores + (0 if bias is None else bias)
+    else:
+        softmax = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+        scores = softmax if cfg.moe_router_pre_softmax else logits
+        choosing = scores
+    allowed = np.ones(e, bool)
+    if cfg.moe_router_group_topk:
+        groups = choosing.reshape(cfg.moe_router_num_groups, -1)
+        group_score = np.sort(groups, axis=1)[:, ::-1][:, :k // cfg.moe_router_group_topk].sum(axis=1)
+        chosen_groups = np.argsort(-group_score)[:cfg.moe_router_group_topk]
+        allowed = np.repeat(np.isin(np.arange(cfg.moe_router_num_groups), chosen_groups), e // cfg.moe_router_num_groups)
+    experts = np.argsort(-np.where(allowed, choosing, -np.inf))[:k]
+    if cfg.moe_router_score_function == "sigmoid":
+        weights = scores[experts]
+        weights = weights / (weights.sum() + 1e-20) if k > 1 else weights
+    elif cfg.moe_router_pre_softmax:
+        weights = scores[experts]
+    else:
+        chosen = logits[experts]
+        weights = np.exp(chosen - chosen.max()) / np.exp(chosen - chosen.max()).sum()
+    return experts, weights * (cfg.moe_router_topk_scaling_factor or 1.0)
+
+
+def reference_mlp(x, mlp, cfg):
+    if cfg.swiglu:
+        gate, up = x @ mlp.gate.weight.data, x @ mlp.up.weight.data
+        hidden = gate / (1 + np.exp(-gate)) * up
+        return hidden @ mlp.proj.weight.data
+    h = x @ mlp.fc.weight.data + mlp.fc.bias.data
+    hidden = 0.5 * h * (1 + np.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3)))
+    return hidden @ mlp.proj.weight.data + mlp.proj.bias.data
+
+
+def reference_layer(x, layer, cfg):
+    """(output, load-balancing loss, z-loss) token by token."""
+    flat = x.reshape(-1, x.shape[-1])
+    logits = flat @ layer.router.weight.data.T
+    out, counts = np.zeros_like(flat), np.zeros(cfg.num_experts)
+    for t, row in enumerate(flat):
+        experts, weights = reference_choice(logits[t], cfg, layer.router.expert_bias)
+        counts[experts] += 1
+        out[t] = sum(w * reference_mlp(row, layer.experts[e], cfg) for e, w in zip(experts, weights))
+        if layer.shared_expert is not None:
+            gate = 1 / (1 + np.exp(-(row @ layer.shared_expert_gate.data[0])))
+            out[t] += gate * reference_mlp(row, layer.shared_expert, cfg)
+    if cfg.moe_router_score_function == "sigmoid":
+        probs = 1 / (1 + np.exp(-logits))
+        probs /= probs.sum(axis=1, keepdims=True) + 1e-20
+    else:
+        probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+        probs /= probs.sum(axis=1, keepdims=True)
+    tokens = flat.shape[0]
+    balance = cfg.num_experts / (cfg.moe_router_topk * tokens ** 2) * (probs.sum(axis=0) * counts).sum()
+    top = logits.max(axis=1)
+    lse = np.log(np.exp(logits - top[:, None]).sum(axis=1)) + top
+    return out.reshape(x.shape), balance, (lse ** 2).mean()
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_moe_layer_equals_the_numpy_reference(routing, family):
+    cfg, layer, x = layer_and_input(moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01,
+                                    **ROUTINGS[routing], **FAMILIES[family])
+    aux_loss.take_values()
+    out, bias = layer(ag.Tensor(x, requires_grad=True))
+    expected, balance, z = reference_layer(x, layer, cfg)
+    assert bias is None
+    np.testing.assert_allclose(out.data, expected, rtol=1e-12, atol=1e-13)
+    values = aux_loss.take_values()
+    assert math.isclose(values["load_balancing_loss"][0], 0.1 * balance, rel_tol=1e-12)
+    assert math.isclose(values["z_loss"][0], 0.01 * z, rel_tol=1e-12)
+    assert layer.router.tokens_per_expert.sum() == x.shape[0] * x.shape[1] * cfg.moe_router_topk
+
+
+@pytest.mark.parametrize("routing", ["softmax", "pre-softmax", "sigmoid, expert bias"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_moe_layers_gradients_pass_finite_differences(routing, family, monkeypatch):
+    """Every input of the layer (the tokens, the router's weight, the experts' and the shared
+    expert's weights and biases) by central differences, the routing held by its margins; the
+    auxiliary losses' seeds off here (checked below)."""
+    cfg, layer, x = layer_and_input(**ROUTINGS[routing], **FAMILIES[family])
+    monkeypatch.setitem(aux_loss._scale, "value", 0.0)
+    params = list(layer.parameters())
+    xt = ag.Tensor(x, requires_grad=True)
+    assert gradcheck(lambda a, *_: layer(a)[0], [xt] + params, tol=1e-6, max_entries=24) < 1e-6
+
+
+@pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
+def test_the_balancing_and_z_losses_pass_finite_differences(score_function):
+    cfg = GPTConfig(**{**BASE, "moe_router_score_function": score_function})
+    logits = ag.Tensor(np.random.default_rng(3).standard_normal((10, cfg.num_experts)), requires_grad=True)
+    experts = np.argsort(-logits.data, axis=1)[:, :2]
+    counts = np.bincount(experts.reshape(-1), minlength=cfg.num_experts)
+    for kind in ("aux_loss", "seq_aux_loss"):
+        assert gradcheck(lambda z: balancing_loss(z, experts, counts, cfg, kind, sequences=2), [logits]) < 1e-7
+    assert gradcheck(z_loss, [logits]) < 1e-7
+
+
+def test_an_auxiliary_loss_enters_backward_with_the_main_losss_seed(monkeypatch):
+    """The losses ride on the router's output: backward adds seed x d(loss), the seed being the
+    one the schedule gives the main loss (loss scale / micro-batches)."""
+    cfg, layer, x = layer_and_input(moe_aux_loss_coeff=0.3, moe_z_loss_coeff=0.02)
+    grads = {}
+    for seed in (0.0, 0.5):
+        monkeypatch.setitem(aux_loss._scale, "value", seed)
+        layer.router.weight.grad = None
+        out, _ = layer(ag.Tensor(x))
+        ag.backward(ag.sum(out))
+        grads[seed] = layer.router.weight.grad.copy()
+    flat = ag.Tensor(x.reshape(-1, cfg.hidden_size))
+    layer.router.weight.grad = None
+    logits = ag.linear(flat, layer.router.weight.T)
+    experts = np.argsort(-logits.data, axis=1)[:, :cfg.moe_router_topk]
+    counts = np.bincount(experts.reshape(-1), minlength=cfg.num_experts)
+    ag.backward(balancing_loss(logits, experts, counts, cfg, "aux_loss") * 0.3 + z_loss(logits) * 0.02)
+    np.testing.assert_allclose(grads[0.5] - grads[0.0], 0.5 * layer.router.weight.grad, rtol=1e-10, atol=1e-14)
+
+
+def test_a_gpt_with_moe_layers_trains_its_experts_and_routers():
+    """--moe-layer-freq's pattern places the layers; each MoE layer's router and every expert
+    that took tokens get gradients; the dense layer keeps its MLP."""
+    cfg = GPTConfig(**{**BASE, "moe_layer_freq": "([0]*1+[1]*1)", "moe_aux_loss_coeff": 0.01})
+    model = GPT(cfg)
+    assert not hasattr(model.blocks[0].mlp, "router") and hasattr(model.blocks[1].mlp, "router")
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 9))
+    _, loss = model(ids[:, :-1], ids[:, 1:])
+    ag.backward(loss)
+    moe = model.blocks[1].mlp
+    assert moe.router.weight.grad is not None and np.abs(moe.router.weight.grad).max() > 0
+    used = np.flatnonzero(moe.router.tokens_per_expert)
+    assert all(moe.experts[e].fc.weight.grad is not None for e in used)
+
+
+def test_the_expert_bias_moves_towards_balance():
+    cfg, layer, x = layer_and_input(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                                    moe_router_bias_update_rate=0.01)
+    before = layer.router.expert_bias.copy()
+    layer(ag.Tensor(x))
+    counts = layer.router.tokens_per_expert
+    layer.router.update_expert_bias()
+    np.testing.assert_allclose(layer.router.expert_bias - before, 0.01 * np.sign(counts.mean() - counts), atol=1e-7)
+
+
+def test_moe_layer_freq_takes_an_integer_or_megatrons_pattern():
+    assert parse_moe_layer_freq("1", 3) == [1, 1, 1]
+    assert parse_moe_layer_freq(2, 5) == [1, 0, 1, 0, 1]
+    assert parse_moe_layer_freq("([0]*1+[1]*3)", 4) == [0, 1, 1, 1]
+    assert parse_moe_layer_freq("[1,0]*2", 4) == [1, 0, 1, 0]
+
+
+@pytest.mark.parametrize("options,match", [
+    ({"moe_router_topk": 7}, "more than the 6 experts"),
+    ({"moe_layer_freq": "([0]*1+[1]*3)"}, "gives 4 layers, but the model has 2"),
+    ({"moe_layer_freq": "__import__('os')"}, "neither an integer nor a list pattern"),
+    ({"moe_layer_freq": "0"}, "must be a positive integer"),
+    ({"num_experts": None, "moe_shared_expert_intermediate_size": 8}, "--num-experts is not given"),
+    ({"moe_router_num_groups": 4, "moe_router_group_topk": 2}, "must divide the 6 experts"),
+    ({"moe_router_num_groups": 3}, "needs both"),
+    ({"moe_router_enable_expert_bias": True}, "needs --moe-router-score-function sigmoid"),
+    ({"moe_shared_expert_gate": True}, "is not given"),
+])
+def test_bad_moe_flags_get_one_sentence(options, match):
+    with pytest.raises(InputError, match=match):
+        GPTConfig(**{**BASE, **options})
+
+
+MOE_TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+            "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "8", "--log-interval", "1",
+            "--eval-interval", "100", "--eval-iters", "1", "--lr-warmup-iters", "2", "--lr", "3e-3",
+            "--sample-tokens", "0", "--dtype", "float64", "--num-experts", "4", "--moe-router-topk", "2",
+            "--moe-aux-loss-coeff", "0.05", "--moe-z-loss-coeff", "0.01", "--moe-layer-freq", "([1]*1+[0]*1)"]
+
+
+@pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2"], [], ["--pp", "2", "--tp", "2"]],
+                         ids=["tp2", "pp2", "dp2", "tp2xpp2"])
+def test_moe_training_follows_the_serial_trajectory(tmp_path, layout):
+    """Two ranks (TP 2 with every expert on each TP rank, PP 2 with the MoE layer on the first
+    stage, whose auxiliary losses are seeded there, or DP 2 with the expert bias's counts summed
+    over the replicas) follow one rank's losses to 1e-9 over 8 steps with the load-balancing and
+    z-losses on and sigmoid routing with DeepSeek-V3's expert bias."""
+    import json
+    from helpers import launch
+    args = MOE_TINY + ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"]
+    curves = {}
+    for name, extra, ranks in (("serial", [], 0), ("layout", layout, 4 if len(layout) > 2 else 2)):
+        log = tmp_path / f"{name}.jsonl"
+        run = launch(ranks, args + extra + ["--log-file", str(log)])
+        assert run.returncode == 0, run.stdout + run.stderr
+        curves[name] = [json.loads(line)["loss"] for line in open(log)]
+    assert len(curves["serial"]) == 8
+    assert curves["layout"] == pytest.approx(curves["serial"], rel=1e-9, abs=0)
