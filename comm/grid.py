@@ -17,11 +17,12 @@ def grid_coordinates(rank, tp, dp, cp=1):
     return rank % tp, (rank // (tp * cp)) % dp, rank // (tp * cp * dp)
 
 
-def grid_ranks(world_size, tp, pp, dp, cp=1):
+def grid_ranks(world_size, tp, pp, dp, cp=1, ep=1):
     """The rank lists of every group kind, computed without MPI (so 16-rank layouts are testable
     in one process): tp, cp, dp, dp_cp (the ranks gradients are averaged over), pp, mp (model
-    parallel: TP x PP, one per DP and CP position) and embd (first and last pipeline stage, for the
-    tied embedding)."""
+    parallel: TP x PP, one per DP and CP position), embd (first and last pipeline stage, for the
+    tied embedding), ep (expert parallelism: EP neighbouring data-parallel ranks, which split the
+    experts) and edp (the ranks holding the same experts, over which their gradients are summed)."""
     for name, size in (("tensor", tp), ("pipeline", pp), ("data", dp), ("context", cp)):
         if size < 1:
             raise InputError(f"{name}-parallel size {size} must be a positive integer")
@@ -48,6 +49,8 @@ def grid_ranks(world_size, tp, pp, dp, cp=1):
         "mp": groups(lambda t, c, d, p: (d, c), lambda t, c, d, p: (p, t)),
         "embd": [sorted({rank(t, c, d, 0), rank(t, c, d, pp - 1)}) for d in range(dp) for c in range(cp)
                  for t in range(tp)],
+        "ep": groups(lambda t, c, d, p: (p, c, t, d // ep), lambda t, c, d, p: d % ep),
+        "edp": groups(lambda t, c, d, p: (p, c, t, d % ep), lambda t, c, d, p: d // ep),
     }
 
 
@@ -67,8 +70,9 @@ class ProcessGrid:
     attributes; `dp_cp_group` is DP and CP together, the group gradients are averaged over (the
     DP group itself when CP is 1)."""
 
-    def __init__(self, tp=1, pp=1, dp=None, world=None, nccl=False, cp=1):
-        """nccl: the run computes on GPUs, so create every NCCL communicator now (connect_nccl)."""
+    def __init__(self, tp=1, pp=1, dp=None, world=None, nccl=False, cp=1, ep=1):
+        """nccl: the run computes on GPUs, so create every NCCL communicator now (connect_nccl);
+        ep: expert-parallel size, dividing DP."""
         world = world or init()
         if dp is None:
             if world.size % (tp * pp * cp):
@@ -76,7 +80,10 @@ class ProcessGrid:
                 raise InputError(f"world size {world.size} is not divisible by {what} = {tp * pp * cp}; "
                                  f"launch a multiple of {what} ranks (mpirun -n N)")
             dp = world.size // (tp * pp * cp)
-        layout = grid_ranks(world.size, tp, pp, dp, cp)
+        if dp % ep:
+            raise InputError(f"expert-parallel size {ep} does not divide the data-parallel size {dp}; "
+                             "choose a divisor of it")
+        layout = grid_ranks(world.size, tp, pp, dp, cp, ep)
         self.world, self.rank, self.world_size = world, world.rank, world.size
         self.tp_size, self.pp_size, self.dp_size, self.cp_size = tp, pp, dp, cp
         self.tp_rank, self.dp_rank, self.pp_rank = grid_coordinates(world.rank, tp, dp, cp)
@@ -88,6 +95,9 @@ class ProcessGrid:
         self.pp_group = _split(world, "pp", layout["pp"])
         self.mp_group = _split(world, "mp", layout["mp"])
         self.embedding_group = _split(world, "embd", layout["embd"])
+        self.ep_size = ep
+        self.ep_group = _split(world, "ep", layout["ep"]) if ep > 1 else Group.single("ep")
+        self.expert_dp_group = _split(world, "edp", layout["edp"]) if ep > 1 else self.dp_cp_group
         ring = self.pp_group.ranks
         self.pp_next_rank = ring[(self.pp_rank + 1) % pp]     # global ranks, wrapping as Megatron
         self.pp_prev_rank = ring[(self.pp_rank - 1) % pp]
@@ -103,6 +113,8 @@ class ProcessGrid:
         groups = [self.tp_group, self.cp_group, self.dp_group, self.pp_group, self.mp_group, self.embedding_group]
         if self.dp_cp_group is not self.dp_group:
             groups.insert(3, self.dp_cp_group)
+        if self.ep_size > 1:
+            groups += [self.ep_group, self.expert_dp_group]
         pairs = [g for g, size in ((self.pp_group, self.pp_size), (self.cp_group, self.cp_size)) if size > 1]
         connect_nccl([g for g in groups if g is not None and g.size > 1], pairs)
 
@@ -118,6 +130,7 @@ class ProcessGrid:
             setattr(grid, f"{name}_group", Group.single(name))
         grid.dp_cp_group = grid.dp_group
         grid.embedding_group = Group.single("embd")
+        grid.ep_size, grid.ep_group, grid.expert_dp_group = 1, Group.single("ep"), grid.dp_group
         grid.pp_next_rank = grid.pp_prev_rank = 0
         return grid
 

@@ -267,6 +267,9 @@ class GPTConfig:
         if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
             raise InputError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid "
                              "(DeepSeek-V3's routing), as Megatron-Core; add it or drop the expert bias")
+        if self.sequence_parallel:
+            raise InputError("MoE layers under sequence parallelism are not built yet; drop "
+                             "--sequence-parallel or --num-experts")
         if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
             raise InputError("--moe-shared-expert-gate gates a shared expert, but "
                              "--moe-shared-expert-intermediate-size is not given; add it or drop the gate")
@@ -330,6 +333,27 @@ def _pattern_value(text, freq):
     return result
 
 
+def check_expert_parallel(config, ep, dp):
+    """Expert parallelism's conditions, each refused in one sentence."""
+    model, parallel = config.model, config.parallel
+    refusals = [
+        (model.num_experts is None, "it splits MoE layers' experts, but --num-experts is not given; add it"),
+        (model.num_experts is not None and model.num_experts % ep,
+         f"the {model.num_experts} experts do not split evenly over {ep} ranks; choose a divisor of them"),
+        (dp % ep, f"its ranks come from the {dp} data-parallel ranks, which {ep} does not divide; launch a "
+                  "multiple of it"),
+        (parallel.tensor_model_parallel_size > 1 or parallel.context_parallel_size > 1,
+         "expert parallelism beside tensor or context parallelism is not built yet; use --tp 1 --cp 1"),
+        (parallel.use_distributed_optimizer, "the distributed optimizer does not shard experts' state yet; "
+                                             "drop --use-distributed-optimizer"),
+        (config.save is not None or config.load is not None,
+         "checkpoints of expert-parallel runs are not built yet; drop --save and --load"),
+    ]
+    why = next((reason for refused, reason in refusals if refused), None)
+    if why:
+        raise InputError(f"--expert-model-parallel-size {ep} cannot be used here: {why}")
+
+
 # Context parallelism's conditions (context_parallel/split.py splits the sequence).
 
 def check_context_parallel_split(seq_length, cp_size):
@@ -378,6 +402,9 @@ class ParallelConfig:
     use_distributed_optimizer: bool = option(
         False, "Shard AdamW's state over the data-parallel ranks (ZeRO-1): gradients reduce-scattered, "
                "parameters all-gathered after the step.")
+    expert_model_parallel_size: int = option(
+        1, "Expert parallelism: the MoE layers' experts split over this many data-parallel ranks, tokens "
+           "sent to them and back by all-to-alls.", minimum=1)
 
     def __post_init__(self):
         check_minimums(self)
@@ -578,6 +605,8 @@ class TrainConfig:
             (parallel.context_parallel_size > 1,
              "context parallelism's ring of point-to-point messages has not been captured and checked; use --cp 1"),
             (parallel.variable_seq_lengths, "--variable-seq-lengths exchanges shapes on the host; drop it"),
+            (model.num_experts is not None, "MoE layers read each expert's token count on the host; drop "
+                                            "--num-experts or --cuda-graph"),
             (model.fp16 or self.loss_scale is not None,
              "loss scaling skips an overflowing step, which the host decides after the graph has run; "
              "use --bf16 without --loss-scale"),
@@ -635,6 +664,12 @@ class RunPlan:
             raise InputError(f"world size {world_size} is not divisible by {what} = {model_ranks}; "
                              f"launch a multiple of {what} ranks")
         self.dp = world_size // model_ranks
+        self.ep = parallel.expert_model_parallel_size
+        if self.ep > 1:
+            check_expert_parallel(config, self.ep, self.dp)
+        if self.cp > 1 and config.model.num_experts is not None:
+            raise InputError("MoE layers under context parallelism are not built yet; use --cp 1 or drop "
+                             "--num-experts")
         if self.cp > 1:
             check_context_parallel_split(config.seq_length, self.cp)
             check_context_parallel_dropout(config.model, self.cp)

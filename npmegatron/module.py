@@ -22,6 +22,7 @@ class ParamSpec:
     tp_axis: Optional[int] = None       # axis split over TP ranks; None: replicated
     padded_rows: Optional[int] = None   # master padded with zero rows to this many (vocabulary)
     sp_partial: bool = False            # under sequence parallelism each rank holds a partial grad
+    expert: bool = False                # an MoE expert's: split over the expert-parallel ranks
 
     def master(self, seed, name):
         if self.init == "zeros":

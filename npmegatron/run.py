@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from . import comm
 from .config import RunPlan, TrainConfig
 from .data_parallel import GradientBuckets
+from .data_parallel.expert_parallel import ExpertParallelAdamW, ExpertParallelBuckets
 from .data_parallel.distributed_optimizer import DistributedAdamW, ShardedGradientBuckets
 from .optim.adamw import AdamW
 from .pipeline import PipelineModel, StageExchange
@@ -34,7 +35,7 @@ def assemble(config: TrainConfig, vocab_size=None, world_size=None):
     """The Run of `config` on the ranks mpirun started (`world_size` ranks; one without mpirun),
     with the model's vocabulary set to `vocab_size` when given (the training data's)."""
     plan = config.plan(comm.launch_size() if world_size is None else world_size)
-    grid = build_grid(plan.tp, plan.pp, nccl=config.model.device == "gpu", cp=plan.cp)
+    grid = build_grid(plan.tp, plan.pp, nccl=config.model.device == "gpu", cp=plan.cp, ep=plan.ep)
     cfg = config.model if vocab_size is None else dataclasses.replace(config.model, vocab_size=vocab_size)
     model = build_model(cfg, grid, plan.layout)
     schedule = config.parallel.pipeline_schedule or ("interleaved" if model.virtual_size > 1 else "1f1b")
@@ -44,14 +45,14 @@ def assemble(config: TrainConfig, vocab_size=None, world_size=None):
     return Run(config, plan, grid, cfg, model, schedule, exchange, params, buckets, optimizer, model.norm_skip())
 
 
-def build_grid(tp=1, pp=1, nccl=False, cp=1):
-    """A grid of TP x CP x PP x DP ranks under mpirun (DP = world / (TP x CP x PP)); one rank
-    without it. `nccl`: a GPU run, whose NCCL communicators are all made here
-    (ProcessGrid.connect_nccl)."""
+def build_grid(tp=1, pp=1, nccl=False, cp=1, ep=1):
+    """A grid of TP x CP x PP x DP ranks under mpirun (DP = world / (TP x CP x PP)), the experts
+    split over EP of the DP ranks; one rank without it. `nccl`: a GPU run, whose NCCL communicators
+    are all made here (ProcessGrid.connect_nccl)."""
     if not comm.launched_by_mpi():
         return comm.ProcessGrid.single()
     comm.init()
-    return comm.ProcessGrid(tp=tp, pp=pp, nccl=nccl, cp=cp)
+    return comm.ProcessGrid(tp=tp, pp=pp, nccl=nccl, cp=cp, ep=ep)
 
 
 def build_model(cfg, grid, layout=None):
@@ -68,6 +69,10 @@ def build_optimizer(model, params, grid, config):
     storage = config.model.storage_format     # --fp16/--bf16: float32 master weights
     settings = {"lr": config.lr, "betas": (config.adam_beta1, config.adam_beta2), "eps": config.adam_eps,
                 "weight_decay": config.weight_decay, "storage": storage}
+    if grid.ep_size > 1:
+        experts = {id(p) for _, p, spec in model.named_specs() if spec.expert}
+        buckets = ExpertParallelBuckets(params, experts, grid, bucket_size, storage)
+        return buckets, ExpertParallelAdamW(params, experts, **settings)
     if not config.parallel.use_distributed_optimizer:
         # averaged over DP and CP together: a CP rank's gradient is that of its tokens' mean loss
         buckets = GradientBuckets(params, grid.dp_cp_group, bucket_size, storage=storage)

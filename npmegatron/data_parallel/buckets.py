@@ -65,10 +65,12 @@ class GradientBuckets:
     #: bucket is padded to a multiple of the DP size, and buckets exist even at DP = 1.
     shards = False
 
-    def __init__(self, params, group, bucket_size=2 ** 20, alone=(), storage=None):
+    def __init__(self, params, group, bucket_size=2 ** 20, alone=(), storage=None, divisor=None):
         """bucket_size: parameters (elements) per bucket, Megatron's --ddp-bucket-size; storage:
-        --fp16/--bf16's format, in which a GPU holds the parameters (FlatLayout.hold_parameters)."""
+        --fp16/--bf16's format, in which a GPU holds the parameters (FlatLayout.hold_parameters);
+        divisor: what the sum over the group is divided by (default its size: the average)."""
         self.group, self.params = group, list(params)
+        self.divisor = divisor or group.size
         self.active, self.final = False, set()
         groups = group_params(self.params, bucket_size, alone)
         self.layout = FlatLayout(groups, group.size if self.shards else 1)
@@ -141,7 +143,7 @@ class GradientBuckets:
             b = self.buckets[self.next_launch]
             if b.remaining and not force:
                 return
-            b.buffer *= b.buffer.dtype.type(1.0 / self.group.size)
+            b.buffer *= b.buffer.dtype.type(1.0 / self.divisor)
             b.request = self._launch(b)
             b.reducing = True
             self.next_launch += 1

@@ -42,8 +42,9 @@ class ExpertMLP(Module):
 
 def _replicated(linear):
     """The layer's parameters marked whole on every tensor-parallel rank (each TP rank holds every
-    expert here), so checkpoints, the gradient norm and resharding treat them as replicated."""
-    linear.specs = {name: dataclasses.replace(spec, tp_axis=None) for name, spec in linear.specs.items()}
+    expert here), so checkpoints, the gradient norm and resharding treat them as replicated, and
+    as an expert's (reduced over the expert-data-parallel ranks under expert parallelism)."""
+    linear.specs = {name: dataclasses.replace(spec, tp_axis=None, expert=True) for name, spec in linear.specs.items()}
 
 
 def _biased(y, bias):

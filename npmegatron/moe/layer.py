@@ -6,14 +6,22 @@ takes every token sent to it."""
 from .. import autograd as ag
 from ..module import Module, ParamSpec, parameter
 from .dispatch import run_experts
+from .expert_parallel import run_experts_parallel
 from .experts import ExpertMLP
 from .router import TopKRouter, sigmoid
 
 
 class MoELayer(Module):
-    def __init__(self, cfg, xp, dtype, layer):
+    """ep_group: the expert-parallel group the experts are split over (expert_parallel.py), this
+    rank holding experts r L ... (r + 1) L - 1, L = E / EP, r its rank in the group; None: all."""
+
+    def __init__(self, cfg, xp, dtype, layer, ep_group=None):
         self.router = TopKRouter(cfg, xp, dtype, layer)
-        self.experts = [ExpertMLP(cfg, xp, dtype, cfg.moe_ffn_hidden_size) for _ in range(cfg.num_experts)]
+        self.ep_group = ep_group if ep_group is not None and ep_group.size > 1 else None
+        local = cfg.num_experts // (self.ep_group.size if self.ep_group else 1)
+        first = self.ep_group.rank * local if self.ep_group else 0
+        # a dict by global expert number: the parameters' names are the serial model's
+        self.experts = {e: ExpertMLP(cfg, xp, dtype, cfg.moe_ffn_hidden_size) for e in range(first, first + local)}
         self.shared_expert = None
         self.specs = {}
         if cfg.moe_shared_expert_intermediate_size:
@@ -27,7 +35,10 @@ class MoELayer(Module):
         batch, seq, hidden = x.shape
         flat = ag.reshape(x, (batch * seq, hidden))
         weights, experts = self.router(flat, sequences=batch)
-        out = run_experts(flat, weights, experts, self.experts)
+        if self.ep_group is None:
+            out = run_experts(flat, weights, experts, list(self.experts.values()))
+        else:
+            out = run_experts_parallel(flat, weights, experts, list(self.experts.values()), self.ep_group)
         if self.shared_expert is not None:
             shared = self.shared_expert(flat)
             if "shared_expert_gate" in self.specs:

@@ -121,7 +121,8 @@ def test_the_moe_layer_equals_the_numpy_reference(routing, family):
     assert layer.router.tokens_per_expert.sum() == x.shape[0] * x.shape[1] * cfg.moe_router_topk
 
 
-@pytest.mark.parametrize("routing", ["softmax", "pre-softmax", "sigmoid, expert bias"])
+@pytest.mark.parametrize("routing", ["softmax", pytest.param("pre-softmax", marks=pytest.mark.slow),
+                                     "sigmoid, expert bias"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_moe_layers_gradients_pass_finite_differences(routing, family, monkeypatch):
     """Every input of the layer (the tokens, the router's weight, the experts' and the shared
@@ -220,7 +221,9 @@ MOE_TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
             "--moe-aux-loss-coeff", "0.05", "--moe-z-loss-coeff", "0.01", "--moe-layer-freq", "([1]*1+[0]*1)"]
 
 
-@pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2"], [], ["--pp", "2", "--tp", "2"]],
+@pytest.mark.parametrize("layout", [["--tp", "2"], pytest.param(["--pp", "2"], marks=pytest.mark.slow),
+                                    pytest.param([], marks=pytest.mark.slow),
+                                    pytest.param(["--pp", "2", "--tp", "2"], marks=pytest.mark.slow)],
                          ids=["tp2", "pp2", "dp2", "tp2xpp2"])
 def test_moe_training_follows_the_serial_trajectory(tmp_path, layout):
     """Two ranks (TP 2 with every expert on each TP rank, PP 2 with the MoE layer on the first
@@ -238,3 +241,56 @@ def test_moe_training_follows_the_serial_trajectory(tmp_path, layout):
         curves[name] = [json.loads(line)["loss"] for line in open(log)]
     assert len(curves["serial"]) == 8
     assert curves["layout"] == pytest.approx(curves["serial"], rel=1e-9, abs=0)
+
+
+@pytest.mark.parametrize("ranks,case", [(2, "balanced"), (4, "balanced"), (3, "idle")])
+def test_experts_split_over_ranks_equal_the_whole_layer(mpirun, ranks, case):
+    """Expert parallelism's two all-to-alls each way (npmegatron/moe/expert_parallel.py) give the
+    whole layer's output, input and router gradients, and each expert's gradient summed over the
+    ranks' tokens, at 2, 3 and 4 ranks, also where a rank's experts take no token; comm.stats()
+    holds the exchanges to their count and bytes."""
+    result = mpirun(ranks, "ranks/moe_expert_parallel.py", args=[case], timeout=120)
+    assert result.stdout.count("ep ok") == ranks, result
+
+
+@pytest.mark.parametrize("ranks,layout", [(2, ["--expert-model-parallel-size", "2"]),
+                                          (4, ["--expert-model-parallel-size", "2"]),
+                                          pytest.param(4, ["--expert-model-parallel-size", "2", "--pp", "2"],
+                                                       marks=pytest.mark.slow)],
+                         ids=["ep2", "ep2xdp2", "ep2xpp2"])
+def test_expert_parallel_training_follows_the_serial_trajectory(tmp_path, ranks, layout):
+    """EP 2 (the two DP ranks split the experts), EP 2 x expert-DP 2 (4 DP ranks) and EP 2 x PP 2
+    against one rank over 8 steps, float64, to 1e-9: the experts' gradients summed over the
+    expert-data-parallel ranks and divided by DP, the gradient norm (clipping binds at 0.3)
+    counting each expert once, the load-balancing and z-losses on and the expert bias's counts
+    summed over all replicas. The global batch of 8 is 4, 2 or 1 accumulation steps a rank."""
+    import json
+    from helpers import launch
+    args = MOE_TINY + ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                       "--global-batch-size", "8", "--clip-grad", "0.3"]
+    curves, norms = {}, {}
+    for name, extra, n in (("serial", [], 0), ("layout", layout, ranks)):
+        log = tmp_path / f"{name}.jsonl"
+        run = launch(n, args + extra + ["--log-file", str(log)])
+        assert run.returncode == 0, run.stdout + run.stderr
+        records = [json.loads(line) for line in open(log)]
+        curves[name], norms[name] = [r["loss"] for r in records], [r["grad_norm"] for r in records]
+    assert len(curves["serial"]) == 8 and max(norms["serial"]) > 0.3
+    assert curves["layout"] == pytest.approx(curves["serial"], rel=1e-9, abs=0)
+    assert norms["layout"] == pytest.approx(norms["serial"], rel=1e-9, abs=0)
+
+
+@pytest.mark.parametrize("options,world,match", [
+    ({"expert_model_parallel_size": 2}, 2, "--num-experts is not given"),
+    ({"expert_model_parallel_size": 4, "num_experts": 6}, 4, "do not split evenly over 4 ranks"),
+    ({"expert_model_parallel_size": 2, "num_experts": 4}, 3, "which 2 does not divide"),
+    ({"expert_model_parallel_size": 2, "num_experts": 4, "tensor_model_parallel_size": 2}, 4, "--tp 1 --cp 1"),
+    ({"expert_model_parallel_size": 2, "num_experts": 4, "save": "ck"}, 2, "drop --save and --load"),
+    ({"num_experts": 4, "context_parallel_size": 2}, 2, "under context parallelism"),
+    ({"num_experts": 4, "sequence_parallel": True, "tensor_model_parallel_size": 2}, 2, "sequence parallelism"),
+])
+def test_bad_expert_parallel_layouts_get_one_sentence(options, world, match):
+    from npmegatron.config import TrainConfig
+    with pytest.raises(InputError, match=match):
+        TrainConfig.from_flat(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32,
+                              micro_batch_size=2, **options).plan(world)
