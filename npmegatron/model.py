@@ -390,23 +390,42 @@ class GPT(Module):
         return gpt_num_parameters(self.cfg)
 
 
-def gpt_num_parameters(cfg):
-    """Parameters of the whole model, unpadded: GPT-2's, or the Llama family's parts."""
-    h, f, d = cfg.hidden_size, cfg.ffn_hidden_size, cfg.head_dim
+def gpt_num_parameters(cfg, active=False):
+    """Parameters of the whole model, unpadded: GPT-2's, or the Llama family's parts; with MoE
+    layers all their experts, or with `active` the k experts a token uses."""
+    h, d = cfg.hidden_size, cfg.head_dim
     qkv = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * d
-    first = 2 * f if cfg.swiglu else f                       # SwiGLU: gate and up
     norm = h if cfg.normalization == "RMSNorm" else 2 * h
-    biases = (qkv + h + first + h) if cfg.add_bias_linear else 0
-    per_layer = h * qkv + h * h + h * first + f * h + biases + 2 * norm
+    attention = h * qkv + h * h + ((qkv + h) if cfg.add_bias_linear else 0)
+    mlps = sum(_mlp_parameters(cfg, active, layer) for layer in range(cfg.num_layers))
     positions = cfg.max_position_embeddings * h if cfg.position_embedding_type == "learned_absolute" else 0
     output = cfg.vocab_size * h if cfg.untie_embeddings_and_output_weights else 0
-    return cfg.vocab_size * h + positions + output + cfg.num_layers * per_layer + norm
+    return cfg.vocab_size * h + positions + output + cfg.num_layers * (attention + 2 * norm) + mlps + norm
+
+
+def _mlp_parameters(cfg, active, layer):
+    """One layer's MLP, or its MoE layer's router, experts (all, or the k a token uses) and
+    shared expert."""
+    h = cfg.hidden_size
+
+    def mlp(f):
+        first = 2 * f if cfg.swiglu else f                   # SwiGLU: gate and up
+        return h * first + f * h + ((first + h) if cfg.add_bias_linear else 0)
+
+    if not cfg.is_moe_layer(layer):
+        return mlp(cfg.ffn_hidden_size)
+    experts = cfg.moe_router_topk if active else cfg.num_experts
+    shared = cfg.moe_shared_expert_intermediate_size
+    return (cfg.num_experts * h + experts * mlp(cfg.moe_ffn_hidden_size) + (mlp(shared) if shared else 0)
+            + (h if cfg.moe_shared_expert_gate else 0))
 
 
 def model_flops(cfg, num_params, batch, seq):
-    """FLOPs of one forward + backward: 6 * params * tokens for the GEMMs with weights, plus
+    """FLOPs of one forward + backward: 6 * params * tokens for the GEMMs with weights (of an MoE
+    layer, its router's, the k experts a token uses and the shared expert), plus
     12 * layers * batch * seq^2 * hidden for the attention scores and their use (the paper's count
     without its vocabulary term, which 6 * params already includes through the tied embedding).
     An untied model's input embedding is a lookup, not a GEMM: its parameters are left out."""
     lookup = cfg.vocab_size * cfg.hidden_size if cfg.untie_embeddings_and_output_weights else 0
-    return 6 * (num_params - lookup) * batch * seq + 12 * cfg.num_layers * batch * seq * seq * cfg.hidden_size
+    idle = gpt_num_parameters(cfg) - gpt_num_parameters(cfg, active=True)   # experts a token skips
+    return 6 * (num_params - lookup - idle) * batch * seq + 12 * cfg.num_layers * batch * seq * seq * cfg.hidden_size

@@ -294,3 +294,23 @@ def test_bad_expert_parallel_layouts_get_one_sentence(options, world, match):
     with pytest.raises(InputError, match=match):
         TrainConfig.from_flat(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32,
                               micro_batch_size=2, **options).plan(world)
+
+
+def test_parameter_counts_know_total_and_active_experts():
+    """gpt_num_parameters counts every expert (the model's own parameters, summed) or, with
+    active, the k a token uses; model FLOPs count the active ones."""
+    from npmegatron.model import gpt_num_parameters, model_flops
+    for options in ({}, {"model_family": "llama"}, {"moe_shared_expert_intermediate_size": 20,
+                                                    "moe_shared_expert_gate": True, "moe_layer_freq": "2"}):
+        cfg = GPTConfig(**{**BASE, **options})
+        model = GPT(cfg)
+        held = sum(p.size for p in model.parameters())
+        padded = (model.padded_vocab_size - cfg.vocab_size) * cfg.hidden_size
+        padded *= 2 if cfg.untie_embeddings_and_output_weights else 1
+        assert gpt_num_parameters(cfg) == held - padded, options
+        moe_layers = sum(cfg.moe_layers)
+        expert = 16 * 12 * (2 if cfg.swiglu else 1) + 12 * 16 + (0 if cfg.swiglu else 12 + 16)
+        assert gpt_num_parameters(cfg) - gpt_num_parameters(cfg, active=True) == moe_layers * 4 * expert
+        lookup = cfg.vocab_size * 16 if cfg.untie_embeddings_and_output_weights else 0
+        assert model_flops(cfg, gpt_num_parameters(cfg), 2, 8) == \
+            6 * (gpt_num_parameters(cfg, active=True) - lookup) * 16 + 12 * 2 * 2 * 64 * 16
