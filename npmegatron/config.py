@@ -159,6 +159,12 @@ class GPTConfig:
     moe_shared_expert_intermediate_size: Optional[int] = option(
         None, "A shared expert of this inner size that every token goes through.", minimum=1)
     moe_shared_expert_gate: bool = option(False, "Gate the shared expert's output by sigmoid(x w) (Qwen2-MoE).")
+    moe_expert_capacity_factor: Optional[float] = option(
+        None, "Each expert takes at most this factor times its even share of the micro-batch's k T choices; "
+              "the rest are dropped (none: dropless).")
+    moe_token_drop_policy: str = option("probs", "Which choices an expert over capacity keeps: its highest "
+                                                 "router weights (probs) or its earliest tokens (position).",
+                                        choices=("probs", "position"))
 
     def __post_init__(self):
         if self.model_family not in MODEL_FAMILIES:
@@ -267,6 +273,9 @@ class GPTConfig:
         if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
             raise InputError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid "
                              "(DeepSeek-V3's routing), as Megatron-Core; add it or drop the expert bias")
+        if self.moe_expert_capacity_factor is not None and not self.moe_expert_capacity_factor > 0:
+            raise InputError(f"--moe-expert-capacity-factor is {self.moe_expert_capacity_factor}; it must be "
+                             "positive (or left out for dropless MoE layers)")
         if self.sequence_parallel:
             raise InputError("MoE layers under sequence parallelism are not built yet; drop "
                              "--sequence-parallel or --num-experts")

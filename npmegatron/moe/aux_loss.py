@@ -37,10 +37,12 @@ class _AuxLoss(Function):
         return g, xp.full(ctx.loss_shape, _scale["value"], ctx.loss_dtype)
 
 
-def attach(x, loss, name, layer):
-    """x, carrying `loss` (a scalar Tensor) into the objective; its value recorded under name."""
+def attach(x, loss, name, layer, coeff):
+    """x, carrying coeff x `loss` (a scalar Tensor) into the objective; the loss without its
+    coefficient recorded under name, as Megatron logs it."""
     entry = _values.setdefault(name, {}).get(layer)
     _values[name][layer] = [loss.data.copy(), 1] if entry is None else [entry[0] + loss.data, entry[1] + 1]
+    loss = loss * coeff
     if not loss.requires_grad:
         return x
     return _AuxLoss.apply(x, loss)

@@ -28,24 +28,29 @@ class _AddRowsInto(Function):
         return g[ctx.index]
 
 
-def sort_by_expert(experts, num_experts):
-    """(order: the k T (token, slot) pairs sorted by expert, stably; each expert's count), on the
-    host, from the router's (tokens, k) choice."""
+def sort_by_expert(experts, num_experts, kept=None):
+    """(order: the k T (token, slot) pairs, of those `kept` where given, sorted by expert, stably;
+    each expert's count), on the host, from the router's (tokens, k) choice."""
     flat = to_numpy(experts).reshape(-1)
-    return numpy.argsort(flat, kind="stable"), numpy.bincount(flat, minlength=num_experts)
+    if kept is None:
+        return numpy.argsort(flat, kind="stable"), numpy.bincount(flat, minlength=num_experts)
+    candidates = numpy.flatnonzero(kept.reshape(-1))
+    order = candidates[numpy.argsort(flat[candidates], kind="stable")]
+    return order, numpy.bincount(flat[candidates], minlength=num_experts)
 
 
-def run_experts(x, weights, experts, mlps):
+def run_experts(x, weights, experts, mlps, kept=None):
     """sum over each token's k experts of weight x expert(token): x (tokens, hidden) Tensor,
-    weights (tokens, k) Tensor, experts (tokens, k) int array, mlps one callable per expert."""
+    weights (tokens, k) Tensor, experts (tokens, k) int array, mlps one callable per expert;
+    kept: which choices the experts take (a capacity's), None: all."""
     tokens, k = experts.shape
-    order, counts = sort_by_expert(experts, len(mlps))
+    order, counts = sort_by_expert(experts, len(mlps), kept)
     xp = get_array_module(x.data)
     device_order = xp.asarray(order)
     source = device_order // k                                  # the token of each sorted row
     permuted = x[source]
     parts = ag.split(permuted, [int(c) for c in numpy.cumsum(counts)[:-1]], axis=0)
     outputs = [mlp(part) for mlp, part, count in zip(mlps, parts, counts) if count]
-    y = outputs[0] if len(outputs) == 1 else ag.concatenate(outputs, axis=0)
-    chosen = ag.reshape(ag.reshape(weights, (tokens * k,))[device_order], (tokens * k, 1))
+    y = permuted if not outputs else outputs[0] if len(outputs) == 1 else ag.concatenate(outputs, axis=0)
+    chosen = ag.reshape(ag.reshape(weights, (tokens * k,))[device_order], (len(order), 1))
     return _AddRowsInto.apply(y * chosen, index=source, n=tokens)

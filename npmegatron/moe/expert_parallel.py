@@ -57,11 +57,12 @@ def expert_major(received):
     return numpy.concatenate(blocks) if blocks else numpy.zeros(0, numpy.int64)
 
 
-def run_experts_parallel(x, weights, experts, local_mlps, group):
+def run_experts_parallel(x, weights, experts, local_mlps, group, kept=None):
     """run_experts (dispatch.py) with the experts split over `group`: local_mlps are this rank's
-    E / group.size experts, the rank's place in the group naming which (rank r holds r L ... )."""
+    E / group.size experts, the rank's place in the group naming which (rank r holds r L ... );
+    kept: which choices the experts take (a capacity's), None: all."""
     tokens, k = experts.shape
-    order, counts = sort_by_expert(experts, len(local_mlps) * group.size)
+    order, counts = sort_by_expert(experts, len(local_mlps) * group.size, kept)
     send, received = exchange_counts(counts, group)
     xp = get_array_module(x.data)
     device_order = xp.asarray(order)
@@ -75,5 +76,5 @@ def run_experts_parallel(x, weights, experts, local_mlps, group):
     y = grouped if not outputs else outputs[0] if len(outputs) == 1 else ag.concatenate(outputs, axis=0)
     arrival_order = y[xp.asarray(numpy.argsort(regroup))]
     home = _AllToAll.apply(arrival_order, group=group, send=received.sum(axis=1), recv=send)
-    chosen = ag.reshape(ag.reshape(weights, (tokens * k,))[device_order], (tokens * k, 1))
+    chosen = ag.reshape(ag.reshape(weights, (tokens * k,))[device_order], (len(order), 1))
     return _AddRowsInto.apply(home * chosen, index=source, n=tokens)

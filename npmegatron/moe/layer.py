@@ -2,7 +2,7 @@
 picks each token's k experts and their weights, the tokens go to their experts and come back
 weighted (dispatch.py), and the shared expert, when there is one, adds its output for every
 token, gated by sigmoid(x w) under --moe-shared-expert-gate (Qwen2-MoE). Dropless: every expert
-takes every token sent to it."""
+takes every token sent to it, unless --moe-expert-capacity-factor caps its share (router.py)."""
 from .. import autograd as ag
 from ..module import Module, ParamSpec, parameter
 from .dispatch import run_experts
@@ -34,11 +34,11 @@ class MoELayer(Module):
         """x (batch, seq, hidden) -> (the layer's output, None: no bias left for the block to add)."""
         batch, seq, hidden = x.shape
         flat = ag.reshape(x, (batch * seq, hidden))
-        weights, experts = self.router(flat, sequences=batch)
+        weights, experts, kept = self.router(flat, sequences=batch)
         if self.ep_group is None:
-            out = run_experts(flat, weights, experts, list(self.experts.values()))
+            out = run_experts(flat, weights, experts, list(self.experts.values()), kept)
         else:
-            out = run_experts_parallel(flat, weights, experts, list(self.experts.values()), self.ep_group)
+            out = run_experts_parallel(flat, weights, experts, list(self.experts.values()), self.ep_group, kept)
         if self.shared_expert is not None:
             shared = self.shared_expert(flat)
             if "shared_expert_gate" in self.specs:

@@ -20,6 +20,8 @@ MoEAuxLossAutoScaler does, so a pipeline stage needs no loss of its own):
 - seq_aux_loss: the same per sequence, averaged over sequences (DeepSeek-V2/V3);
 - z-loss (ST-MoE): coeff * mean over tokens of logsumexp(logits)^2.
 """
+import math
+
 import numpy
 
 from .. import autograd as ag
@@ -39,25 +41,32 @@ class TopKRouter(Module):
         self.expert_bias = xp.zeros(cfg.num_experts, numpy.float32) if cfg.moe_router_enable_expert_bias else None
         self.tokens_per_expert = None       # the last forward's counts
         self.step_tokens_per_expert = None  # summed over the step's forwards (the bias's update)
+        self.interval_tokens_per_expert = None  # summed over the log interval's steps (the log)
+        self.interval_dropped = 0           # choices dropped over capacity since the last log
 
     def forward(self, x, sequences=1):
         """x (tokens, hidden), `sequences` sequences of equal length one after the other -> (weights
-        (tokens, k) Tensor, experts (tokens, k) array)."""
+        (tokens, k) Tensor, experts (tokens, k) array, which of those choices are kept: a (tokens, k)
+        host bool array under a capacity factor, else None)."""
         cfg = self.cfg
         logits = ag.linear(x, self.weight.T)
         if cfg.moe_z_loss_coeff:
-            logits = aux_loss.attach(logits, z_loss(logits) * cfg.moe_z_loss_coeff, "z_loss", self.layer)
+            logits = aux_loss.attach(logits, z_loss(logits), "z_loss", self.layer, cfg.moe_z_loss_coeff)
         weights, experts = route(logits, cfg, self.expert_bias)
-        counts = _counts(experts, cfg.num_experts)
+        kept = None
+        if cfg.moe_expert_capacity_factor is not None:
+            kept = within_capacity(weights.data, experts, cfg)
+            self.interval_dropped += 0 if kept is None else int(kept.size - kept.sum())
+        counts = _counts(experts if kept is None else ag.backend.to_numpy(experts)[kept], cfg.num_experts)
         self.tokens_per_expert = counts
         if ag.is_grad_enabled():
-            self.step_tokens_per_expert = counts if self.step_tokens_per_expert is None \
-                else self.step_tokens_per_expert + counts
+            self.step_tokens_per_expert = _added(self.step_tokens_per_expert, counts)
+            self.interval_tokens_per_expert = _added(self.interval_tokens_per_expert, counts)
         kind = cfg.moe_router_load_balancing_type
         if kind != "none" and cfg.moe_aux_loss_coeff and ag.is_grad_enabled():
-            loss = balancing_loss(logits, experts, counts, cfg, kind, sequences) * cfg.moe_aux_loss_coeff
-            weights = aux_loss.attach(weights, loss, "load_balancing_loss", self.layer)
-        return weights, experts
+            loss = balancing_loss(logits, cfg, kind, sequences)
+            weights = aux_loss.attach(weights, loss, "load_balancing_loss", self.layer, cfg.moe_aux_loss_coeff)
+        return weights, experts, kept
 
     def update_expert_bias(self, group=None):
         """DeepSeek-V3's update after a step: each expert's bias moves by the rate towards balance
@@ -106,6 +115,27 @@ def route(logits, cfg, expert_bias=None):
     return weights, experts
 
 
+def within_capacity(weights, experts, cfg):
+    """Which of the (tokens, k) choices their experts keep under --moe-expert-capacity-factor, as
+    Megatron-Core's apply_router_token_dropping: an expert takes at most ceil(k T / E x factor)
+    choices, those of its highest weights (probs; ties to the earlier token) or its earliest
+    tokens (position); None where the capacity reaches the tokens (nothing can be dropped)."""
+    tokens, k = experts.shape
+    capacity = math.ceil(tokens * k / cfg.num_experts * cfg.moe_expert_capacity_factor)
+    if capacity >= tokens:
+        return None
+    flat = ag.backend.to_numpy(experts).reshape(-1)
+    position = numpy.arange(flat.size)
+    strength = -ag.backend.to_numpy(weights).reshape(-1) if cfg.moe_token_drop_policy == "probs" \
+        else numpy.zeros(flat.size)
+    order = numpy.lexsort((position, strength, flat))      # by expert, then weight, then position
+    ranked = flat[order]
+    rank = position - numpy.searchsorted(ranked, ranked, side="left")
+    kept = numpy.zeros(flat.size, bool)
+    kept[order] = rank < capacity
+    return kept.reshape(tokens, k)
+
+
 def top_k(scores, k, cfg):
     """The k highest-scoring experts of each row, best first; with group-limited routing only
     among the rows' chosen groups."""
@@ -133,26 +163,33 @@ def z_loss(logits):
     return ag.mean(lse * lse)
 
 
+def _added(total, counts):
+    return counts if total is None else total + counts
+
+
 def _counts(experts, num_experts):
     """Tokens sent to each expert (host integers: the dispatcher's splits need them there)."""
     return numpy.bincount(ag.backend.to_numpy(experts).reshape(-1), minlength=num_experts)
 
 
-def balancing_loss(logits, experts, counts, cfg, kind, sequences=1):
+def balancing_loss(logits, cfg, kind, sequences=1):
     """The Switch Transformer's load-balancing loss over this micro-batch's tokens (aux_loss), or
-    per sequence, averaged (seq_aux_loss); without its coefficient."""
+    per sequence, averaged (seq_aux_loss); without its coefficient. As Megatron-Core's
+    compute_routing_scores_for_aux_loss, the tokens per expert are those of a plain top k of the
+    scores (no expert bias, no group limit, no dropping)."""
     scores = ag.softmax(logits)
     if cfg.moe_router_score_function == "sigmoid":
         raw = sigmoid(logits)
         scores = raw / (ag.sum(raw, axis=-1, keepdims=True) + 1e-20)
+    xp = ag.get_array_module(logits.data)
+    chosen = xp.argsort(-scores.data, axis=-1)[:, :cfg.moe_router_topk]
     if kind == "aux_loss":
-        return _switch_loss(scores, counts, logits.shape[0], cfg)
+        return _switch_loss(scores, _counts(chosen, cfg.num_experts), logits.shape[0], cfg)
     per_sequence = logits.shape[0] // sequences
     losses = []
     for s in range(sequences):
         block = slice(s * per_sequence, (s + 1) * per_sequence)
-        counts_s = _counts(experts[block], cfg.num_experts)
-        losses.append(_switch_loss(scores[block], counts_s, per_sequence, cfg))
+        losses.append(_switch_loss(scores[block], _counts(chosen[block], cfg.num_experts), per_sequence, cfg))
     total = losses[0]
     for loss in losses[1:]:
         total = total + loss

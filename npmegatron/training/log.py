@@ -13,6 +13,7 @@ from .. import comm
 from ..autograd import InputError, precision
 from ..autograd.ops.fused_attention import attention_path
 from ..model import model_flops
+from ..moe.metrics import interval_metrics
 from ..perf.memory import ParallelShape, chunk_activation_bytes
 from .metrics import format_layers, format_memory, format_phases, layer_times, peak_flops_per_rank, phases
 from .trackers import Trackers
@@ -72,6 +73,7 @@ class TrainingLog:
         if val_loss is not None:
             record["val_loss"] = val_loss
         record.update(scaling or {})
+        record.update(interval_metrics(self.trainer.model, self.trainer.grid))     # collective; MoE only
         lines = [format_record(record, self.total)]
         if self.trainer.timers.enabled:     # collective, as is the memory report
             if self.trainer.config.timing_log_level == 2:
@@ -207,4 +209,12 @@ def format_record(r, total):
         line += f" | MFU {r['mfu'] * 100:.1f} %"
     if "loss_scale" in r:
         line += f" | loss scale {r['loss_scale']:g} | skipped {r['skipped_iterations']}"
+    if "load_balancing_loss" in r:
+        line += f" | load balancing loss {r['load_balancing_loss']:.4f}"
+    if "z_loss" in r:
+        line += f" | z-loss {r['z_loss']:.4f}"
+    if "tokens_per_expert_max_over_mean" in r:
+        line += f" | tokens per expert max/mean {r['tokens_per_expert_max_over_mean']:.2f}"
+    if "dropped_tokens" in r:
+        line += f" | dropped {r['dropped_tokens']:,}"
     return line + (f" | val loss {r['val_loss']:.4f}" if "val_loss" in r else "")

@@ -22,6 +22,10 @@ SCALARS = {
     "mfu": "model-flops-utilisation",
     "iteration_s": "iteration-time",
     "memory_bytes_max": "mem-max-allocated-bytes",
+    "load_balancing_loss": "load_balancing_loss",     # Megatron-Core's MoE names
+    "z_loss": "z_loss",
+    "tokens_per_expert_max_over_mean": "tokens-per-expert-max-over-mean",
+    "dropped_tokens": "dropped-tokens",
 }
 
 

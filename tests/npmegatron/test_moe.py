@@ -25,6 +25,8 @@ ROUTINGS = {
     "grouped, scaled": {"moe_router_num_groups": 3, "moe_router_group_topk": 2,
                         "moe_router_topk_scaling_factor": 2.5},
     "top-1 sigmoid": {"moe_router_score_function": "sigmoid", "moe_router_topk": 1},
+    "capacity 0.7, probs": {"moe_expert_capacity_factor": 0.7},
+    "capacity 0.5, position": {"moe_expert_capacity_factor": 0.5, "moe_token_drop_policy": "position"},
 }
 FAMILIES = {"gpt2": {}, "llama": {"model_family": "llama"},
             "shared, gated": {"moe_shared_expert_intermediate_size": 20, "moe_shared_expert_gate": True}}
@@ -80,15 +82,29 @@ def reference_mlp(x, mlp, cfg):
     return hidden @ mlp.proj.weight.data + mlp.proj.bias.data
 
 
+def reference_kept(choices, cfg):
+    """{(token, expert)} each expert keeps under the capacity factor: its choices ranked by weight
+    (probs; earlier token first on ties) or by token (position), the first ceil(k T / E x factor)."""
+    if cfg.moe_expert_capacity_factor is None:
+        return {(t, e) for t, pairs in enumerate(choices) for e, _ in pairs}
+    capacity = math.ceil(len(choices) * cfg.moe_router_topk / cfg.num_experts * cfg.moe_expert_capacity_factor)
+    kept = set()
+    for expert in range(cfg.num_experts):
+        mine = [(-w if cfg.moe_token_drop_policy == "probs" else 0, t) for t, pairs in enumerate(choices)
+                for e, w in pairs if e == expert]
+        kept |= {(t, expert) for _, t in sorted(mine)[:capacity]}
+    return kept
+
+
 def reference_layer(x, layer, cfg):
     """(output, load-balancing loss, z-loss) token by token."""
     flat = x.reshape(-1, x.shape[-1])
     logits = flat @ layer.router.weight.data.T
-    out, counts = np.zeros_like(flat), np.zeros(cfg.num_experts)
+    out = np.zeros_like(flat)
+    choices = [list(zip(*reference_choice(logits[t], cfg, layer.router.expert_bias))) for t in range(len(flat))]
+    kept = reference_kept(choices, cfg)
     for t, row in enumerate(flat):
-        experts, weights = reference_choice(logits[t], cfg, layer.router.expert_bias)
-        counts[experts] += 1
-        out[t] = sum(w * reference_mlp(row, layer.experts[e], cfg) for e, w in zip(experts, weights))
+        out[t] = sum(w * reference_mlp(row, layer.experts[e], cfg) for e, w in choices[t] if (t, e) in kept)
         if layer.shared_expert is not None:
             gate = 1 / (1 + np.exp(-(row @ layer.shared_expert_gate.data[0])))
             out[t] += gate * reference_mlp(row, layer.shared_expert, cfg)
@@ -99,7 +115,9 @@ def reference_layer(x, layer, cfg):
         probs = np.exp(logits - logits.max(axis=1, keepdims=True))
         probs /= probs.sum(axis=1, keepdims=True)
     tokens = flat.shape[0]
-    balance = cfg.num_experts / (cfg.moe_router_topk * tokens ** 2) * (probs.sum(axis=0) * counts).sum()
+    # the loss's counts: a plain top k of those scores (Megatron's compute_routing_scores_for_aux_loss)
+    plain = np.bincount(np.argsort(-probs, axis=1)[:, :cfg.moe_router_topk].reshape(-1), minlength=cfg.num_experts)
+    balance = cfg.num_experts / (cfg.moe_router_topk * tokens ** 2) * (probs.sum(axis=0) * plain).sum()
     top = logits.max(axis=1)
     lse = np.log(np.exp(logits - top[:, None]).sum(axis=1)) + top
     return out.reshape(x.shape), balance, (lse ** 2).mean()
@@ -116,13 +134,16 @@ def test_the_moe_layer_equals_the_numpy_reference(routing, family):
     assert bias is None
     np.testing.assert_allclose(out.data, expected, rtol=1e-12, atol=1e-13)
     values = aux_loss.take_values()
-    assert math.isclose(values["load_balancing_loss"][0], 0.1 * balance, rel_tol=1e-12)
-    assert math.isclose(values["z_loss"][0], 0.01 * z, rel_tol=1e-12)
-    assert layer.router.tokens_per_expert.sum() == x.shape[0] * x.shape[1] * cfg.moe_router_topk
+    assert math.isclose(values["load_balancing_loss"][0], balance, rel_tol=1e-12)   # logged without the
+    assert math.isclose(values["z_loss"][0], z, rel_tol=1e-12)                      # coefficients
+    choices = x.shape[0] * x.shape[1] * cfg.moe_router_topk
+    dropped = layer.router.interval_dropped
+    assert layer.router.tokens_per_expert.sum() == choices - dropped
+    assert (dropped > 0) == (cfg.moe_expert_capacity_factor is not None)
 
 
 @pytest.mark.parametrize("routing", ["softmax", pytest.param("pre-softmax", marks=pytest.mark.slow),
-                                     "sigmoid, expert bias"])
+                                     "sigmoid, expert bias", pytest.param("capacity 0.7, probs", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_moe_layers_gradients_pass_finite_differences(routing, family, monkeypatch):
     """Every input of the layer (the tokens, the router's weight, the experts' and the shared
@@ -139,10 +160,8 @@ def test_the_moe_layers_gradients_pass_finite_differences(routing, family, monke
 def test_the_balancing_and_z_losses_pass_finite_differences(score_function):
     cfg = GPTConfig(**{**BASE, "moe_router_score_function": score_function})
     logits = ag.Tensor(np.random.default_rng(3).standard_normal((10, cfg.num_experts)), requires_grad=True)
-    experts = np.argsort(-logits.data, axis=1)[:, :2]
-    counts = np.bincount(experts.reshape(-1), minlength=cfg.num_experts)
     for kind in ("aux_loss", "seq_aux_loss"):
-        assert gradcheck(lambda z: balancing_loss(z, experts, counts, cfg, kind, sequences=2), [logits]) < 1e-7
+        assert gradcheck(lambda z: balancing_loss(z, cfg, kind, sequences=2), [logits]) < 1e-7
     assert gradcheck(z_loss, [logits]) < 1e-7
 
 
@@ -160,9 +179,7 @@ def test_an_auxiliary_loss_enters_backward_with_the_main_losss_seed(monkeypatch)
     flat = ag.Tensor(x.reshape(-1, cfg.hidden_size))
     layer.router.weight.grad = None
     logits = ag.linear(flat, layer.router.weight.T)
-    experts = np.argsort(-logits.data, axis=1)[:, :cfg.moe_router_topk]
-    counts = np.bincount(experts.reshape(-1), minlength=cfg.num_experts)
-    ag.backward(balancing_loss(logits, experts, counts, cfg, "aux_loss") * 0.3 + z_loss(logits) * 0.02)
+    ag.backward(balancing_loss(logits, cfg, "aux_loss") * 0.3 + z_loss(logits) * 0.02)
     np.testing.assert_allclose(grads[0.5] - grads[0.0], 0.5 * layer.router.weight.grad, rtol=1e-10, atol=1e-14)
 
 
@@ -208,6 +225,7 @@ def test_moe_layer_freq_takes_an_integer_or_megatrons_pattern():
     ({"moe_router_num_groups": 3}, "needs both"),
     ({"moe_router_enable_expert_bias": True}, "needs --moe-router-score-function sigmoid"),
     ({"moe_shared_expert_gate": True}, "is not given"),
+    ({"moe_expert_capacity_factor": 0.0}, "must be positive"),
 ])
 def test_bad_moe_flags_get_one_sentence(options, match):
     with pytest.raises(InputError, match=match):
@@ -314,3 +332,43 @@ def test_parameter_counts_know_total_and_active_experts():
         lookup = cfg.vocab_size * 16 if cfg.untie_embeddings_and_output_weights else 0
         assert model_flops(cfg, gpt_num_parameters(cfg), 2, 8) == \
             6 * (gpt_num_parameters(cfg, active=True) - lookup) * 16 + 12 * 2 * 2 * 64 * 16
+
+
+def test_training_logs_the_moe_losses_and_expert_load_under_megatrons_names(tmp_path):
+    """At EP 2, the log file's records carry the load-balancing loss and z-loss (without their
+    coefficients) and the busiest expert's tokens over the mean's; TensorBoard gets them as
+    Megatron-Core names them."""
+    import json
+    from helpers import launch
+    log, board = tmp_path / "log.jsonl", tmp_path / "tb"
+    run = launch(2, MOE_TINY + ["--expert-model-parallel-size", "2", "--log-file", str(log), "--log-interval", "4",
+                                "--tensorboard-dir", str(board)])
+    assert run.returncode == 0, run.stdout + run.stderr
+    records = [json.loads(line) for line in open(log)]
+    assert len(records) == 2
+    for r in records:
+        assert 0.9 < r["load_balancing_loss"] < 2.0     # 1 at perfect balance (E sum f_i P_i)
+        assert r["z_loss"] > 0 and 1.0 <= r["tokens_per_expert_max_over_mean"] <= 4.0
+    assert "load balancing loss" in run.stdout and "tokens per expert max/mean" in run.stdout
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    events = event_accumulator.EventAccumulator(str(board))
+    events.Reload()
+    assert {"load_balancing_loss", "z_loss", "tokens-per-expert-max-over-mean"} <= set(events.Tags()["scalars"])
+
+
+@pytest.mark.parametrize("ranks,ep", [(2, "2"), pytest.param(4, "2", marks=pytest.mark.slow)], ids=["ep2", "ep2xdp2"])
+def test_expert_parallel_drops_the_tokens_its_data_parallel_layout_drops(tmp_path, ranks, ep):
+    """Under a capacity factor each rank drops over its own tokens' choices, so EP 2 follows the
+    same ranks at EP 1 (plain data parallelism) step by step, dropped choices included."""
+    import json
+    from helpers import launch
+    args = MOE_TINY + ["--moe-expert-capacity-factor", "0.6", "--global-batch-size", "8"]
+    curves = {}
+    for name, extra in (("dp", []), ("ep", ["--expert-model-parallel-size", ep])):
+        log = tmp_path / f"{name}.jsonl"
+        run = launch(ranks, args + extra + ["--log-file", str(log)])
+        assert run.returncode == 0, run.stdout + run.stderr
+        curves[name] = [(r["loss"], r["dropped_tokens"]) for r in map(json.loads, open(log))]
+    assert all(dropped > 0 for _, dropped in curves["dp"])
+    assert [d for _, d in curves["ep"]] == [d for _, d in curves["dp"]]
+    assert [l for l, _ in curves["ep"]] == pytest.approx([l for l, _ in curves["dp"]], rel=1e-9, abs=0)
