@@ -558,6 +558,10 @@ class TrainConfig:
         self._check_split()
         self._check_schedule()
         self._check_cuda_graph()
+        if self.model.moe_router_enable_expert_bias and (self.save or self.load):
+            flag = "--save" if self.save else "--load"
+            raise InputError(f"{flag}: checkpoints do not hold the MoE routers' expert bias yet, so a resumed "
+                             "run would route differently; drop --moe-router-enable-expert-bias or the checkpoint")
         log_folder = os.path.dirname(os.path.abspath(self.log_file or "."))
         if self.log_file and (not os.path.isdir(log_folder) or os.path.isdir(self.log_file)):
             raise InputError(f"--log-file {self.log_file}: the folder {log_folder} must exist and "

@@ -306,6 +306,8 @@ def test_expert_parallel_training_follows_the_serial_trajectory(tmp_path, ranks,
     ({"expert_model_parallel_size": 2, "num_experts": 4, "save": "ck"}, 2, "drop --save and --load"),
     ({"num_experts": 4, "context_parallel_size": 2}, 2, "under context parallelism"),
     ({"num_experts": 4, "sequence_parallel": True, "tensor_model_parallel_size": 2}, 2, "sequence parallelism"),
+    ({"num_experts": 4, "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+      "load": "ck"}, 1, "do not hold the MoE routers' expert bias"),
 ])
 def test_bad_expert_parallel_layouts_get_one_sentence(options, world, match):
     from npmegatron.config import TrainConfig
@@ -372,3 +374,20 @@ def test_expert_parallel_drops_the_tokens_its_data_parallel_layout_drops(tmp_pat
     assert all(dropped > 0 for _, dropped in curves["dp"])
     assert [d for _, d in curves["ep"]] == [d for _, d in curves["dp"]]
     assert [l for l, _ in curves["ep"]] == pytest.approx([l for l, _ in curves["dp"]], rel=1e-9, abs=0)
+
+
+def test_a_moe_run_resumes_bitwise(tmp_path):
+    """Saved at step 3 of 6 and resumed, a run with MoE layers (load-balancing and z-losses, a
+    capacity factor) logs steps 4 to 6 exactly as the run that went straight through."""
+    import json
+    from helpers import launch
+    args = MOE_TINY + ["--moe-expert-capacity-factor", "0.8", "--train-iters", "6", "--save-interval", "3"]
+    straight, resumed = tmp_path / "straight.jsonl", tmp_path / "resumed.jsonl"
+    run = launch(0, args + ["--save", str(tmp_path / "a"), "--log-file", str(straight)])
+    assert run.returncode == 0, run.stdout + run.stderr
+    run = launch(0, args + ["--save", str(tmp_path / "b"), "--exit-interval", "3", "--log-file", str(tmp_path / "x")])
+    assert run.returncode == 0, run.stdout + run.stderr
+    run = launch(0, args + ["--load", str(tmp_path / "b"), "--log-file", str(resumed)])
+    assert run.returncode == 0, run.stdout + run.stderr
+    expected = [json.loads(line)["loss"] for line in open(straight)][3:]
+    assert [json.loads(line)["loss"] for line in open(resumed)] == expected
