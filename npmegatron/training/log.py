@@ -201,20 +201,20 @@ def open_log(path, append):
         raise InputError(f"cannot write --log-file {path} ({e.strerror}); choose a writable file") from None
 
 
+#: the parts of a record's line that only some runs have: (key, its text)
+OPTIONAL_PARTS = (
+    ("mfu", lambda r: f"MFU {r['mfu'] * 100:.1f} %"),
+    ("loss_scale", lambda r: f"loss scale {r['loss_scale']:g} | skipped {r['skipped_iterations']}"),
+    ("load_balancing_loss", lambda r: f"load balancing loss {r['load_balancing_loss']:.4f}"),
+    ("z_loss", lambda r: f"z-loss {r['z_loss']:.4f}"),
+    ("tokens_per_expert_max_over_mean", lambda r: f"tokens per expert max/mean {r['tokens_per_expert_max_over_mean']:.2f}"),
+    ("dropped_tokens", lambda r: f"dropped {r['dropped_tokens']:,}"),
+    ("val_loss", lambda r: f"val loss {r['val_loss']:.4f}"),
+)
+
+
 def format_record(r, total):
     line = (f"iter {r['iteration']:>5}/{total} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
             f"grad norm {r['grad_norm']:.3f} | {r['tokens_per_s']:,.0f} tok/s | "
             f"{r['tflops_per_rank']:.4f} TFLOP/s per rank")
-    if "mfu" in r:
-        line += f" | MFU {r['mfu'] * 100:.1f} %"
-    if "loss_scale" in r:
-        line += f" | loss scale {r['loss_scale']:g} | skipped {r['skipped_iterations']}"
-    if "load_balancing_loss" in r:
-        line += f" | load balancing loss {r['load_balancing_loss']:.4f}"
-    if "z_loss" in r:
-        line += f" | z-loss {r['z_loss']:.4f}"
-    if "tokens_per_expert_max_over_mean" in r:
-        line += f" | tokens per expert max/mean {r['tokens_per_expert_max_over_mean']:.2f}"
-    if "dropped_tokens" in r:
-        line += f" | dropped {r['dropped_tokens']:,}"
-    return line + (f" | val loss {r['val_loss']:.4f}" if "val_loss" in r else "")
+    return line + "".join(f" | {text(r)}" for key, text in OPTIONAL_PARTS if key in r)
