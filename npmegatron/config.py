@@ -266,10 +266,12 @@ class GPTConfig:
         if (groups is None) != (group_topk is None):
             raise InputError("group-limited routing needs both --moe-router-num-groups and "
                              "--moe-router-group-topk; give both or neither")
-        if groups and (self.num_experts % groups or group_topk > groups or self.moe_router_topk % group_topk):
+        if groups and (self.num_experts % groups or group_topk > groups or self.moe_router_topk % group_topk
+                       or self.moe_router_topk // group_topk > self.num_experts // groups):
             raise InputError(f"--moe-router-num-groups {groups} must divide the {self.num_experts} experts and "
                              f"--moe-router-group-topk {group_topk} must be at most the groups and divide "
-                             f"--moe-router-topk {self.moe_router_topk}; choose such values")
+                             f"--moe-router-topk {self.moe_router_topk} into shares a group can give; choose "
+                             "such values")
         if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
             raise InputError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid "
                              "(DeepSeek-V3's routing), as Megatron-Core; add it or drop the expert bias")

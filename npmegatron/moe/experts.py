@@ -15,7 +15,9 @@ from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
 class ExpertMLP(Module):
     """h -> ffn -> h: fc (or gate and up), the activation, proj; biases where the model has them."""
 
-    def __init__(self, cfg, xp, dtype, ffn):
+    def __init__(self, cfg, xp, dtype, ffn, routed=True):
+        """routed: a routed expert (split over the expert-parallel ranks); False: the shared
+        expert, a dense weight every rank holds and reduces over data parallelism."""
         whole, bias, h = Group.single("expert"), cfg.add_bias_linear, cfg.hidden_size
         first = lambda: ColumnParallelLinear(xp, dtype, h, ffn, cfg.init_method_std, whole, skip_bias_add=True,
                                              bias=bias)
@@ -26,9 +28,8 @@ class ExpertMLP(Module):
             self.fc = first()
         self.proj = RowParallelLinear(xp, dtype, ffn, h, cfg.init_method_std / math.sqrt(2 * cfg.num_layers),
                                       whole, skip_bias_add=True, bias=bias)
-        for linear in (self.gate, self.up) if cfg.swiglu else (self.fc,):
-            _replicated(linear)
-        _replicated(self.proj)
+        for linear in ((self.gate, self.up) if cfg.swiglu else (self.fc,)) + (self.proj,):
+            _replicated(linear, routed)
 
     def forward(self, x):
         if self.swiglu:
@@ -40,11 +41,12 @@ class ExpertMLP(Module):
         return _biased(*self.proj(hidden))
 
 
-def _replicated(linear):
+def _replicated(linear, routed):
     """The layer's parameters marked whole on every tensor-parallel rank (each TP rank holds every
     expert here), so checkpoints, the gradient norm and resharding treat them as replicated, and
-    as an expert's (reduced over the expert-data-parallel ranks under expert parallelism)."""
-    linear.specs = {name: dataclasses.replace(spec, tp_axis=None, expert=True) for name, spec in linear.specs.items()}
+    a routed expert's as an expert's (reduced over the expert-data-parallel ranks under expert
+    parallelism)."""
+    linear.specs = {name: dataclasses.replace(spec, tp_axis=None, expert=routed) for name, spec in linear.specs.items()}
 
 
 def _biased(y, bias):

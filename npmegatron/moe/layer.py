@@ -25,7 +25,7 @@ class MoELayer(Module):
         self.shared_expert = None
         self.specs = {}
         if cfg.moe_shared_expert_intermediate_size:
-            self.shared_expert = ExpertMLP(cfg, xp, dtype, cfg.moe_shared_expert_intermediate_size)
+            self.shared_expert = ExpertMLP(cfg, xp, dtype, cfg.moe_shared_expert_intermediate_size, routed=False)
             if cfg.moe_shared_expert_gate:
                 self.shared_expert_gate = parameter(xp, (1, cfg.hidden_size), dtype)
                 self.specs["shared_expert_gate"] = ParamSpec(cfg.init_method_std, (1, cfg.hidden_size))

@@ -26,6 +26,7 @@ import numpy
 
 from .. import autograd as ag
 from .. import comm
+from ..autograd import Function
 from ..module import Module, ParamSpec, parameter
 from . import aux_loss
 
@@ -50,13 +51,14 @@ class TopKRouter(Module):
         host bool array under a capacity factor, else None)."""
         cfg = self.cfg
         logits = ag.linear(x, self.weight.T)
-        if cfg.moe_z_loss_coeff:
+        if cfg.moe_z_loss_coeff and ag.is_grad_enabled():      # training (as Megatron), not evaluation
             logits = aux_loss.attach(logits, z_loss(logits), "z_loss", self.layer, cfg.moe_z_loss_coeff)
         weights, experts = route(logits, cfg, self.expert_bias)
         kept = None
         if cfg.moe_expert_capacity_factor is not None:
             kept = within_capacity(weights.data, experts, cfg)
-            self.interval_dropped += 0 if kept is None else int(kept.size - kept.sum())
+            if ag.is_grad_enabled():        # training's drops (not evaluation's, not recomputation's twice)
+                self.interval_dropped += 0 if kept is None else int(kept.size - kept.sum())
         counts = _counts(experts if kept is None else ag.backend.to_numpy(experts)[kept], cfg.num_experts)
         self.tokens_per_expert = counts
         if ag.is_grad_enabled():
@@ -152,8 +154,25 @@ def top_k(scores, k, cfg):
     return xp.argsort(-scores, axis=-1)[:, :k]
 
 
+class _Sigmoid(Function):
+    """1 / (1 + exp(-x)) without overflow (exp of -|x| only); backward g s (1 - s)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        xp = ag.get_array_module(x)
+        e = xp.exp(-xp.abs(x))
+        s = xp.where(x >= 0, 1 / (1 + e), e / (1 + e))
+        ctx.save_for_backward(s)
+        return s
+
+    @staticmethod
+    def backward(ctx, g):
+        (s,) = ctx.saved
+        return g * s * (1 - s)
+
+
 def sigmoid(x):
-    return 1.0 / (1.0 + ag.exp(-x))
+    return _Sigmoid.apply(x)
 
 
 def z_loss(logits):

@@ -223,6 +223,7 @@ def test_moe_layer_freq_takes_an_integer_or_megatrons_pattern():
     ({"num_experts": None, "moe_shared_expert_intermediate_size": 8}, "--num-experts is not given"),
     ({"moe_router_num_groups": 4, "moe_router_group_topk": 2}, "must divide the 6 experts"),
     ({"moe_router_num_groups": 3}, "needs both"),
+    ({"moe_router_num_groups": 3, "moe_router_group_topk": 1, "moe_router_topk": 4}, "shares a group can give"),
     ({"moe_router_enable_expert_bias": True}, "needs --moe-router-score-function sigmoid"),
     ({"moe_shared_expert_gate": True}, "is not given"),
     ({"moe_expert_capacity_factor": 0.0}, "must be positive"),
@@ -279,13 +280,15 @@ def test_experts_split_over_ranks_equal_the_whole_layer(mpirun, ranks, case):
 def test_expert_parallel_training_follows_the_serial_trajectory(tmp_path, ranks, layout):
     """EP 2 (the two DP ranks split the experts), EP 2 x expert-DP 2 (4 DP ranks) and EP 2 x PP 2
     against one rank over 8 steps, float64, to 1e-9: the experts' gradients summed over the
-    expert-data-parallel ranks and divided by DP, the gradient norm (clipping binds at 0.3)
+    expert-data-parallel ranks and divided by DP (the shared expert's, a dense weight, averaged
+    over DP), the gradient norm (clipping binds at 0.3)
     counting each expert once, the load-balancing and z-losses on and the expert bias's counts
     summed over all replicas. The global batch of 8 is 4, 2 or 1 accumulation steps a rank."""
     import json
     from helpers import launch
     args = MOE_TINY + ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
-                       "--global-batch-size", "8", "--clip-grad", "0.3"]
+                       "--global-batch-size", "8", "--clip-grad", "0.3",
+                       "--moe-shared-expert-intermediate-size", "24", "--moe-shared-expert-gate"]
     curves, norms = {}, {}
     for name, extra, n in (("serial", [], 0), ("layout", layout, ranks)):
         log = tmp_path / f"{name}.jsonl"
@@ -391,3 +394,27 @@ def test_a_moe_run_resumes_bitwise(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     expected = [json.loads(line)["loss"] for line in open(straight)][3:]
     assert [json.loads(line)["loss"] for line in open(resumed)] == expected
+
+
+def test_sigmoid_routing_stays_finite_far_from_zero():
+    """The router's sigmoid takes exp of -|x| only: logits of +-1000 give 1 and 0 and finite
+    gradients (1 / (1 + exp(-x)) would overflow and make them NaN)."""
+    from npmegatron.moe.router import sigmoid
+    x = ag.Tensor(np.array([-1000.0, -20.0, 0.0, 20.0, 1000.0]), requires_grad=True)
+    s = sigmoid(x)
+    ag.backward(ag.sum(s))
+    np.testing.assert_allclose(s.data, 1 / (1 + np.exp(-np.clip(x.data, -700, 700))), rtol=1e-15, atol=1e-300)
+    assert np.isfinite(x.grad).all() and x.grad[2] == 0.25
+    assert gradcheck(sigmoid, [ag.Tensor(np.linspace(-30, 30, 13), requires_grad=True)]) < 1e-6
+
+
+def test_forwards_without_gradients_record_no_moe_losses_or_drops():
+    """Evaluation (and recomputation's first pass) runs without gradients: the z-loss and the
+    dropped choices are training's only, as Megatron-Core records them."""
+    cfg, layer, x = layer_and_input(moe_z_loss_coeff=0.01, moe_aux_loss_coeff=0.1, moe_expert_capacity_factor=0.5)
+    aux_loss.take_values()
+    with ag.no_grad():
+        layer(ag.Tensor(x))
+    assert aux_loss.take_values() == {} and layer.router.interval_dropped == 0
+    layer(ag.Tensor(x, requires_grad=True))
+    assert set(aux_loss.take_values()) == {"z_loss", "load_balancing_loss"} and layer.router.interval_dropped > 0
