@@ -43,14 +43,26 @@ def run_experts(x, weights, experts, mlps, kept=None):
     """sum over each token's k experts of weight x expert(token): x (tokens, hidden) Tensor,
     weights (tokens, k) Tensor, experts (tokens, k) int array, mlps one callable per expert;
     kept: which choices the experts take (a capacity's), None: all."""
-    tokens, k = experts.shape
     order, counts = sort_by_expert(experts, len(mlps), kept)
-    xp = get_array_module(x.data)
-    device_order = xp.asarray(order)
-    source = device_order // k                                  # the token of each sorted row
-    permuted = x[source]
-    parts = ag.split(permuted, [int(c) for c in numpy.cumsum(counts)[:-1]], axis=0)
-    outputs = [mlp(part) for mlp, part, count in zip(mlps, parts, counts) if count]
-    y = permuted if not outputs else outputs[0] if len(outputs) == 1 else ag.concatenate(outputs, axis=0)
-    chosen = ag.reshape(ag.reshape(weights, (tokens * k,))[device_order], (len(order), 1))
+    source = sources(x, order, experts.shape[1])
+    return combine(run_blocks(x[source], counts, mlps), weights, order, source, experts.shape[0])
+
+
+def sources(x, order, k):
+    """The token of each sorted (token, slot) pair, on x's device."""
+    return get_array_module(x.data).asarray(order) // k
+
+
+def run_blocks(rows, sizes, mlps):
+    """Each mlp on its block of `rows` (consecutive blocks of these sizes), the outputs joined in
+    order; an empty block is skipped (and all empty: the rows themselves, still on the tape)."""
+    parts = ag.split(rows, [int(c) for c in numpy.cumsum(sizes)[:-1]], axis=0)
+    outputs = [mlp(part) for mlp, part, size in zip(mlps, parts, sizes) if size]
+    return rows if not outputs else outputs[0] if len(outputs) == 1 else ag.concatenate(outputs, axis=0)
+
+
+def combine(y, weights, order, source, tokens):
+    """Each sorted pair's output row times its router weight, added into its token's row."""
+    flat = ag.reshape(weights, (weights.shape[0] * weights.shape[1],))
+    chosen = ag.reshape(flat[get_array_module(source).asarray(order)], (len(order), 1))
     return _AddRowsInto.apply(y * chosen, index=source, n=tokens)

@@ -16,11 +16,10 @@ the expert-data-parallel ranks and divided by the data-parallel size it is the d
 average every other weight gets (Megatron-Core's expert gradient scaling)."""
 import numpy
 
-from .. import autograd as ag
 from .. import comm
 from ..autograd import Function
 from ..autograd.backend import get_array_module
-from .dispatch import _AddRowsInto, sort_by_expert
+from .dispatch import combine, run_blocks, sort_by_expert, sources
 
 
 class _AllToAll(Function):
@@ -61,20 +60,13 @@ def run_experts_parallel(x, weights, experts, local_mlps, group, kept=None):
     """run_experts (dispatch.py) with the experts split over `group`: local_mlps are this rank's
     E / group.size experts, the rank's place in the group naming which (rank r holds r L ... );
     kept: which choices the experts take (a capacity's), None: all."""
-    tokens, k = experts.shape
     order, counts = sort_by_expert(experts, len(local_mlps) * group.size, kept)
     send, received = exchange_counts(counts, group)
-    xp = get_array_module(x.data)
-    device_order = xp.asarray(order)
-    source = device_order // k                                  # the token of each sorted row
+    source = sources(x, order, experts.shape[1])
     arrived = _AllToAll.apply(x[source], group=group, send=send, recv=received.sum(axis=1))
+    xp = get_array_module(source)
     regroup = expert_major(received)
-    grouped = arrived[xp.asarray(regroup)]
-    sizes = received.sum(axis=0)                                # rows per local expert
-    parts = ag.split(grouped, [int(c) for c in numpy.cumsum(sizes)[:-1]], axis=0)
-    outputs = [mlp(part) for mlp, part, size in zip(local_mlps, parts, sizes) if size]
-    y = grouped if not outputs else outputs[0] if len(outputs) == 1 else ag.concatenate(outputs, axis=0)
+    y = run_blocks(arrived[xp.asarray(regroup)], received.sum(axis=0), local_mlps)
     arrival_order = y[xp.asarray(numpy.argsort(regroup))]
     home = _AllToAll.apply(arrival_order, group=group, send=received.sum(axis=1), recv=send)
-    chosen = ag.reshape(ag.reshape(weights, (tokens * k,))[device_order], (len(order), 1))
-    return _AddRowsInto.apply(home * chosen, index=source, n=tokens)
+    return combine(home, weights, order, source, experts.shape[0])
