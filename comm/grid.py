@@ -70,9 +70,10 @@ class ProcessGrid:
     attributes; `dp_cp_group` is DP and CP together, the group gradients are averaged over (the
     DP group itself when CP is 1)."""
 
-    def __init__(self, tp=1, pp=1, dp=None, world=None, nccl=False, cp=1, ep=1):
+    def __init__(self, tp=1, pp=1, dp=None, world=None, nccl=False, cp=1, ep=1, etp=None):
         """nccl: the run computes on GPUs, so create every NCCL communicator now (connect_nccl);
-        ep: expert-parallel size, dividing DP."""
+        ep: expert-parallel size, dividing DP; etp: expert-tensor-parallel size, TP (each expert
+        split over the TP group, the default) or 1 (each TP rank holds its experts whole)."""
         world = world or init()
         if dp is None:
             if world.size % (tp * pp * cp):
@@ -98,6 +99,7 @@ class ProcessGrid:
         self.ep_size = ep
         self.ep_group = _split(world, "ep", layout["ep"]) if ep > 1 else Group.single("ep")
         self.expert_dp_group = _split(world, "edp", layout["edp"]) if ep > 1 else self.dp_cp_group
+        self.expert_tp_group = self.tp_group if etp in (None, tp) else Group.single("etp")
         ring = self.pp_group.ranks
         self.pp_next_rank = ring[(self.pp_rank + 1) % pp]     # global ranks, wrapping as Megatron
         self.pp_prev_rank = ring[(self.pp_rank - 1) % pp]
@@ -131,6 +133,7 @@ class ProcessGrid:
         grid.dp_cp_group = grid.dp_group
         grid.embedding_group = Group.single("embd")
         grid.ep_size, grid.ep_group, grid.expert_dp_group = 1, Group.single("ep"), grid.dp_group
+        grid.expert_tp_group = grid.tp_group
         grid.pp_next_rank = grid.pp_prev_rank = 0
         return grid
 

@@ -278,9 +278,6 @@ class GPTConfig:
         if self.moe_expert_capacity_factor is not None and not self.moe_expert_capacity_factor > 0:
             raise InputError(f"--moe-expert-capacity-factor is {self.moe_expert_capacity_factor}; it must be "
                              "positive (or left out for dropless MoE layers)")
-        if self.sequence_parallel:
-            raise InputError("MoE layers under sequence parallelism are not built yet; drop "
-                             "--sequence-parallel or --num-experts")
         if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
             raise InputError("--moe-shared-expert-gate gates a shared expert, but "
                              "--moe-shared-expert-intermediate-size is not given; add it or drop the gate")
@@ -353,8 +350,8 @@ def check_expert_parallel(config, ep, dp):
          f"the {model.num_experts} experts do not split evenly over {ep} ranks; choose a divisor of them"),
         (dp % ep, f"its ranks come from the {dp} data-parallel ranks, which {ep} does not divide; launch a "
                   "multiple of it"),
-        (parallel.tensor_model_parallel_size > 1 or parallel.context_parallel_size > 1,
-         "expert parallelism beside tensor or context parallelism is not built yet; use --tp 1 --cp 1"),
+        (parallel.context_parallel_size > 1,
+         "expert parallelism beside context parallelism is not built yet; use --cp 1"),
         (parallel.use_distributed_optimizer, "the distributed optimizer does not shard experts' state yet; "
                                              "drop --use-distributed-optimizer"),
         (config.save is not None or config.load is not None,
@@ -363,6 +360,21 @@ def check_expert_parallel(config, ep, dp):
     why = next((reason for refused, reason in refusals if refused), None)
     if why:
         raise InputError(f"--expert-model-parallel-size {ep} cannot be used here: {why}")
+
+
+def check_expert_tensor_parallel(config, tp):
+    """The experts' tensor-parallel size: --tp unless --expert-tensor-parallel-size says 1."""
+    etp = config.parallel.expert_tensor_parallel_size
+    if etp is None or etp == tp:
+        return tp
+    if config.model.num_experts is None:
+        raise InputError(f"--expert-tensor-parallel-size {etp} splits MoE layers' experts, but --num-experts "
+                         "is not given; add it or drop the flag")
+    if etp != 1:
+        raise InputError(f"--expert-tensor-parallel-size {etp} is neither 1 nor --tp {tp}: splitting experts "
+                         "over a TP size of their own (Megatron's parallel folding) is not built; choose 1 or "
+                         f"{tp}")
+    return etp
 
 
 # Context parallelism's conditions (context_parallel/split.py splits the sequence).
@@ -416,6 +428,9 @@ class ParallelConfig:
     expert_model_parallel_size: int = option(
         1, "Expert parallelism: the MoE layers' experts split over this many data-parallel ranks, tokens "
            "sent to them and back by all-to-alls.", minimum=1)
+    expert_tensor_parallel_size: Optional[int] = option(
+        None, "Each expert split over this many tensor-parallel ranks: --tp (the default) or 1 (each TP rank "
+              "holds its experts whole and runs them on all its tokens).", minimum=1)
 
     def __post_init__(self):
         check_minimums(self)
@@ -680,6 +695,7 @@ class RunPlan:
                              f"launch a multiple of {what} ranks")
         self.dp = world_size // model_ranks
         self.ep = parallel.expert_model_parallel_size
+        self.etp = check_expert_tensor_parallel(config, self.tp)
         if self.ep > 1:
             check_expert_parallel(config, self.ep, self.dp)
         if self.cp > 1 and config.model.num_experts is not None:

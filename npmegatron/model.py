@@ -180,14 +180,16 @@ class Block(Module):
     #: per-layer timers (--timing-log-level 2, set by the trainer); off by default
     layer_timers = NO_TIMERS
 
-    def __init__(self, cfg, xp, dtype, group, rng, layer, rotary=None, cp_group=None, ep_group=None):
+    def __init__(self, cfg, xp, dtype, group, rng, layer, rotary=None, cp_group=None, ep_group=None,
+                 expert_tp_group=None):
         self.cfg, self.number = cfg, layer
         self.attn_dropout = rng.site(hidden_dropout_stream(cfg), site_number(layer, 1))
         self.mlp_dropout = rng.site(hidden_dropout_stream(cfg), site_number(layer, 2))
         self.ln_1 = normalization(cfg, xp, dtype)
         self.attn = ParallelAttention(cfg, xp, dtype, group, rng, layer, rotary, cp_group)
         self.ln_2 = normalization(cfg, xp, dtype)
-        self.mlp = MoELayer(cfg, xp, dtype, layer, ep_group) if cfg.is_moe_layer(layer) else \
+        moe = cfg.is_moe_layer(layer)
+        self.mlp = MoELayer(cfg, xp, dtype, layer, ep_group, group, expert_tp_group) if moe else \
             ParallelMLP(cfg, xp, dtype, group)
 
     def forward(self, x, cache=None):
@@ -261,8 +263,8 @@ class GPT(Module):
             self.specs["wpe"] = ParamSpec(cfg.init_method_std, tuple(self.wpe.shape), sp_partial=sp)
         self.rotary = RotaryTable(cfg, xp, dtype) if cfg.position_embedding_type == "rope" else None
         layers = range(cfg.num_layers) if layers is None else layers
-        ep_group = getattr(self.grid, "ep_group", None)
-        self.blocks = {i: Block(cfg, xp, dtype, group, self.rng, i, self.rotary, self.cp_group, ep_group)
+        experts = getattr(self.grid, "ep_group", None), getattr(self.grid, "expert_tp_group", group)
+        self.blocks = {i: Block(cfg, xp, dtype, group, self.rng, i, self.rotary, self.cp_group, *experts)
                        for i in layers}
         self.recompute_segments = recompute_segments(cfg, len(self.blocks))
         self.embedding_dropout = self.rng.site(hidden_dropout_stream(cfg), site_number())

@@ -35,7 +35,8 @@ def assemble(config: TrainConfig, vocab_size=None, world_size=None):
     """The Run of `config` on the ranks mpirun started (`world_size` ranks; one without mpirun),
     with the model's vocabulary set to `vocab_size` when given (the training data's)."""
     plan = config.plan(comm.launch_size() if world_size is None else world_size)
-    grid = build_grid(plan.tp, plan.pp, nccl=config.model.device == "gpu", cp=plan.cp, ep=plan.ep)
+    grid = build_grid(plan.tp, plan.pp, nccl=config.model.device == "gpu", cp=plan.cp, ep=plan.ep,
+                      etp=plan.etp)
     cfg = config.model if vocab_size is None else dataclasses.replace(config.model, vocab_size=vocab_size)
     model = build_model(cfg, grid, plan.layout)
     schedule = config.parallel.pipeline_schedule or ("interleaved" if model.virtual_size > 1 else "1f1b")
@@ -45,14 +46,14 @@ def assemble(config: TrainConfig, vocab_size=None, world_size=None):
     return Run(config, plan, grid, cfg, model, schedule, exchange, params, buckets, optimizer, model.norm_skip())
 
 
-def build_grid(tp=1, pp=1, nccl=False, cp=1, ep=1):
+def build_grid(tp=1, pp=1, nccl=False, cp=1, ep=1, etp=None):
     """A grid of TP x CP x PP x DP ranks under mpirun (DP = world / (TP x CP x PP)), the experts
-    split over EP of the DP ranks; one rank without it. `nccl`: a GPU run, whose NCCL communicators
+    split over EP of the DP ranks and each over ETP (TP or 1) ranks; one rank without it. `nccl`: a GPU run, whose NCCL communicators
     are all made here (ProcessGrid.connect_nccl)."""
     if not comm.launched_by_mpi():
         return comm.ProcessGrid.single()
     comm.init()
-    return comm.ProcessGrid(tp=tp, pp=pp, nccl=nccl, cp=cp, ep=ep)
+    return comm.ProcessGrid(tp=tp, pp=pp, nccl=nccl, cp=cp, ep=ep, etp=etp)
 
 
 def build_model(cfg, grid, layout=None):

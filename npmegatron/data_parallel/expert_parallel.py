@@ -4,7 +4,8 @@ expert's weight lives on one rank of each EP group, and its gradient there is al
 over that group's tokens. Summed over the expert-data-parallel ranks (those holding the same
 experts) and divided by the data-parallel size, it is the average every other weight gets over
 DP, Megatron-Core's expert gradient scaling. The gradient norm counts every expert once: the
-experts' squares are summed over the EP group, the dense weights' are not."""
+experts' squares are summed over the EP group (and, as every weight's, over the TP ranks that split
+it), the dense weights' are not."""
 from ..optim.adamw import AdamW, all_reduced, float64_total, grad_norm_squared, sum_of_squares
 from .buckets import GradientBuckets
 
@@ -53,7 +54,8 @@ class ExpertParallelAdamW(AdamW):
     def grad_norm_squared(self, grid, skip=()):
         dense = [p for p in self.params if id(p) not in self.expert_ids]
         total = grad_norm_squared(dense, grid.mp_group, skip)
-        grads = [p.grad for p in self.params if id(p) in self.expert_ids and p.grad is not None]
+        grads = [p.grad for p in self.params if id(p) in self.expert_ids and p.grad is not None
+                 and id(p) not in skip]     # a whole expert's on TP ranks other than 0
         xp = self.params[0].xp
         experts = all_reduced(float64_total(xp, [sum_of_squares(xp, g) for g in grads]), [grid.ep_group, grid.mp_group])
         return total + experts

@@ -1,8 +1,9 @@
 """The experts of an MoE layer: each the model family's MLP (GeLU with biases for GPT-2, SwiGLU
 for the Llama family), at --moe-ffn-hidden-size; and the shared expert, the same MLP at
 --moe-shared-expert-intermediate-size, which every token goes through (Qwen2-MoE, DeepSeek).
-Each expert is whole on its rank (its own group of one): expert parallelism places whole experts
-on ranks."""
+Expert parallelism places whole experts on ranks; on a rank each expert is split over the
+tensor-parallel group as the dense MLP is (--expert-tensor-parallel-size = --tp, columns then rows,
+joined by f and g), or whole (a group of one: --expert-tensor-parallel-size 1)."""
 import dataclasses
 import math
 
@@ -15,11 +16,13 @@ from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
 class ExpertMLP(Module):
     """h -> ffn -> h: fc (or gate and up), the activation, proj; biases where the model has them."""
 
-    def __init__(self, cfg, xp, dtype, ffn, routed=True):
+    def __init__(self, cfg, xp, dtype, ffn, routed=True, group=None):
         """routed: a routed expert (split over the expert-parallel ranks); False: the shared
-        expert, a dense weight every rank holds and reduces over data parallelism."""
-        whole, bias, h = Group.single("expert"), cfg.add_bias_linear, cfg.hidden_size
-        first = lambda: ColumnParallelLinear(xp, dtype, h, ffn, cfg.init_method_std, whole, skip_bias_add=True,
+        expert, a dense weight every rank holds and reduces over data parallelism. group: the
+        tensor-parallel ranks the expert is split over (None: whole). Its input is the whole
+        sequence on every rank, under sequence parallelism too (layer.py gathers it)."""
+        group, bias, h = group or Group.single("expert"), cfg.add_bias_linear, cfg.hidden_size
+        first = lambda: ColumnParallelLinear(xp, dtype, h, ffn, cfg.init_method_std, group, skip_bias_add=True,
                                              bias=bias)
         self.swiglu, self.gelu = cfg.swiglu, cfg.gelu
         if cfg.swiglu:
@@ -27,9 +30,9 @@ class ExpertMLP(Module):
         else:
             self.fc = first()
         self.proj = RowParallelLinear(xp, dtype, ffn, h, cfg.init_method_std / math.sqrt(2 * cfg.num_layers),
-                                      whole, skip_bias_add=True, bias=bias)
+                                      group, skip_bias_add=True, bias=bias)
         for linear in ((self.gate, self.up) if cfg.swiglu else (self.fc,)) + (self.proj,):
-            _replicated(linear, routed)
+            _marked(linear, routed, split=group.size > 1)
 
     def forward(self, x):
         if self.swiglu:
@@ -41,12 +44,12 @@ class ExpertMLP(Module):
         return _biased(*self.proj(hidden))
 
 
-def _replicated(linear, routed):
-    """The layer's parameters marked whole on every tensor-parallel rank (each TP rank holds every
-    expert here), so checkpoints, the gradient norm and resharding treat them as replicated, and
-    a routed expert's as an expert's (reduced over the expert-data-parallel ranks under expert
-    parallelism)."""
-    linear.specs = {name: dataclasses.replace(spec, tp_axis=None, expert=routed) for name, spec in linear.specs.items()}
+def _marked(linear, routed, split):
+    """A routed expert's parameters marked as an expert's (reduced over the expert-data-parallel
+    ranks under expert parallelism); a whole expert's also as replicated on every tensor-parallel
+    rank, so checkpoints, the gradient norm and resharding treat them so."""
+    linear.specs = {name: dataclasses.replace(spec, expert=routed, **({} if split else {"tp_axis": None}))
+                    for name, spec in linear.specs.items()}
 
 
 def _biased(y, bias):

@@ -2,9 +2,15 @@
 picks each token's k experts and their weights, the tokens go to their experts and come back
 weighted (dispatch.py), and the shared expert, when there is one, adds its output for every
 token, gated by sigmoid(x w) under --moe-shared-expert-gate (Qwen2-MoE). Dropless: every expert
-takes every token sent to it, unless --moe-expert-capacity-factor caps its share (router.py)."""
+takes every token sent to it, unless --moe-expert-capacity-factor caps its share (router.py).
+
+Under tensor parallelism every TP rank routes the same tokens and sends them to the same experts;
+the experts and the shared expert are split over the TP ranks as the dense MLP is. Under sequence
+parallelism the layer first gathers the whole sequence (so the sequence-level balancing loss sees
+whole sequences) and gives back its rank's block at the end."""
 from .. import autograd as ag
 from ..module import Module, ParamSpec, parameter
+from ..tensor_parallel import gather_whole_sequence, scatter_to_sp_region
 from .dispatch import run_experts
 from .expert_parallel import run_experts_parallel
 from .experts import ExpertMLP
@@ -13,25 +19,33 @@ from .router import TopKRouter, sigmoid
 
 class MoELayer(Module):
     """ep_group: the expert-parallel group the experts are split over (expert_parallel.py), this
-    rank holding experts r L ... (r + 1) L - 1, L = E / EP, r its rank in the group; None: all."""
+    rank holding experts r L ... (r + 1) L - 1, L = E / EP, r its rank in the group; None: all.
+    tp_group: the tensor-parallel group (the shared expert's split, the sequence's under SP);
+    expert_tp_group: the routed experts' split (the TP group, or a group of one: whole)."""
 
-    def __init__(self, cfg, xp, dtype, layer, ep_group=None):
+    def __init__(self, cfg, xp, dtype, layer, ep_group=None, tp_group=None, expert_tp_group=None):
         self.router = TopKRouter(cfg, xp, dtype, layer)
+        self.tp_group = tp_group
+        self.sequence_parallel = cfg.sequence_parallel and tp_group is not None and tp_group.size > 1
         self.ep_group = ep_group if ep_group is not None and ep_group.size > 1 else None
         local = cfg.num_experts // (self.ep_group.size if self.ep_group else 1)
         first = self.ep_group.rank * local if self.ep_group else 0
         # a dict by global expert number: the parameters' names are the serial model's
-        self.experts = {e: ExpertMLP(cfg, xp, dtype, cfg.moe_ffn_hidden_size) for e in range(first, first + local)}
+        self.experts = {e: ExpertMLP(cfg, xp, dtype, cfg.moe_ffn_hidden_size, group=expert_tp_group)
+                        for e in range(first, first + local)}
         self.shared_expert = None
         self.specs = {}
         if cfg.moe_shared_expert_intermediate_size:
-            self.shared_expert = ExpertMLP(cfg, xp, dtype, cfg.moe_shared_expert_intermediate_size, routed=False)
+            self.shared_expert = ExpertMLP(cfg, xp, dtype, cfg.moe_shared_expert_intermediate_size, routed=False,
+                                           group=tp_group)
             if cfg.moe_shared_expert_gate:
                 self.shared_expert_gate = parameter(xp, (1, cfg.hidden_size), dtype)
                 self.specs["shared_expert_gate"] = ParamSpec(cfg.init_method_std, (1, cfg.hidden_size))
 
     def forward(self, x):
         """x (batch, seq, hidden) -> (the layer's output, None: no bias left for the block to add)."""
+        if self.sequence_parallel:
+            x = gather_whole_sequence(x, self.tp_group)
         batch, seq, hidden = x.shape
         flat = ag.reshape(x, (batch * seq, hidden))
         weights, experts, kept = self.router(flat, sequences=batch)
@@ -44,4 +58,5 @@ class MoELayer(Module):
             if "shared_expert_gate" in self.specs:
                 shared = shared * sigmoid(ag.linear(flat, self.shared_expert_gate.T))
             out = out + shared
-        return ag.reshape(out, (batch, seq, hidden)), None
+        out = ag.reshape(out, (batch, seq, hidden))
+        return (scatter_to_sp_region(out, self.tp_group) if self.sequence_parallel else out), None

@@ -96,6 +96,22 @@ class _ScatterToSPRegion(Function):
         return comm.all_gather(g, ctx.group, axis=SEQUENCE_AXIS)
 
 
+class _GatherWholeSequence(Function):
+    """The conjugate of _ScatterToSPRegion: work after it is repeated whole on every rank (an MoE
+    layer's routing), so each rank's gradient is already the whole one and needs no sum."""
+    reads_16_bit = True     # moves values: 16-bit ones in half the bytes (no sum)
+    reads_16_bit_grads = True
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gathered(x, group, SEQUENCE_AXIS)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _split(g, ctx.group, SEQUENCE_AXIS)
+
+
 class _GatherFromSPRegion(Function):
     reads_16_bit = True     # moves values: 16-bit ones in half the bytes (no sum)
     @staticmethod
@@ -144,6 +160,11 @@ def gather_from_tp_region(x, group):
 def scatter_to_sp_region(x, group):
     """forward: keep this rank's block of the sequence; backward: all-gather the sequence."""
     return x if group.size == 1 else _ScatterToSPRegion.apply(x, group=group)
+
+
+def gather_whole_sequence(x, group):
+    """forward: all-gather the sequence; backward: keep this rank's block of the sequence."""
+    return x if group.size == 1 else _GatherWholeSequence.apply(x, group=group)
 
 
 def gather_from_sp_region(x, group):

@@ -242,13 +242,14 @@ MOE_TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
 
 @pytest.mark.parametrize("layout", [["--tp", "2"], pytest.param(["--pp", "2"], marks=pytest.mark.slow),
                                     pytest.param([], marks=pytest.mark.slow),
-                                    pytest.param(["--pp", "2", "--tp", "2"], marks=pytest.mark.slow)],
-                         ids=["tp2", "pp2", "dp2", "tp2xpp2"])
+                                    pytest.param(["--pp", "2", "--tp", "2"], marks=pytest.mark.slow),
+                                    ["--tp", "2", "--sequence-parallel"]],
+                         ids=["tp2", "pp2", "dp2", "tp2xpp2", "tp2-sp"])
 def test_moe_training_follows_the_serial_trajectory(tmp_path, layout):
-    """Two ranks (TP 2 with every expert on each TP rank, PP 2 with the MoE layer on the first
-    stage, whose auxiliary losses are seeded there, or DP 2 with the expert bias's counts summed
-    over the replicas) follow one rank's losses to 1e-9 over 8 steps with the load-balancing and
-    z-losses on and sigmoid routing with DeepSeek-V3's expert bias."""
+    """Two ranks (TP 2 with every expert split over the TP ranks, with sequence parallelism too;
+    PP 2 with the MoE layer on the first stage, whose auxiliary losses are seeded there; or DP 2
+    with the expert bias's counts summed over the replicas) follow one rank's losses to 1e-9 over
+    8 steps with the load-balancing and z-losses on and sigmoid routing with DeepSeek-V3's expert bias."""
     import json
     from helpers import launch
     args = MOE_TINY + ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"]
@@ -275,11 +276,17 @@ def test_experts_split_over_ranks_equal_the_whole_layer(mpirun, ranks, case):
 @pytest.mark.parametrize("ranks,layout", [(2, ["--expert-model-parallel-size", "2"]),
                                           (4, ["--expert-model-parallel-size", "2"]),
                                           pytest.param(4, ["--expert-model-parallel-size", "2", "--pp", "2"],
+                                                       marks=pytest.mark.slow),
+                                          (4, ["--expert-model-parallel-size", "2", "--tp", "2"]),
+                                          (4, ["--expert-model-parallel-size", "2", "--tp", "2", "--sequence-parallel"]),
+                                          pytest.param(4, ["--expert-model-parallel-size", "2", "--tp", "2",
+                                                           "--expert-tensor-parallel-size", "1"],
                                                        marks=pytest.mark.slow)],
-                         ids=["ep2", "ep2xdp2", "ep2xpp2"])
+                         ids=["ep2", "ep2xdp2", "ep2xpp2", "ep2xtp2", "ep2xtp2-sp", "ep2xtp2-etp1"])
 def test_expert_parallel_training_follows_the_serial_trajectory(tmp_path, ranks, layout):
-    """EP 2 (the two DP ranks split the experts), EP 2 x expert-DP 2 (4 DP ranks) and EP 2 x PP 2
-    against one rank over 8 steps, float64, to 1e-9: the experts' gradients summed over the
+    """EP 2 (the two DP ranks split the experts), EP 2 x expert-DP 2 (4 DP ranks), EP 2 x PP 2 and
+    EP 2 x TP 2 (each expert split over the TP ranks; with sequence parallelism; or whole on each
+    TP rank) against one rank over 8 steps, float64, to 1e-9: the experts' gradients summed over the
     expert-data-parallel ranks and divided by DP (the shared expert's, a dense weight, averaged
     over DP), the gradient norm (clipping binds at 0.3)
     counting each expert once, the load-balancing and z-losses on and the expert bias's counts
@@ -305,10 +312,11 @@ def test_expert_parallel_training_follows_the_serial_trajectory(tmp_path, ranks,
     ({"expert_model_parallel_size": 2}, 2, "--num-experts is not given"),
     ({"expert_model_parallel_size": 4, "num_experts": 6}, 4, "do not split evenly over 4 ranks"),
     ({"expert_model_parallel_size": 2, "num_experts": 4}, 3, "which 2 does not divide"),
-    ({"expert_model_parallel_size": 2, "num_experts": 4, "tensor_model_parallel_size": 2}, 4, "--tp 1 --cp 1"),
+    ({"expert_model_parallel_size": 2, "num_experts": 4, "context_parallel_size": 2}, 4, "use --cp 1"),
+    ({"expert_tensor_parallel_size": 2, "num_experts": 4, "tensor_model_parallel_size": 4}, 4, "choose 1 or 4"),
+    ({"expert_tensor_parallel_size": 1, "tensor_model_parallel_size": 2}, 2, "--num-experts is not given"),
     ({"expert_model_parallel_size": 2, "num_experts": 4, "save": "ck"}, 2, "drop --save and --load"),
     ({"num_experts": 4, "context_parallel_size": 2}, 2, "under context parallelism"),
-    ({"num_experts": 4, "sequence_parallel": True, "tensor_model_parallel_size": 2}, 2, "sequence parallelism"),
     ({"num_experts": 4, "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
       "load": "ck"}, 1, "do not hold the MoE routers' expert bias"),
 ])
