@@ -354,8 +354,6 @@ def check_expert_parallel(config, ep, dp):
          "expert parallelism beside context parallelism is not built yet; use --cp 1"),
         (parallel.use_distributed_optimizer, "the distributed optimizer does not shard experts' state yet; "
                                              "drop --use-distributed-optimizer"),
-        (config.save is not None or config.load is not None,
-         "checkpoints of expert-parallel runs are not built yet; drop --save and --load"),
     ]
     why = next((reason for refused, reason in refusals if refused), None)
     if why:
@@ -575,10 +573,6 @@ class TrainConfig:
         self._check_split()
         self._check_schedule()
         self._check_cuda_graph()
-        if self.model.moe_router_enable_expert_bias and (self.save or self.load):
-            flag = "--save" if self.save else "--load"
-            raise InputError(f"{flag}: checkpoints do not hold the MoE routers' expert bias yet, so a resumed "
-                             "run would route differently; drop --moe-router-enable-expert-bias or the checkpoint")
         log_folder = os.path.dirname(os.path.abspath(self.log_file or "."))
         if self.log_file and (not os.path.isdir(log_folder) or os.path.isdir(self.log_file)):
             raise InputError(f"--log-file {self.log_file}: the folder {log_folder} must exist and "

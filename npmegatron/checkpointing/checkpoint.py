@@ -7,7 +7,10 @@ while saving leaves the previous checkpoint whole.
                                     every shard (checked field by field on loading: manifest.py)
     DIR/iter_0000020/mp_rank_00_000.safetensors   one per (TP rank, PP rank): parameters and
                                     AdamW moments; data-parallel replicas hold the same, so only
-                                    DP rank 0 writes
+                                    DP rank 0 writes. Under expert parallelism one per (TP, PP,
+                                    EP rank), mp_rank_00_000_001: each EP rank of the first
+                                    expert-data-parallel replica writes its experts, EP rank 0
+                                    the dense weights too
 
 A save fills DIR/iter_N.partial, flushing and fsyncing every file, and renames it to iter_N only
 when the manifest is complete; then `latest` moves. Loading checks the manifest against the run
@@ -25,7 +28,7 @@ from safetensors.numpy import save as to_safetensors
 
 from .. import comm
 from ..autograd import InputError, precision
-from ..autograd.backend import to_numpy
+from ..autograd.backend import get_array_module, to_numpy
 from ..config import GPTConfig
 from . import manifest as manifests, reshard
 from .manifest import FORMAT, ITERATION_FOLDER, STRUCTURE, inside, shard_name
@@ -69,17 +72,18 @@ def raise_if_any(error, group):
         raise InputError(errors[0])
 
 
-def _state_tensors(model, state):
-    """{'model.NAME' | 'exp_avg.NAME' | 'exp_avg_sq.NAME': host array}. `state` is the state_dict
-    of the optimizer built over model.parameters(), so its moment lists follow named_parameters'
-    order."""
+def _state_tensors(model, state, names):
+    """{'model.NAME' | 'exp_avg.NAME' | 'exp_avg_sq.NAME': host array} of the parameters `names`.
+    `state` is the state_dict of the optimizer built over model.parameters(), so its moment lists
+    follow named_parameters' order."""
     named = list(model.named_parameters())
     # Under mixed precision the weights saved are the float32 masters (the parameters are their
     # 16-bit rounding): a checkpoint loads the same with or without --fp16/--bf16.
     weights = state.get("master") or [param.data for _, param in named]
-    tensors = {f"model.{name}": to_numpy(w) for (name, _), w in zip(named, weights)}
+    tensors = {f"model.{name}": to_numpy(w) for (name, _), w in zip(named, weights) if name in names}
     for kind in MOMENTS:
-        tensors.update((f"{kind}.{name}", to_numpy(moment)) for (name, _), moment in zip(named, state[kind]))
+        tensors.update((f"{kind}.{name}", to_numpy(moment)) for (name, _), moment in zip(named, state[kind])
+                       if name in names)
     return tensors
 
 
@@ -114,12 +118,13 @@ def save(root, iteration, model, optimizer, grid, extra, files=None):
     if world.rank == 0:
         manifest = {"format": FORMAT, "iteration": iteration, "model": dict(vars(model.cfg)),
                     "grid": {"tp": grid.tp_size, "pp": grid.pp_size, "dp": grid.dp_size,
-                             **({"cp": grid.cp_size} if grid.cp_size > 1 else {})},
+                             **({"cp": grid.cp_size} if grid.cp_size > 1 else {}),
+                             **({"ep": _ep_size(grid)} if _ep_size(grid) > 1 else {})},
                     "optimizer": state["hyperparameters"],
                     "ranks": [{k: r[k] for k in ("rank", "tp", "pp", "dp", "rng")} for r in records],
                     "shards": {r["shard"]["file"]: {k: r["shard"][k] for k in ("bytes", "sha256", "places")}
                                for r in records if "shard" in r},
-                    **extra}
+                    **_expert_biases(records), **extra}
         error = _publish(root, partial, final, manifest, files or {}, iteration, needed)
     _agree_or_clean(error, partial, world)
     return final
@@ -127,15 +132,33 @@ def save(root, iteration, model, optimizer, grid, extra, files=None):
 
 def _serialize_shard(model, state, grid):
     """(safetensors bytes or None, this rank's manifest record): DP and CP rank 0 of each (TP, PP)
-    position writes the shard; data- and context-parallel replicas hold the same state."""
+    position writes the shard; data- and context-parallel replicas hold the same state. Under
+    expert parallelism DP ranks 1 ... EP - 1 (the rest of DP rank 0's EP group) write their
+    experts. TP rank 0 of each writing position records its routers' expert biases."""
     record = {"rank": grid.rank, "tp": grid.tp_rank, "pp": grid.pp_rank, "dp": grid.dp_rank,
               "rng": model.rng.get_states()}
-    if grid.dp_rank != 0 or grid.cp_rank != 0:
+    ep = _ep_size(grid)
+    if grid.dp_rank >= ep or grid.cp_rank != 0:
         return None, record
-    blob = to_safetensors(_state_tensors(model, state))
-    record["shard"] = {"file": shard_name(grid.tp_rank, grid.pp_rank), "bytes": len(blob),
-                       "sha256": hashlib.sha256(blob).hexdigest(), "places": reshard.places(model)}
+    experts_only = grid.dp_rank != 0
+    names = {name for name, _, spec in model.named_specs() if spec.expert or not experts_only}
+    if not experts_only and grid.tp_rank == 0:
+        record["expert_bias"] = {name: to_numpy(bias).tolist() for name, bias in _expert_biases_of(model)}
+    blob = to_safetensors(_state_tensors(model, state, names))
+    record["shard"] = {"file": shard_name(grid.tp_rank, grid.pp_rank, grid.dp_rank if ep > 1 else None),
+                       "bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest(),
+                       "places": {name: place for name, place in reshard.places(model).items() if name in names}}
     return blob, record
+
+
+def _ep_size(grid):
+    return getattr(grid, "ep_size", 1)
+
+
+def _expert_biases(records):
+    """{"expert_bias": {router: biases}} of every pipeline stage's routers, or nothing."""
+    biases = {name: bias for r in records for name, bias in r.get("expert_bias", {}).items()}
+    return {"expert_bias": biases} if biases else {}
 
 
 def _space_error(root, iteration, needed, free):
@@ -338,6 +361,28 @@ def load(root, model, optimizer, grid, pipeline_layout=None, optimizer_state=Tru
                                    **{kind: [tensors[f"{kind}.{name}"] for name in names] for kind in MOMENTS}})
     elif optimizer is not None:
         optimizer.load_weights(weights)
+    raise_if_any(_expert_bias_error(model, manifest, folder), world)
+    for name, bias in _expert_biases_of(model):
+        bias[...] = get_array_module(bias).asarray(numpy.asarray(manifest["expert_bias"][name], numpy.float32))
     if rng:     # the dropout generator is a position (iteration, micro-batch), the same on every rank
         model.rng.set_states(manifest["ranks"][0]["rng"])
     return manifest
+
+
+def _expert_biases_of(model):
+    """(router name, its expert bias) of each MoE router with --moe-router-enable-expert-bias,
+    named as its weight is, without ".weight" (the serial model's name under every layout)."""
+    names = {id(param): name for name, param in model.named_parameters()}
+    return [(names[id(module.weight)].removesuffix(".weight"), module.expert_bias)
+            for _, module in model.named_modules() if getattr(module, "expert_bias", None) is not None]
+
+
+def _expert_bias_error(model, manifest, folder):
+    """One sentence when a router's expert bias is not in the checkpoint (saved without the
+    flag: its run routed without biases), or None."""
+    saved = manifest.get("expert_bias", {})
+    for name, bias in _expert_biases_of(model):
+        if len(saved.get(name, ())) != bias.shape[0]:
+            return (f"checkpoint {folder} holds no expert bias of {bias.shape[0]} experts for {name} (it was "
+                    "saved without --moe-router-enable-expert-bias); drop that flag to load it")
+    return None

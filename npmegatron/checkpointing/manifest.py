@@ -18,7 +18,7 @@ from ..config import GPTConfig
 
 FORMAT = "npmegatron-checkpoint-1"
 ITERATION_FOLDER = re.compile(r"iter_[0-9]{7}")
-SHARD_FILE = re.compile(r"mp_rank_([0-9]{2})_([0-9]{3})\.safetensors")
+SHARD_FILE = re.compile(r"mp_rank_([0-9]{2})_([0-9]{3})(_[0-9]{3})?\.safetensors")
 SHA256 = re.compile(r"[0-9a-f]{64}")
 STRUCTURE = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
              "max_position_embeddings", "ffn_hidden_size")
@@ -27,9 +27,11 @@ LARGEST_SIZE = 2 ** 48      # no axis, count or byte size of a real checkpoint c
 FIX = "the checkpoint is corrupt or was altered, so load one you trust"
 
 
-def shard_name(tp_rank, pp_rank):
-    """The file a (TP rank, PP rank) position's shard is saved as: the only names loading accepts."""
-    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}.safetensors"
+def shard_name(tp_rank, pp_rank, ep_rank=None):
+    """The file a (TP rank, PP rank) position's shard is saved as, and under expert parallelism
+    (ep_rank given) each expert-parallel rank's: the only names loading accepts."""
+    ep = "" if ep_rank is None else f"_{ep_rank:03d}"
+    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}{ep}.safetensors"
 
 
 def inside(folder, name, what):
@@ -103,13 +105,14 @@ def check(manifest, folder, path):
     _check_iteration(manifest["iteration"], folder, path)
     check_model(manifest["model"], path)
     grid = _mapping(manifest["grid"], path, "'grid'", ("tp", "pp", "dp"))
-    for axis in ("tp", "pp", "dp", "cp"):
-        if axis in grid:        # "cp": recorded by runs with context parallelism
+    for axis in ("tp", "pp", "dp", "cp", "ep"):
+        if axis in grid:        # "cp", "ep": recorded by runs with context or expert parallelism
             _integer(grid[axis], path, f"grid {axis}", minimum=1, maximum=2 ** 16)
     _check_optimizer(manifest["optimizer"], path)
     _check_ranks(manifest["ranks"], grid, path)
     _check_shards(manifest["shards"], grid, folder, path)
     _check_run(manifest, path)
+    _check_expert_bias(manifest.get("expert_bias", {}), path)
 
 
 def _check_iteration(iteration, folder, path):
@@ -178,16 +181,19 @@ def _check_ranks(ranks, grid, path):
 
 
 def _check_shards(shards, grid, folder, path):
-    """One shard per (TP rank, PP rank) of the saving grid, each named as the saver names it,
-    with its size, checksum and the places of its tensors."""
+    """One shard per (TP rank, PP rank) of the saving grid (and EP rank, under expert
+    parallelism), each named as the saver names it, with its size, checksum and the places of its
+    tensors."""
     _mapping(shards, path, "'shards'")
     for name in shards:
         shard_path(folder, name, path)
-    expected = {shard_name(t, p) for t in range(grid["tp"]) for p in range(grid["pp"])}
+    ep = grid.get("ep", 1)
+    expected = {shard_name(t, p, e if ep > 1 else None) for t in range(grid["tp"]) for p in range(grid["pp"])
+                for e in range(ep)}
     if set(shards) != expected:
         odd = sorted(set(shards) ^ expected)[0]
-        raise InputError(f"checkpoint manifest {path}: 'shards' does not list one shard per TP and "
-                         f"PP rank of grid {grid} ({odd} is {'extra' if odd in shards else 'missing'}); "
+        raise InputError(f"checkpoint manifest {path}: 'shards' does not list one shard per TP, PP "
+                         f"and EP rank of grid {grid} ({odd} is {'extra' if odd in shards else 'missing'}); "
                          f"{FIX}")
     for name, info in shards.items():
         _mapping(info, path, f"shard {name}", ("bytes", "sha256"))
@@ -251,6 +257,15 @@ def _check_run(manifest, path):
     args = _mapping(manifest.get("args", {}), path, "'args'")
     if "seq_length" in args:
         _integer(args["seq_length"], path, "args seq_length", minimum=1)
+
+
+def _check_expert_bias(biases, path):
+    """{MoE router: [one finite number per expert]}: DeepSeek-V3's expert bias, saved whole."""
+    _mapping(biases, path, "'expert_bias'")
+    for name, bias in biases.items():
+        if not (isinstance(bias, list) and 1 <= len(bias) <= 2 ** 20 and all(
+                type(v) in (int, float) and math.isfinite(v) for v in bias)):
+            raise _lie(path, f"the expert bias of {name}", bias, "a list of finite numbers, one per expert")
 
 
 def check_places_fit(saved, model, manifest, path):

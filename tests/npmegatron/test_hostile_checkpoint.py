@@ -164,6 +164,9 @@ LIES = [
     pytest.param(_manifest(lambda m: m.update(tokenizer={"type": "sentencepiece"})), "tokenizer type is 'sentencepiece'",
                  id="tokenizer-type"),
     pytest.param(_manifest(lambda m: m["args"].update(seq_length=0)), "args seq_length is 0", id="args-seq-length"),
+    pytest.param(_manifest(lambda m: m.update(expert_bias={"blocks.0.mlp.router": ["0"]})),
+                 "the expert bias of blocks.0.mlp.router is ['0']", id="expert-bias"),
+    pytest.param(_manifest(lambda m: m["grid"].update(ep=2)), "one shard per TP, PP and EP rank", id="grid-ep"),
     pytest.param(lambda root, iteration, tmp_path: (iteration / "manifest.json").write_text("[1, 2]"),
                  "the manifest is [1, 2], but it must be a JSON object", id="manifest-not-object"),
 ]

@@ -315,10 +315,7 @@ def test_expert_parallel_training_follows_the_serial_trajectory(tmp_path, ranks,
     ({"expert_model_parallel_size": 2, "num_experts": 4, "context_parallel_size": 2}, 4, "use --cp 1"),
     ({"expert_tensor_parallel_size": 2, "num_experts": 4, "tensor_model_parallel_size": 4}, 4, "choose 1 or 4"),
     ({"expert_tensor_parallel_size": 1, "tensor_model_parallel_size": 2}, 2, "--num-experts is not given"),
-    ({"expert_model_parallel_size": 2, "num_experts": 4, "save": "ck"}, 2, "drop --save and --load"),
     ({"num_experts": 4, "context_parallel_size": 2}, 2, "under context parallelism"),
-    ({"num_experts": 4, "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
-      "load": "ck"}, 1, "do not hold the MoE routers' expert bias"),
 ])
 def test_bad_expert_parallel_layouts_get_one_sentence(options, world, match):
     from npmegatron.config import TrainConfig
@@ -387,21 +384,59 @@ def test_expert_parallel_drops_the_tokens_its_data_parallel_layout_drops(tmp_pat
     assert [l for l, _ in curves["ep"]] == pytest.approx([l for l, _ in curves["dp"]], rel=1e-9, abs=0)
 
 
-def test_a_moe_run_resumes_bitwise(tmp_path):
+@pytest.mark.parametrize("ranks,layout", [(0, []), (2, ["--expert-model-parallel-size", "2"])], ids=["serial", "ep2"])
+def test_a_moe_run_resumes_bitwise(tmp_path, ranks, layout):
     """Saved at step 3 of 6 and resumed, a run with MoE layers (load-balancing and z-losses, a
-    capacity factor) logs steps 4 to 6 exactly as the run that went straight through."""
+    capacity factor; at EP 2, sigmoid routing with the expert bias, which the checkpoint holds)
+    logs steps 4 to 6 exactly as the run that went straight through."""
     import json
     from helpers import launch
-    args = MOE_TINY + ["--moe-expert-capacity-factor", "0.8", "--train-iters", "6", "--save-interval", "3"]
+    args = MOE_TINY + ["--moe-expert-capacity-factor", "0.8", "--train-iters", "6", "--save-interval", "3"] + layout
+    if layout:
+        args += ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"]
     straight, resumed = tmp_path / "straight.jsonl", tmp_path / "resumed.jsonl"
-    run = launch(0, args + ["--save", str(tmp_path / "a"), "--log-file", str(straight)])
+    run = launch(ranks, args + ["--save", str(tmp_path / "a"), "--log-file", str(straight)])
     assert run.returncode == 0, run.stdout + run.stderr
-    run = launch(0, args + ["--save", str(tmp_path / "b"), "--exit-interval", "3", "--log-file", str(tmp_path / "x")])
+    run = launch(ranks, args + ["--save", str(tmp_path / "b"), "--exit-interval", "3",
+                                "--log-file", str(tmp_path / "x")])
     assert run.returncode == 0, run.stdout + run.stderr
-    run = launch(0, args + ["--load", str(tmp_path / "b"), "--log-file", str(resumed)])
+    run = launch(ranks, args + ["--load", str(tmp_path / "b"), "--log-file", str(resumed)])
     assert run.returncode == 0, run.stdout + run.stderr
     expected = [json.loads(line)["loss"] for line in open(straight)][3:]
     assert [json.loads(line)["loss"] for line in open(resumed)] == expected
+
+
+def test_a_checkpoint_saved_at_ep4_loads_at_ep1_and_at_ep2_x_tp2(tmp_path):
+    """Saved at step 3 of 6 by EP 4 (each rank writes its expert's shard, rank 0 the dense weights
+    and the routers' expert biases too), the checkpoint resumes on one rank and at EP 2 x TP 2
+    (each expert then split over the TP ranks), both logging steps 4 to 6 as EP 4 went on, to
+    1e-9; a run without the expert bias refuses a checkpoint that has none only the other way."""
+    import json
+    from helpers import launch
+    args = MOE_TINY + ["--train-iters", "6", "--save-interval", "3", "--global-batch-size", "8",
+                       "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                       "--moe-shared-expert-intermediate-size", "24"]
+    straight = tmp_path / "straight.jsonl"
+    run = launch(4, args + ["--expert-model-parallel-size", "4", "--save", str(tmp_path / "ck"),
+                            "--log-file", str(straight)])
+    assert run.returncode == 0, run.stdout + run.stderr
+    folder = tmp_path / "ck" / "iter_0000003"
+    assert sorted(p.name for p in folder.glob("*.safetensors")) == [f"mp_rank_00_000_{e:03d}.safetensors"
+                                                                     for e in range(4)]
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["grid"]["ep"] == 4 and set(manifest["expert_bias"]) == {"blocks.0.mlp.router"}
+    expected = [json.loads(line)["loss"] for line in open(straight)][3:]
+    for name, ranks, layout in (("ep1", 0, []), ("ep2xtp2", 4, ["--expert-model-parallel-size", "2", "--tp", "2"])):
+        log = tmp_path / f"{name}.jsonl"
+        run = launch(ranks, args + layout + ["--load", str(folder), "--log-file", str(log)])
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert [json.loads(line)["loss"] for line in open(log)] == pytest.approx(expected, rel=1e-9, abs=0)
+    without_bias = [a for a in args if a != "--moe-router-enable-expert-bias"]
+    run = launch(0, without_bias + ["--save", str(tmp_path / "plain"), "--train-iters", "3",
+                                    "--log-file", str(tmp_path / "p.jsonl")])
+    assert run.returncode == 0, run.stdout + run.stderr
+    run = launch(0, args + ["--load", str(tmp_path / "plain"), "--log-file", str(tmp_path / "q.jsonl")])
+    assert run.returncode != 0 and "saved without --moe-router-enable-expert-bias" in run.stdout + run.stderr
 
 
 def test_sigmoid_routing_stays_finite_far_from_zero():
