@@ -106,6 +106,8 @@ class GPTConfig:
               "family's).", negatable=True)
     disable_bias_linear: Optional[bool] = option(None, "No biases in the linear layers (default: the model "
                                                        "family's).", negatable=True)
+    add_qkv_bias: bool = option(False, "A bias on the QKV projection even where --disable-bias-linear leaves the "
+                                       "other linear layers without one (Qwen2, Qwen2-MoE).")
     hidden_dropout: float = option(0.1, "Dropout on embeddings and residual branches.")
     attention_dropout: float = option(0.1, "Dropout on attention probabilities.")
     layernorm_epsilon: float = 1e-5
@@ -226,6 +228,11 @@ class GPTConfig:
     @property
     def add_bias_linear(self):
         return not self.disable_bias_linear
+
+    @property
+    def qkv_bias(self):
+        """Whether the QKV projection has a bias: with every linear layer's, or alone (--add-qkv-bias)."""
+        return self.add_bias_linear or self.add_qkv_bias
 
     def _check_recompute(self):
         if self.recompute_granularity not in (None, "full", "selective"):
@@ -352,8 +359,6 @@ def check_expert_parallel(config, ep, dp):
                   "multiple of it"),
         (parallel.context_parallel_size > 1,
          "expert parallelism beside context parallelism is not built yet; use --cp 1"),
-        (parallel.use_distributed_optimizer, "the distributed optimizer does not shard experts' state yet; "
-                                             "drop --use-distributed-optimizer"),
     ]
     why = next((reason for refused, reason in refusals if refused), None)
     if why:
@@ -742,7 +747,7 @@ class RunPlan:
 # takes the same from its saved arguments); parallel layout and training settings stay this run's.
 FAMILY_ARGS = ("model_family", "normalization", "position_embedding_type", "rotary_base", "rotary_percent",
                "swiglu", "group_query_attention", "num_query_groups", "untie_embeddings_and_output_weights",
-               "disable_bias_linear")
+               "disable_bias_linear", "add_qkv_bias")
 CHECKPOINT_MODEL_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings",
                          "ffn_hidden_size", "layernorm_epsilon", "gelu", "make_vocab_size_divisible_by") + FAMILY_ARGS
 LOSS_SCALE_FIELDS = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from . import comm
 from .config import RunPlan, TrainConfig
 from .data_parallel import GradientBuckets
-from .data_parallel.expert_parallel import ExpertParallelAdamW, ExpertParallelBuckets
+from .data_parallel.expert_parallel import (ExpertParallelAdamW, ExpertParallelBuckets,
+                                            ExpertParallelDistributedAdamW)
 from .data_parallel.distributed_optimizer import DistributedAdamW, ShardedGradientBuckets
 from .optim.adamw import AdamW
 from .pipeline import PipelineModel, StageExchange
@@ -70,15 +71,19 @@ def build_optimizer(model, params, grid, config):
     storage = config.model.storage_format     # --fp16/--bf16: float32 master weights
     settings = {"lr": config.lr, "betas": (config.adam_beta1, config.adam_beta2), "eps": config.adam_eps,
                 "weight_decay": config.weight_decay, "storage": storage}
+    sharded = config.parallel.use_distributed_optimizer
+    tied = getattr(model, "tied", None)
     if grid.ep_size > 1:
         experts = {id(p) for _, p, spec in model.named_specs() if spec.expert}
-        buckets = ExpertParallelBuckets(params, experts, grid, bucket_size, storage)
+        buckets = ExpertParallelBuckets(params, experts, grid, bucket_size, storage, sharded,
+                                        alone=[tied.weight] if tied and sharded else [])
+        if sharded:
+            return buckets, ExpertParallelDistributedAdamW(params, buckets, grid, **settings)
         return buckets, ExpertParallelAdamW(params, experts, **settings)
-    if not config.parallel.use_distributed_optimizer:
+    if not sharded:
         # averaged over DP and CP together: a CP rank's gradient is that of its tokens' mean loss
         buckets = GradientBuckets(params, grid.dp_cp_group, bucket_size, storage=storage)
         return buckets, AdamW(params, layout=buckets.layout, **settings)
-    tied = getattr(model, "tied", None)
     buckets = ShardedGradientBuckets(params, grid.dp_cp_group, bucket_size, alone=[tied.weight] if tied else [],
                                      storage=storage)
     return buckets, DistributedAdamW(buckets, **settings)

@@ -30,8 +30,8 @@ class ShardedGradientBuckets(GradientBuckets):
 
     shards = True
 
-    def __init__(self, params, group, bucket_size=2 ** 20, alone=(), storage=None):
-        super().__init__(params, group, bucket_size, alone, storage)
+    def __init__(self, params, group, bucket_size=2 ** 20, alone=(), storage=None, divisor=None):
+        super().__init__(params, group, bucket_size, alone, storage, divisor)
         size, rank = group.size, group.rank
         for b in self.buckets:
             block = b.buffer.size // size

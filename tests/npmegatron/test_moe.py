@@ -281,12 +281,19 @@ def test_experts_split_over_ranks_equal_the_whole_layer(mpirun, ranks, case):
                                           (4, ["--expert-model-parallel-size", "2", "--tp", "2", "--sequence-parallel"]),
                                           pytest.param(4, ["--expert-model-parallel-size", "2", "--tp", "2",
                                                            "--expert-tensor-parallel-size", "1"],
-                                                       marks=pytest.mark.slow)],
-                         ids=["ep2", "ep2xdp2", "ep2xpp2", "ep2xtp2", "ep2xtp2-sp", "ep2xtp2-etp1"])
+                                                       marks=pytest.mark.slow),
+                                          (2, ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]),
+                                          (4, ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]),
+                                          pytest.param(4, ["--expert-model-parallel-size", "2", "--pp", "2",
+                                                           "--use-distributed-optimizer"], marks=pytest.mark.slow)],
+                         ids=["ep2", "ep2xdp2", "ep2xpp2", "ep2xtp2", "ep2xtp2-sp", "ep2xtp2-etp1", "ep2-distopt",
+                              "ep2xdp2-distopt", "ep2xpp2-distopt"])
 def test_expert_parallel_training_follows_the_serial_trajectory(tmp_path, ranks, layout):
     """EP 2 (the two DP ranks split the experts), EP 2 x expert-DP 2 (4 DP ranks), EP 2 x PP 2 and
     EP 2 x TP 2 (each expert split over the TP ranks; with sequence parallelism; or whole on each
-    TP rank) against one rank over 8 steps, float64, to 1e-9: the experts' gradients summed over the
+    TP rank), and EP 2 with the distributed optimizer (the experts' AdamW state sharded over the
+    expert-data-parallel ranks, the dense weights' over DP) against one rank over 8 steps, float64,
+    to 1e-9: the experts' gradients summed over the
     expert-data-parallel ranks and divided by DP (the shared expert's, a dense weight, averaged
     over DP), the gradient norm (clipping binds at 0.3)
     counting each expert once, the load-balancing and z-losses on and the expert bias's counts
@@ -384,14 +391,18 @@ def test_expert_parallel_drops_the_tokens_its_data_parallel_layout_drops(tmp_pat
     assert [l for l, _ in curves["ep"]] == pytest.approx([l for l, _ in curves["dp"]], rel=1e-9, abs=0)
 
 
-@pytest.mark.parametrize("ranks,layout", [(0, []), (2, ["--expert-model-parallel-size", "2"])], ids=["serial", "ep2"])
+@pytest.mark.parametrize("ranks,layout", [(0, []), (2, ["--expert-model-parallel-size", "2"]),
+                                          (4, ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"])],
+                         ids=["serial", "ep2", "ep2xdp2-distopt"])
 def test_a_moe_run_resumes_bitwise(tmp_path, ranks, layout):
     """Saved at step 3 of 6 and resumed, a run with MoE layers (load-balancing and z-losses, a
-    capacity factor; at EP 2, sigmoid routing with the expert bias, which the checkpoint holds)
-    logs steps 4 to 6 exactly as the run that went straight through."""
+    capacity factor; at EP 2, with and without the distributed optimizer, sigmoid routing with the
+    expert bias, which the checkpoint holds) logs steps 4 to 6 exactly as the run that went
+    straight through."""
     import json
     from helpers import launch
-    args = MOE_TINY + ["--moe-expert-capacity-factor", "0.8", "--train-iters", "6", "--save-interval", "3"] + layout
+    args = MOE_TINY + ["--moe-expert-capacity-factor", "0.8", "--train-iters", "6", "--save-interval", "3",
+                       "--global-batch-size", "8"] + layout
     if layout:
         args += ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"]
     straight, resumed = tmp_path / "straight.jsonl", tmp_path / "resumed.jsonl"
