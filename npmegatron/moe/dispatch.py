@@ -39,13 +39,15 @@ def sort_by_expert(experts, num_experts, kept=None):
     return order, numpy.bincount(flat[candidates], minlength=num_experts)
 
 
-def run_experts(x, weights, experts, mlps, kept=None):
+def run_experts(x, weights, experts, mlps, kept=None, finish=None):
     """sum over each token's k experts of weight x expert(token): x (tokens, hidden) Tensor,
     weights (tokens, k) Tensor, experts (tokens, k) int array, mlps one callable per expert;
-    kept: which choices the experts take (a capacity's), None: all."""
+    kept: which choices the experts take (a capacity's), None: all; finish: applied to the
+    experts' output rows before they are weighted (the TP ranks' partial sums reduced)."""
     order, counts = sort_by_expert(experts, len(mlps), kept)
     source = sources(x, order, experts.shape[1])
-    return combine(run_blocks(x[source], counts, mlps), weights, order, source, experts.shape[0])
+    y = run_blocks(x[source], counts, mlps)
+    return combine(finish(y) if finish else y, weights, order, source, experts.shape[0])
 
 
 def sources(x, order, k):

@@ -56,10 +56,11 @@ def expert_major(received):
     return numpy.concatenate(blocks) if blocks else numpy.zeros(0, numpy.int64)
 
 
-def run_experts_parallel(x, weights, experts, local_mlps, group, kept=None):
+def run_experts_parallel(x, weights, experts, local_mlps, group, kept=None, finish=None):
     """run_experts (dispatch.py) with the experts split over `group`: local_mlps are this rank's
     E / group.size experts, the rank's place in the group naming which (rank r holds r L ... );
-    kept: which choices the experts take (a capacity's), None: all."""
+    kept: which choices the experts take (a capacity's), None: all; finish: applied to the
+    experts' output rows before they travel home."""
     order, counts = sort_by_expert(experts, len(local_mlps) * group.size, kept)
     send, received = exchange_counts(counts, group)
     source = sources(x, order, experts.shape[1])
@@ -67,6 +68,7 @@ def run_experts_parallel(x, weights, experts, local_mlps, group, kept=None):
     xp = get_array_module(source)
     regroup = expert_major(received)
     y = run_blocks(arrived[xp.asarray(regroup)], received.sum(axis=0), local_mlps)
+    y = finish(y) if finish else y
     arrival_order = y[xp.asarray(numpy.argsort(regroup))]
     home = _AllToAll.apply(arrival_order, group=group, send=received.sum(axis=1), recv=send)
     return combine(home, weights, order, source, experts.shape[0])

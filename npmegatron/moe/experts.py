@@ -44,6 +44,17 @@ class ExpertMLP(Module):
         return _biased(*self.proj(hidden))
 
 
+    def partial(self, x):
+        """This rank's share of the expert, without f and g: x already inside the TP region, the
+        output a partial sum over the TP ranks, which the MoE layer reduces once for all its
+        experts (layer.py; experts without biases)."""
+        if self.swiglu:
+            hidden = ag.swiglu(ag.linear(x, ag.concatenate([self.gate.weight, self.up.weight], axis=1)))
+        else:
+            hidden = ag.gelu(ag.linear(x, self.fc.weight), self.gelu)
+        return ag.linear(hidden, self.proj.weight)
+
+
 def _marked(linear, routed, split):
     """A routed expert's parameters marked as an expert's (reduced over the expert-data-parallel
     ranks under expert parallelism); a whole expert's also as replicated on every tensor-parallel

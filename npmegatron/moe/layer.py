@@ -5,12 +5,15 @@ token, gated by sigmoid(x w) under --moe-shared-expert-gate (Qwen2-MoE). Droples
 takes every token sent to it, unless --moe-expert-capacity-factor caps its share (router.py).
 
 Under tensor parallelism every TP rank routes the same tokens and sends them to the same experts;
-the experts and the shared expert are split over the TP ranks as the dense MLP is. Under sequence
-parallelism the layer first gathers the whole sequence (so the sequence-level balancing loss sees
-whole sequences) and gives back its rank's block at the end."""
+the experts and the shared expert are split over the TP ranks as the dense MLP is. Experts without
+biases (the Llama family) leave the TP region together: their output rows' partial sums are
+all-reduced once a layer, before the router's weights multiply them, not once an expert. Under
+sequence parallelism the layer first gathers the whole sequence (so the sequence-level balancing
+loss sees whole sequences) and gives back its rank's block at the end: Megatron-Core's all-gather
+dispatcher, but with the tokens' rows all-reduced and then split where it reduce-scatters them."""
 from .. import autograd as ag
 from ..module import Module, ParamSpec, parameter
-from ..tensor_parallel import gather_whole_sequence, scatter_to_sp_region
+from ..tensor_parallel import copy_to_tp_region, gather_whole_sequence, reduce_from_tp_region, scatter_to_sp_region
 from .dispatch import run_experts
 from .expert_parallel import run_experts_parallel
 from .experts import ExpertMLP
@@ -33,6 +36,9 @@ class MoELayer(Module):
         # a dict by global expert number: the parameters' names are the serial model's
         self.experts = {e: ExpertMLP(cfg, xp, dtype, cfg.moe_ffn_hidden_size, group=expert_tp_group)
                         for e in range(first, first + local)}
+        # Experts split over the TP ranks and without biases leave the TP region together: one
+        # reduction a layer, not one an expert (a bias is added once, after its expert's own g)
+        self.one_reduction = (expert_tp_group is not None and expert_tp_group.size > 1 and not cfg.add_bias_linear)
         self.shared_expert = None
         self.specs = {}
         if cfg.moe_shared_expert_intermediate_size:
@@ -49,10 +55,7 @@ class MoELayer(Module):
         batch, seq, hidden = x.shape
         flat = ag.reshape(x, (batch * seq, hidden))
         weights, experts, kept = self.router(flat, sequences=batch)
-        if self.ep_group is None:
-            out = run_experts(flat, weights, experts, list(self.experts.values()), kept)
-        else:
-            out = run_experts_parallel(flat, weights, experts, list(self.experts.values()), self.ep_group, kept)
+        out = self._routed(flat, weights, experts, kept)
         if self.shared_expert is not None:
             shared = self.shared_expert(flat)
             if "shared_expert_gate" in self.specs:
@@ -60,3 +63,18 @@ class MoELayer(Module):
             out = out + shared
         out = ag.reshape(out, (batch, seq, hidden))
         return (scatter_to_sp_region(out, self.tp_group) if self.sequence_parallel else out), None
+
+    def _routed(self, flat, weights, experts, kept):
+        """The routed experts' weighted sum for each token. Under one_reduction each TP rank runs
+        its share of every expert's columns, and the output rows' partial sums are all-reduced
+        once for all experts before they are weighted (Megatron-Core's dispatchers reduce there
+        too, so the router's weights get the whole output's gradient)."""
+        finish = None
+        mlps = list(self.experts.values())
+        if self.one_reduction:      # f once for every expert: their input gradients' partial sums
+            flat = copy_to_tp_region(flat, self.tp_group)
+            mlps = [expert.partial for expert in mlps]
+            finish = lambda rows: reduce_from_tp_region(rows, self.tp_group)  # noqa: E731
+        if self.ep_group is None:
+            return run_experts(flat, weights, experts, mlps, kept, finish)
+        return run_experts_parallel(flat, weights, experts, mlps, self.ep_group, kept, finish)

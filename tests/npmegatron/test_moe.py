@@ -240,11 +240,16 @@ MOE_TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
             "--moe-aux-loss-coeff", "0.05", "--moe-z-loss-coeff", "0.01", "--moe-layer-freq", "([1]*1+[0]*1)"]
 
 
+def family_of(layout):
+    """The --model-family flags of a layout's arguments, which the serial run takes too."""
+    return layout[layout.index("--model-family"):][:2] if "--model-family" in layout else []
+
+
 @pytest.mark.parametrize("layout", [["--tp", "2"], pytest.param(["--pp", "2"], marks=pytest.mark.slow),
                                     pytest.param([], marks=pytest.mark.slow),
                                     pytest.param(["--pp", "2", "--tp", "2"], marks=pytest.mark.slow),
-                                    ["--tp", "2", "--sequence-parallel"]],
-                         ids=["tp2", "pp2", "dp2", "tp2xpp2", "tp2-sp"])
+                                    ["--tp", "2", "--sequence-parallel"], ["--tp", "2", "--model-family", "llama"]],
+                         ids=["tp2", "pp2", "dp2", "tp2xpp2", "tp2-sp", "tp2-llama"])
 def test_moe_training_follows_the_serial_trajectory(tmp_path, layout):
     """Two ranks (TP 2 with every expert split over the TP ranks, with sequence parallelism too;
     PP 2 with the MoE layer on the first stage, whose auxiliary losses are seeded there; or DP 2
@@ -254,7 +259,7 @@ def test_moe_training_follows_the_serial_trajectory(tmp_path, layout):
     from helpers import launch
     args = MOE_TINY + ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"]
     curves = {}
-    for name, extra, ranks in (("serial", [], 0), ("layout", layout, 4 if len(layout) > 2 else 2)):
+    for name, extra, ranks in (("serial", family_of(layout), 0), ("layout", layout, 4 if {"--pp", "--tp"} <= set(layout) else 2)):
         log = tmp_path / f"{name}.jsonl"
         run = launch(ranks, args + extra + ["--log-file", str(log)])
         assert run.returncode == 0, run.stdout + run.stderr
@@ -279,6 +284,8 @@ def test_experts_split_over_ranks_equal_the_whole_layer(mpirun, ranks, case):
                                                        marks=pytest.mark.slow),
                                           (4, ["--expert-model-parallel-size", "2", "--tp", "2"]),
                                           (4, ["--expert-model-parallel-size", "2", "--tp", "2", "--sequence-parallel"]),
+                                          (4, ["--expert-model-parallel-size", "2", "--tp", "2", "--sequence-parallel",
+                                               "--model-family", "llama"]),
                                           pytest.param(4, ["--expert-model-parallel-size", "2", "--tp", "2",
                                                            "--expert-tensor-parallel-size", "1"],
                                                        marks=pytest.mark.slow),
@@ -286,7 +293,8 @@ def test_experts_split_over_ranks_equal_the_whole_layer(mpirun, ranks, case):
                                           (4, ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]),
                                           pytest.param(4, ["--expert-model-parallel-size", "2", "--pp", "2",
                                                            "--use-distributed-optimizer"], marks=pytest.mark.slow)],
-                         ids=["ep2", "ep2xdp2", "ep2xpp2", "ep2xtp2", "ep2xtp2-sp", "ep2xtp2-etp1", "ep2-distopt",
+                         ids=["ep2", "ep2xdp2", "ep2xpp2", "ep2xtp2", "ep2xtp2-sp", "ep2xtp2-sp-llama", "ep2xtp2-etp1",
+                              "ep2-distopt",
                               "ep2xdp2-distopt", "ep2xpp2-distopt"])
 def test_expert_parallel_training_follows_the_serial_trajectory(tmp_path, ranks, layout):
     """EP 2 (the two DP ranks split the experts), EP 2 x expert-DP 2 (4 DP ranks), EP 2 x PP 2 and
@@ -304,7 +312,7 @@ def test_expert_parallel_training_follows_the_serial_trajectory(tmp_path, ranks,
                        "--global-batch-size", "8", "--clip-grad", "0.3",
                        "--moe-shared-expert-intermediate-size", "24", "--moe-shared-expert-gate"]
     curves, norms = {}, {}
-    for name, extra, n in (("serial", [], 0), ("layout", layout, ranks)):
+    for name, extra, n in (("serial", family_of(layout), 0), ("layout", layout, ranks)):
         log = tmp_path / f"{name}.jsonl"
         run = launch(n, args + extra + ["--log-file", str(log)])
         assert run.returncode == 0, run.stdout + run.stderr
