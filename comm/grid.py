@@ -22,7 +22,8 @@ def grid_ranks(world_size, tp, pp, dp, cp=1, ep=1):
     in one process): tp, cp, dp, dp_cp (the ranks gradients are averaged over), pp, mp (model
     parallel: TP x PP, one per DP and CP position), embd (first and last pipeline stage, for the
     tied embedding), ep (expert parallelism: EP neighbouring data-parallel ranks, which split the
-    experts) and edp (the ranks holding the same experts, over which their gradients are summed)."""
+    experts) and edp (the ranks holding the same experts, the context-parallel ones among them,
+    over which their gradients are summed)."""
     for name, size in (("tensor", tp), ("pipeline", pp), ("data", dp), ("context", cp)):
         if size < 1:
             raise InputError(f"{name}-parallel size {size} must be a positive integer")
@@ -50,7 +51,7 @@ def grid_ranks(world_size, tp, pp, dp, cp=1, ep=1):
         "embd": [sorted({rank(t, c, d, 0), rank(t, c, d, pp - 1)}) for d in range(dp) for c in range(cp)
                  for t in range(tp)],
         "ep": groups(lambda t, c, d, p: (p, c, t, d // ep), lambda t, c, d, p: d % ep),
-        "edp": groups(lambda t, c, d, p: (p, c, t, d % ep), lambda t, c, d, p: d // ep),
+        "edp": groups(lambda t, c, d, p: (p, t, d % ep), lambda t, c, d, p: (d // ep, c)),
     }
 
 

@@ -357,8 +357,6 @@ def check_expert_parallel(config, ep, dp):
          f"the {model.num_experts} experts do not split evenly over {ep} ranks; choose a divisor of them"),
         (dp % ep, f"its ranks come from the {dp} data-parallel ranks, which {ep} does not divide; launch a "
                   "multiple of it"),
-        (parallel.context_parallel_size > 1,
-         "expert parallelism beside context parallelism is not built yet; use --cp 1"),
     ]
     why = next((reason for refused, reason in refusals if refused), None)
     if why:
@@ -697,9 +695,6 @@ class RunPlan:
         self.etp = check_expert_tensor_parallel(config, self.tp)
         if self.ep > 1:
             check_expert_parallel(config, self.ep, self.dp)
-        if self.cp > 1 and config.model.num_experts is not None:
-            raise InputError("MoE layers under context parallelism are not built yet; use --cp 1 or drop "
-                             "--num-experts")
         if self.cp > 1:
             check_context_parallel_split(config.seq_length, self.cp)
             check_context_parallel_dropout(config.model, self.cp)

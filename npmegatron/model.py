@@ -93,8 +93,8 @@ class ParallelAttention(Module):
         self.local_heads = cfg.num_attention_heads // group.size
         self.local_groups = cfg.num_query_groups // group.size
         width = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * d
-        self.qkv = ColumnParallelLinear(xp, dtype, h, width, cfg.init_method_std, group, sp,
-                                        bias=cfg.add_bias_linear)
+        # the bias's columns are sharded like the weight's: whole key/value groups on each rank
+        self.qkv = ColumnParallelLinear(xp, dtype, h, width, cfg.init_method_std, group, sp, bias=cfg.qkv_bias)
         self.proj = RowParallelLinear(xp, dtype, h, h, cfg.init_method_std / math.sqrt(2 * cfg.num_layers),
                                       group, sp, skip_bias_add=True, bias=cfg.add_bias_linear)
 
@@ -189,7 +189,7 @@ class Block(Module):
         self.attn = ParallelAttention(cfg, xp, dtype, group, rng, layer, rotary, cp_group)
         self.ln_2 = normalization(cfg, xp, dtype)
         moe = cfg.is_moe_layer(layer)
-        self.mlp = MoELayer(cfg, xp, dtype, layer, ep_group, group, expert_tp_group) if moe else \
+        self.mlp = MoELayer(cfg, xp, dtype, layer, ep_group, group, expert_tp_group, cp_group) if moe else \
             ParallelMLP(cfg, xp, dtype, group)
 
     def forward(self, x, cache=None):
@@ -398,7 +398,7 @@ def gpt_num_parameters(cfg, active=False):
     h, d = cfg.hidden_size, cfg.head_dim
     qkv = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * d
     norm = h if cfg.normalization == "RMSNorm" else 2 * h
-    attention = h * qkv + h * h + ((qkv + h) if cfg.add_bias_linear else 0)
+    attention = h * qkv + h * h + (qkv if cfg.qkv_bias else 0) + (h if cfg.add_bias_linear else 0)
     mlps = sum(_mlp_parameters(cfg, active, layer) for layer in range(cfg.num_layers))
     positions = cfg.max_position_embeddings * h if cfg.position_embedding_type == "learned_absolute" else 0
     output = cfg.vocab_size * h if cfg.untie_embeddings_and_output_weights else 0

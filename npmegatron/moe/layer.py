@@ -24,10 +24,11 @@ class MoELayer(Module):
     """ep_group: the expert-parallel group the experts are split over (expert_parallel.py), this
     rank holding experts r L ... (r + 1) L - 1, L = E / EP, r its rank in the group; None: all.
     tp_group: the tensor-parallel group (the shared expert's split, the sequence's under SP);
-    expert_tp_group: the routed experts' split (the TP group, or a group of one: whole)."""
+    expert_tp_group: the routed experts' split (the TP group, or a group of one: whole); cp_group:
+    the context-parallel group, whose ranks hold parts of each sequence (the balancing loss's)."""
 
-    def __init__(self, cfg, xp, dtype, layer, ep_group=None, tp_group=None, expert_tp_group=None):
-        self.router = TopKRouter(cfg, xp, dtype, layer)
+    def __init__(self, cfg, xp, dtype, layer, ep_group=None, tp_group=None, expert_tp_group=None, cp_group=None):
+        self.router = TopKRouter(cfg, xp, dtype, layer, cp_group)
         self.tp_group = tp_group
         self.sequence_parallel = cfg.sequence_parallel and tp_group is not None and tp_group.size > 1
         self.ep_group = ep_group if ep_group is not None and ep_group.size > 1 else None

@@ -17,7 +17,8 @@ MoEAuxLossAutoScaler does, so a pipeline stage needs no loss of its own):
 - aux_loss (Switch Transformer): E * sum_i f_i P_i * coeff, f_i the fraction of the k T choices
   that went to expert i, P_i the mean over tokens of expert i's score (softmax over all experts;
   sigmoid normalised per token);
-- seq_aux_loss: the same per sequence, averaged over sequences (DeepSeek-V2/V3);
+- seq_aux_loss: the same per sequence, averaged over sequences (DeepSeek-V2/V3); under context
+  parallelism both count the whole sequences' choices (balancing_loss);
 - z-loss (ST-MoE): coeff * mean over tokens of logsumexp(logits)^2.
 """
 import math
@@ -35,8 +36,9 @@ class TopKRouter(Module):
     """Router weight (experts, hidden), replicated; an expert bias (not a parameter: updated from
     the token counts, DeepSeek-V3's auxiliary-loss-free balancing) when enabled."""
 
-    def __init__(self, cfg, xp, dtype, layer):
+    def __init__(self, cfg, xp, dtype, layer, cp_group=None):
         self.cfg, self.layer = cfg, layer
+        self.cp_group = cp_group if cp_group is not None and cp_group.size > 1 else None
         self.weight = parameter(xp, (cfg.num_experts, cfg.hidden_size), dtype)
         self.specs = {"weight": ParamSpec(cfg.init_method_std, (cfg.num_experts, cfg.hidden_size))}
         self.expert_bias = xp.zeros(cfg.num_experts, numpy.float32) if cfg.moe_router_enable_expert_bias else None
@@ -66,7 +68,7 @@ class TopKRouter(Module):
             self.interval_tokens_per_expert = _added(self.interval_tokens_per_expert, counts)
         kind = cfg.moe_router_load_balancing_type
         if kind != "none" and cfg.moe_aux_loss_coeff and ag.is_grad_enabled():
-            loss = balancing_loss(logits, cfg, kind, sequences)
+            loss = balancing_loss(logits, cfg, kind, sequences, self.cp_group)
             weights = aux_loss.attach(weights, loss, "load_balancing_loss", self.layer, cfg.moe_aux_loss_coeff)
         return weights, experts, kept
 
@@ -191,28 +193,34 @@ def _counts(experts, num_experts):
     return numpy.bincount(ag.backend.to_numpy(experts).reshape(-1), minlength=num_experts)
 
 
-def balancing_loss(logits, cfg, kind, sequences=1):
+def balancing_loss(logits, cfg, kind, sequences=1, cp_group=None):
     """The Switch Transformer's load-balancing loss over this micro-batch's tokens (aux_loss), or
     per sequence, averaged (seq_aux_loss); without its coefficient. As Megatron-Core's
     compute_routing_scores_for_aux_loss, the tokens per expert are those of a plain top k of the
-    scores (no expert bias, no group limit, no dropping)."""
+    scores (no expert bias, no group limit, no dropping).
+
+    Under context parallelism (cp_group) each rank holds 1 / CP of every sequence: the counts are
+    summed over the CP ranks (so f is the whole sequences'), the scores' sums stay the rank's own,
+    and the loss is CP times the rank's share of the whole one. The data-parallel average over the
+    CP ranks then gives the whole loss's gradient and, in the log, its value."""
     scores = ag.softmax(logits)
     if cfg.moe_router_score_function == "sigmoid":
         raw = sigmoid(logits)
         scores = raw / (ag.sum(raw, axis=-1, keepdims=True) + 1e-20)
     xp = ag.get_array_module(logits.data)
-    chosen = xp.argsort(-scores.data, axis=-1)[:, :cfg.moe_router_topk]
-    if kind == "aux_loss":
-        return _switch_loss(scores, _counts(chosen, cfg.num_experts), logits.shape[0], cfg)
-    per_sequence = logits.shape[0] // sequences
-    losses = []
-    for s in range(sequences):
-        block = slice(s * per_sequence, (s + 1) * per_sequence)
-        losses.append(_switch_loss(scores[block], _counts(chosen[block], cfg.num_experts), per_sequence, cfg))
+    chosen = ag.backend.to_numpy(xp.argsort(-scores.data, axis=-1)[:, :cfg.moe_router_topk])
+    cp = cp_group.size if cp_group is not None else 1
+    blocks = 1 if kind == "aux_loss" else sequences
+    per_block = logits.shape[0] // blocks
+    counts = numpy.stack([_counts(chosen[b * per_block:(b + 1) * per_block], cfg.num_experts) for b in range(blocks)])
+    if cp > 1:
+        counts = comm.all_reduce(counts, cp_group)
+    losses = [_switch_loss(scores[b * per_block:(b + 1) * per_block], counts[b], per_block * cp, cfg)
+              for b in range(blocks)]
     total = losses[0]
     for loss in losses[1:]:
         total = total + loss
-    return total / sequences
+    return total * (cp / blocks) if cp > 1 or blocks > 1 else total
 
 
 def _switch_loss(scores, counts, tokens, cfg):

@@ -241,15 +241,19 @@ MOE_TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
 
 
 def family_of(layout):
-    """The --model-family flags of a layout's arguments, which the serial run takes too."""
-    return layout[layout.index("--model-family"):][:2] if "--model-family" in layout else []
+    """The model's flags among a layout's arguments (its family, its balancing loss), which the
+    serial run takes too."""
+    return [word for i, word in enumerate(layout)
+            for flag in [layout[i - 1] if word[:2] != "--" else word]
+            if flag in ("--model-family", "--moe-router-load-balancing-type")]
 
 
 @pytest.mark.parametrize("layout", [["--tp", "2"], pytest.param(["--pp", "2"], marks=pytest.mark.slow),
                                     pytest.param([], marks=pytest.mark.slow),
                                     pytest.param(["--pp", "2", "--tp", "2"], marks=pytest.mark.slow),
-                                    ["--tp", "2", "--sequence-parallel"], ["--tp", "2", "--model-family", "llama"]],
-                         ids=["tp2", "pp2", "dp2", "tp2xpp2", "tp2-sp", "tp2-llama"])
+                                    ["--tp", "2", "--sequence-parallel"], ["--tp", "2", "--model-family", "llama"],
+                                    ["--cp", "2"], ["--cp", "2", "--moe-router-load-balancing-type", "seq_aux_loss"]],
+                         ids=["tp2", "pp2", "dp2", "tp2xpp2", "tp2-sp", "tp2-llama", "cp2", "cp2-seq-aux"])
 def test_moe_training_follows_the_serial_trajectory(tmp_path, layout):
     """Two ranks (TP 2 with every expert split over the TP ranks, with sequence parallelism too;
     PP 2 with the MoE layer on the first stage, whose auxiliary losses are seeded there; or DP 2
@@ -291,11 +295,12 @@ def test_experts_split_over_ranks_equal_the_whole_layer(mpirun, ranks, case):
                                                        marks=pytest.mark.slow),
                                           (2, ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]),
                                           (4, ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]),
+                                          (4, ["--expert-model-parallel-size", "2", "--cp", "2"]),
                                           pytest.param(4, ["--expert-model-parallel-size", "2", "--pp", "2",
                                                            "--use-distributed-optimizer"], marks=pytest.mark.slow)],
                          ids=["ep2", "ep2xdp2", "ep2xpp2", "ep2xtp2", "ep2xtp2-sp", "ep2xtp2-sp-llama", "ep2xtp2-etp1",
                               "ep2-distopt",
-                              "ep2xdp2-distopt", "ep2xpp2-distopt"])
+                              "ep2xdp2-distopt", "ep2xcp2", "ep2xpp2-distopt"])
 def test_expert_parallel_training_follows_the_serial_trajectory(tmp_path, ranks, layout):
     """EP 2 (the two DP ranks split the experts), EP 2 x expert-DP 2 (4 DP ranks), EP 2 x PP 2 and
     EP 2 x TP 2 (each expert split over the TP ranks; with sequence parallelism; or whole on each
@@ -327,10 +332,8 @@ def test_expert_parallel_training_follows_the_serial_trajectory(tmp_path, ranks,
     ({"expert_model_parallel_size": 2}, 2, "--num-experts is not given"),
     ({"expert_model_parallel_size": 4, "num_experts": 6}, 4, "do not split evenly over 4 ranks"),
     ({"expert_model_parallel_size": 2, "num_experts": 4}, 3, "which 2 does not divide"),
-    ({"expert_model_parallel_size": 2, "num_experts": 4, "context_parallel_size": 2}, 4, "use --cp 1"),
     ({"expert_tensor_parallel_size": 2, "num_experts": 4, "tensor_model_parallel_size": 4}, 4, "choose 1 or 4"),
     ({"expert_tensor_parallel_size": 1, "tensor_model_parallel_size": 2}, 2, "--num-experts is not given"),
-    ({"num_experts": 4, "context_parallel_size": 2}, 2, "under context parallelism"),
 ])
 def test_bad_expert_parallel_layouts_get_one_sentence(options, world, match):
     from npmegatron.config import TrainConfig
