@@ -8,6 +8,7 @@ Python calls the host makes in the project's own code per step.
     python scripts/count_gpu_work.py --tf32 --hidden-dropout 0.1 --attention-dropout 0.1
     python scripts/count_gpu_work.py --bf16 --json out.json
     python scripts/count_gpu_work.py --model-family llama --num-query-groups 4
+    python scripts/count_gpu_work.py --model-family llama --num-experts 8 --moe-router-topk 2
 
 Per layer is the difference between a model of two layers and one of one layer, so it holds
 for any depth; each count is of the second step (the first allocates what later steps reuse: the
@@ -204,7 +205,8 @@ def measure(cfg, batch, seq, check_depth=False, check_python_calls=None):
     return {"config": {"hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_attention_heads,
                        "seq_length": seq, "vocab_size": cfg.vocab_size, "micro_batch_size": batch,
                        "dtype": cfg.dtype, "tf32": cfg.tf32, "storage": cfg.storage_format,
-                       "hidden_dropout": cfg.hidden_dropout, "attention_dropout": cfg.attention_dropout},
+                       "hidden_dropout": cfg.hidden_dropout, "attention_dropout": cfg.attention_dropout,
+                       "num_experts": cfg.num_experts, "moe_router_topk": cfg.moe_router_topk},
             "layer": layer_summary, "layer_attention_core": summary(core), "layer_without_attention_core": summary(rest),
             "outside_layers": outside_summary, "optimizer_step": optimizer_summary,
             "step_two_layers": summary(two["forward_backward"] + two["optimizer"]),
@@ -225,7 +227,9 @@ def format_report(result):
     lines = [f"hidden {c['hidden_size']}, {c['num_attention_heads']} heads, seq {c['seq_length']}, vocab "
              f"{c['vocab_size']}, micro-batch {c['micro_batch_size']}; {c['dtype']}"
              f"{' --tf32' if c['tf32'] else ''}{' --' + c['storage'] if c['storage'] else ''}, dropout "
-             f"{c['hidden_dropout']}/{c['attention_dropout']}; TP 1, on the strict CuPy stand-in", "",
+             f"{c['hidden_dropout']}/{c['attention_dropout']}"
+             + (f"; MoE layers of {c['num_experts']} experts, top {c['moe_router_topk']}" if c["num_experts"] else "")
+             + "; TP 1, on the strict CuPy stand-in", "",
              f"{'':<42}{'launches':>9}{'GEMMs':>7}{'hidden copies':>15}{'bytes':>15}{'bytes outside':>15}"]
     for label, key in (("per layer, forward + backward", "layer"), ("  attention's core", "layer_attention_core"),
                        ("  the rest of the layer", "layer_without_attention_core"),
@@ -277,6 +281,9 @@ def main(argv=None):
     parser.add_argument("--model-family", choices=("gpt2", "llama"), default="gpt2")
     parser.add_argument("--num-query-groups", type=int, default=None,
                         help="grouped-query attention's key/value heads (default: one per query head)")
+    parser.add_argument("--num-experts", type=int, default=None, help="every layer an MoE layer of this many "
+                        "experts (each the family's MLP at --ffn-hidden-size)")
+    parser.add_argument("--moe-router-topk", type=int, default=2)
     for flag in ("--tf32", "--fp16", "--bf16"):
         parser.add_argument(flag, action="store_true")
     parser.add_argument("--blockwise-attention", action="store_true", help="count the blockwise attention "
@@ -298,7 +305,8 @@ def main(argv=None):
                     hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
                     tf32=args.tf32, fp16=args.fp16, bf16=args.bf16, device="gpu", model_family=args.model_family,
                     group_query_attention=args.num_query_groups is not None,
-                    num_query_groups=args.num_query_groups)
+                    num_query_groups=args.num_query_groups, num_experts=args.num_experts,
+                    moe_router_topk=args.moe_router_topk)
     result = measure(cfg, args.micro_batch_size, args.seq_length, args.check_depth, args.check_python_calls)
     print(format_report(result))
     if args.json:

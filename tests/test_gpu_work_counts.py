@@ -510,3 +510,17 @@ def test_python_calls_count_only_the_repositorys_sources():
              "'.venv-ci/lib/python3.12/site-packages/numpy/core/numeric.py')])")
     result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "[True, True, False, False]", result.stdout + result.stderr
+
+
+def test_an_moe_layer_synchronises_once_and_runs_every_gemm_through_cublas():
+    """The MoE layer's one host synchronisation a forward is the choice of experts going to the
+    host (the dispatch sorts and splits by it there; the balancing loss counts on the device);
+    its experts' GEMMs go through cuBLAS directly, with no hidden copy. Its launches still grow
+    with the experts (one set of GEMMs an expert: no grouped GEMM yet)."""
+    two, four = (count("--model-family", "llama", "--num-experts", str(e), "--moe-router-topk", "1")
+                 for e in (2, 4))
+    for result in (two, four):
+        assert result["syncs_per_step"] == 1 + 2      # the loss and norm's, and one a MoE layer
+        step = result["step_two_layers"]
+        assert step["hidden_copies"] == 0 and step["gemms_through_cupy_matmul"] == 0
+    assert four["layer"]["by_kind"]["gemm"] > two["layer"]["by_kind"]["gemm"]

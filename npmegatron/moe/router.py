@@ -49,19 +49,22 @@ class TopKRouter(Module):
 
     def forward(self, x, sequences=1):
         """x (tokens, hidden), `sequences` sequences of equal length one after the other -> (weights
-        (tokens, k) Tensor, experts (tokens, k) array, which of those choices are kept: a (tokens, k)
-        host bool array under a capacity factor, else None)."""
+        (tokens, k) Tensor, experts (tokens, k) host array, which of those choices are kept: a
+        (tokens, k) host bool array under a capacity factor, else None)."""
         cfg = self.cfg
         logits = ag.linear(x, self.weight.T)
         if cfg.moe_z_loss_coeff and ag.is_grad_enabled():      # training (as Megatron), not evaluation
             logits = aux_loss.attach(logits, z_loss(logits), "z_loss", self.layer, cfg.moe_z_loss_coeff)
         weights, experts = route(logits, cfg, self.expert_bias)
+        # the choice goes to the host once: the dispatch sorts and splits by it there (a GPU's one
+        # synchronisation a layer, Megatron's too), the counts and the capacity read it there
+        experts = ag.backend.to_numpy(experts)
         kept = None
         if cfg.moe_expert_capacity_factor is not None:
             kept = within_capacity(weights.data, experts, cfg)
             if ag.is_grad_enabled():        # training's drops (not evaluation's, not recomputation's twice)
                 self.interval_dropped += 0 if kept is None else int(kept.size - kept.sum())
-        counts = _counts(experts if kept is None else ag.backend.to_numpy(experts)[kept], cfg.num_experts)
+        counts = _counts(experts if kept is None else experts[kept], cfg.num_experts)
         self.tokens_per_expert = counts
         if ag.is_grad_enabled():
             self.step_tokens_per_expert = _added(self.step_tokens_per_expert, counts)
@@ -189,8 +192,8 @@ def _added(total, counts):
 
 
 def _counts(experts, num_experts):
-    """Tokens sent to each expert (host integers: the dispatcher's splits need them there)."""
-    return numpy.bincount(ag.backend.to_numpy(experts).reshape(-1), minlength=num_experts)
+    """Tokens sent to each expert, from the host's choice (the dispatcher's splits need them there)."""
+    return numpy.bincount(experts.reshape(-1), minlength=num_experts)
 
 
 def balancing_loss(logits, cfg, kind, sequences=1, cp_group=None):
@@ -208,11 +211,15 @@ def balancing_loss(logits, cfg, kind, sequences=1, cp_group=None):
         raw = sigmoid(logits)
         scores = raw / (ag.sum(raw, axis=-1, keepdims=True) + 1e-20)
     xp = ag.get_array_module(logits.data)
-    chosen = ag.backend.to_numpy(xp.argsort(-scores.data, axis=-1)[:, :cfg.moe_router_topk])
+    chosen = xp.argsort(-scores.data, axis=-1)[:, :cfg.moe_router_topk]
     cp = cp_group.size if cp_group is not None else 1
     blocks = 1 if kind == "aux_loss" else sequences
     per_block = logits.shape[0] // blocks
-    counts = numpy.stack([_counts(chosen[b * per_block:(b + 1) * per_block], cfg.num_experts) for b in range(blocks)])
+    # each block's counts on the device, in one bincount (no synchronisation): block b's experts
+    # counted as b E + e
+    block = xp.arange(logits.shape[0])[:, None] // per_block
+    counts = xp.bincount((chosen + block * cfg.num_experts).reshape(-1),
+                         minlength=blocks * cfg.num_experts).reshape(blocks, cfg.num_experts)
     if cp > 1:
         counts = comm.all_reduce(counts, cp_group)
     losses = [_switch_loss(scores[b * per_block:(b + 1) * per_block], counts[b], per_block * cp, cfg)
