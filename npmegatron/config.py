@@ -167,6 +167,8 @@ class GPTConfig:
     moe_token_drop_policy: str = option("probs", "Which choices an expert over capacity keeps: its highest "
                                                  "router weights (probs) or its earliest tokens (position).",
                                         choices=("probs", "position"))
+    moe_pad_expert_input_to_capacity: bool = option(False, "Pad every expert's rows to its capacity (static "
+                                                           "shapes; the numbers do not change).")
 
     def __post_init__(self):
         if self.model_family not in MODEL_FAMILIES:
@@ -285,6 +287,9 @@ class GPTConfig:
         if self.moe_expert_capacity_factor is not None and not self.moe_expert_capacity_factor > 0:
             raise InputError(f"--moe-expert-capacity-factor is {self.moe_expert_capacity_factor}; it must be "
                              "positive (or left out for dropless MoE layers)")
+        if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
+            raise InputError("--moe-pad-expert-input-to-capacity pads to a capacity, but "
+                             "--moe-expert-capacity-factor is not given; add it or drop the padding")
         if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
             raise InputError("--moe-shared-expert-gate gates a shared expert, but "
                              "--moe-shared-expert-intermediate-size is not given; add it or drop the gate")
@@ -660,9 +665,10 @@ class TrainConfig:
         (--use-checkpoint-args: `--load DIR` alone resumes)."""
         saved = manifest["model"]
         shape = {name: saved[name] for name in CHECKPOINT_MODEL_ARGS if name in saved}
-        # A checkpoint from before the model families is GPT-2's: its parts are the defaults, and
-        # without grouped-query attention the key/value groups follow the saved heads.
-        shape.update({name: field_default(GPTConfig, name) for name in FAMILY_ARGS if name not in saved})
+        # A checkpoint from before the model families is GPT-2's (and one from before MoE layers
+        # dense): its parts are the defaults, and without grouped-query attention the key/value
+        # groups follow the saved heads.
+        shape.update({name: field_default(GPTConfig, name) for name in FAMILY_ARGS + MOE_ARGS if name not in saved})
         if not shape["group_query_attention"]:
             shape["num_query_groups"] = None
         seq_length = manifest.get("args", {}).get("seq_length", self.seq_length)
@@ -743,8 +749,13 @@ class RunPlan:
 FAMILY_ARGS = ("model_family", "normalization", "position_embedding_type", "rotary_base", "rotary_percent",
                "swiglu", "group_query_attention", "num_query_groups", "untie_embeddings_and_output_weights",
                "disable_bias_linear", "add_qkv_bias")
+# The MoE layers' shape and routing (a converted Mixtral or Qwen2-MoE resumes with --load alone).
+MOE_ARGS = ("num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_score_function",
+            "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_num_groups",
+            "moe_router_group_topk", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
 CHECKPOINT_MODEL_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings",
-                         "ffn_hidden_size", "layernorm_epsilon", "gelu", "make_vocab_size_divisible_by") + FAMILY_ARGS
+                         "ffn_hidden_size", "layernorm_epsilon", "gelu", "make_vocab_size_divisible_by") + FAMILY_ARGS \
+    + MOE_ARGS
 LOSS_SCALE_FIELDS = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
 
 

@@ -56,18 +56,18 @@ def expert_major(received):
     return numpy.concatenate(blocks) if blocks else numpy.zeros(0, numpy.int64)
 
 
-def run_experts_parallel(x, weights, experts, local_mlps, group, kept=None, finish=None):
+def run_experts_parallel(x, weights, experts, local_mlps, group, kept=None, finish=None, pad_to=None):
     """run_experts (dispatch.py) with the experts split over `group`: local_mlps are this rank's
     E / group.size experts, the rank's place in the group naming which (rank r holds r L ... );
     kept: which choices the experts take (a capacity's), None: all; finish: applied to the
-    experts' output rows before they travel home."""
+    experts' output rows before they travel home; pad_to: the rows each expert runs on (run_blocks)."""
     order, counts = sort_by_expert(experts, len(local_mlps) * group.size, kept)
     send, received = exchange_counts(counts, group)
     source = sources(x, order, experts.shape[1])
     arrived = _AllToAll.apply(x[source], group=group, send=send, recv=received.sum(axis=1))
     xp = get_array_module(source)
     regroup = expert_major(received)
-    y = run_blocks(arrived[xp.asarray(regroup)], received.sum(axis=0), local_mlps)
+    y = run_blocks(arrived[xp.asarray(regroup)], received.sum(axis=0), local_mlps, pad_to)
     y = finish(y) if finish else y
     arrival_order = y[xp.asarray(numpy.argsort(regroup))]
     home = _AllToAll.apply(arrival_order, group=group, send=received.sum(axis=1), recv=send)

@@ -17,7 +17,7 @@ from ..tensor_parallel import copy_to_tp_region, gather_whole_sequence, reduce_f
 from .dispatch import run_experts
 from .expert_parallel import run_experts_parallel
 from .experts import ExpertMLP
-from .router import TopKRouter, sigmoid
+from .router import TopKRouter, expert_capacity, sigmoid
 
 
 class MoELayer(Module):
@@ -76,6 +76,11 @@ class MoELayer(Module):
             flat = copy_to_tp_region(flat, self.tp_group)
             mlps = [expert.partial for expert in mlps]
             finish = lambda rows: reduce_from_tp_region(rows, self.tp_group)  # noqa: E731
+        cfg = self.router.cfg
+        # --moe-pad-expert-input-to-capacity: each expert runs on its capacity's rows from every
+        # rank of its group, the most a capacity lets arrive
+        pad_to = (expert_capacity(flat.shape[0], cfg) * (self.ep_group.size if self.ep_group else 1)
+                  if cfg.moe_pad_expert_input_to_capacity else None)
         if self.ep_group is None:
-            return run_experts(flat, weights, experts, mlps, kept, finish)
-        return run_experts_parallel(flat, weights, experts, mlps, self.ep_group, kept, finish)
+            return run_experts(flat, weights, experts, mlps, kept, finish, pad_to)
+        return run_experts_parallel(flat, weights, experts, mlps, self.ep_group, kept, finish, pad_to)

@@ -128,7 +128,7 @@ def within_capacity(weights, experts, cfg):
     choices, those of its highest weights (probs; ties to the earlier token) or its earliest
     tokens (position); None where the capacity reaches the tokens (nothing can be dropped)."""
     tokens, k = experts.shape
-    capacity = math.ceil(tokens * k / cfg.num_experts * cfg.moe_expert_capacity_factor)
+    capacity = expert_capacity(tokens, cfg)
     if capacity >= tokens:
         return None
     flat = ag.backend.to_numpy(experts).reshape(-1)
@@ -141,6 +141,11 @@ def within_capacity(weights, experts, cfg):
     kept = numpy.zeros(flat.size, bool)
     kept[order] = rank < capacity
     return kept.reshape(tokens, k)
+
+
+def expert_capacity(tokens, cfg):
+    """The most choices of `tokens` tokens an expert takes: ceil(k T / E x factor)."""
+    return math.ceil(tokens * cfg.moe_router_topk / cfg.num_experts * cfg.moe_expert_capacity_factor)
 
 
 def top_k(scores, k, cfg):

@@ -156,6 +156,26 @@ def test_the_moe_layers_gradients_pass_finite_differences(routing, family, monke
     assert gradcheck(lambda a, *_: layer(a)[0], [xt] + params, tol=1e-6, max_entries=24) < 1e-6
 
 
+@pytest.mark.parametrize("factor", [0.7, 3.0])
+def test_padding_to_capacity_runs_every_expert_on_its_capacity_and_changes_no_number(factor):
+    """--moe-pad-expert-input-to-capacity: each expert runs on ceil(k T / E x factor) rows, zero
+    rows after its own, and the layer's output and every gradient are the unpadded layer's."""
+    results = []
+    for pad in (False, True):
+        cfg, layer, x = layer_and_input(moe_expert_capacity_factor=factor, moe_pad_expert_input_to_capacity=pad)
+        shapes = []
+        for expert in layer.experts.values():
+            expert.forward = (lambda run: lambda rows: shapes.append(rows.shape[0]) or run(rows))(expert.forward)
+        xt = ag.Tensor(x, requires_grad=True)
+        out = layer(xt)[0]
+        ag.sum(out * out).backward()
+        results.append([out.data, xt.grad] + [p.grad for p in layer.parameters()])
+    capacity = math.ceil(x.shape[0] * x.shape[1] * cfg.moe_router_topk / cfg.num_experts * factor)
+    assert shapes == [capacity] * cfg.num_experts
+    for padded, plain in zip(results[1], results[0]):
+        np.testing.assert_allclose(padded, plain, rtol=1e-12, atol=1e-14)
+
+
 @pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
 def test_the_balancing_and_z_losses_pass_finite_differences(score_function):
     cfg = GPTConfig(**{**BASE, "moe_router_score_function": score_function})
@@ -227,6 +247,7 @@ def test_moe_layer_freq_takes_an_integer_or_megatrons_pattern():
     ({"moe_router_enable_expert_bias": True}, "needs --moe-router-score-function sigmoid"),
     ({"moe_shared_expert_gate": True}, "is not given"),
     ({"moe_expert_capacity_factor": 0.0}, "must be positive"),
+    ({"moe_pad_expert_input_to_capacity": True}, "--moe-expert-capacity-factor is not given"),
 ])
 def test_bad_moe_flags_get_one_sentence(options, match):
     with pytest.raises(InputError, match=match):
@@ -384,15 +405,18 @@ def test_training_logs_the_moe_losses_and_expert_load_under_megatrons_names(tmp_
     assert {"load_balancing_loss", "z_loss", "tokens-per-expert-max-over-mean"} <= set(events.Tags()["scalars"])
 
 
-@pytest.mark.parametrize("ranks,ep", [(2, "2"), pytest.param(4, "2", marks=pytest.mark.slow)], ids=["ep2", "ep2xdp2"])
-def test_expert_parallel_drops_the_tokens_its_data_parallel_layout_drops(tmp_path, ranks, ep):
+@pytest.mark.parametrize("ranks,ep,pad", [(2, "2", []), pytest.param(4, "2", [], marks=pytest.mark.slow),
+                                          (2, "2", ["--moe-pad-expert-input-to-capacity"])],
+                         ids=["ep2", "ep2xdp2", "ep2-padded"])
+def test_expert_parallel_drops_the_tokens_its_data_parallel_layout_drops(tmp_path, ranks, ep, pad):
     """Under a capacity factor each rank drops over its own tokens' choices, so EP 2 follows the
-    same ranks at EP 1 (plain data parallelism) step by step, dropped choices included."""
+    same ranks at EP 1 (plain data parallelism) step by step, dropped choices included; also with
+    every expert's rows padded to its capacity at EP 2 (and not at EP 1)."""
     import json
     from helpers import launch
     args = MOE_TINY + ["--moe-expert-capacity-factor", "0.6", "--global-batch-size", "8"]
     curves = {}
-    for name, extra in (("dp", []), ("ep", ["--expert-model-parallel-size", ep])):
+    for name, extra in (("dp", []), ("ep", ["--expert-model-parallel-size", ep] + pad)):
         log = tmp_path / f"{name}.jsonl"
         run = launch(ranks, args + extra + ["--log-file", str(log)])
         assert run.returncode == 0, run.stdout + run.stderr
