@@ -62,6 +62,19 @@ def storage(fmt):
         _active = previous
 
 
+@contextlib.contextmanager
+def suspended():
+    """No rounding inside this block: ops Megatron computes in float32 or float64 whatever the
+    model's 16-bit format (the MoE router under --moe-router-dtype). Their inputs come in through
+    a cast of their own (on a GPU they may be 16-bit arrays: nothing here widens them)."""
+    global _active
+    previous, _active = _active, None
+    try:
+        yield
+    finally:
+        _active = previous
+
+
 #: Whether a GPU run holds 16-bit arrays: the saved arrays that lie on the grid and the parameters
 #: forward reads (npmegatron's flat buffers). Tests turn it off to show the numbers do not change.
 sixteen_bit_arrays_on_gpu = True

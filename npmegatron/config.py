@@ -167,6 +167,9 @@ class GPTConfig:
     moe_token_drop_policy: str = option("probs", "Which choices an expert over capacity keeps: its highest "
                                                  "router weights (probs) or its earliest tokens (position).",
                                         choices=("probs", "position"))
+    moe_router_dtype: Optional[str] = option(None, "Compute the router (logits, weights, losses) in this dtype, "
+                                                   "unrounded under --fp16/--bf16 (default: the model's).",
+                                             choices=("fp32", "fp64"))
     moe_pad_expert_input_to_capacity: bool = option(False, "Pad every expert's rows to its capacity (static "
                                                            "shapes; the numbers do not change).")
 

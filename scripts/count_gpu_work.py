@@ -284,6 +284,7 @@ def main(argv=None):
     parser.add_argument("--num-experts", type=int, default=None, help="every layer an MoE layer of this many "
                         "experts (each the family's MLP at --ffn-hidden-size)")
     parser.add_argument("--moe-router-topk", type=int, default=2)
+    parser.add_argument("--moe-router-dtype", choices=("fp32", "fp64"), default=None)
     for flag in ("--tf32", "--fp16", "--bf16"):
         parser.add_argument(flag, action="store_true")
     parser.add_argument("--blockwise-attention", action="store_true", help="count the blockwise attention "
@@ -306,7 +307,7 @@ def main(argv=None):
                     tf32=args.tf32, fp16=args.fp16, bf16=args.bf16, device="gpu", model_family=args.model_family,
                     group_query_attention=args.num_query_groups is not None,
                     num_query_groups=args.num_query_groups, num_experts=args.num_experts,
-                    moe_router_topk=args.moe_router_topk)
+                    moe_router_topk=args.moe_router_topk, moe_router_dtype=args.moe_router_dtype)
     result = measure(cfg, args.micro_batch_size, args.seq_length, args.check_depth, args.check_python_calls)
     print(format_report(result))
     if args.json:

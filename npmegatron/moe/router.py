@@ -21,15 +21,18 @@ MoEAuxLossAutoScaler does, so a pipeline stage needs no loss of its own):
   parallelism both count the whole sequences' choices (balancing_loss);
 - z-loss (ST-MoE): coeff * mean over tokens of logsumexp(logits)^2.
 """
+import contextlib
 import math
 
 import numpy
 
 from .. import autograd as ag
 from .. import comm
-from ..autograd import Function
+from ..autograd import Function, precision
 from ..module import Module, ParamSpec, parameter
 from . import aux_loss
+
+ROUTER_DTYPES = {"fp32": numpy.float32, "fp64": numpy.float64}
 
 
 class TopKRouter(Module):
@@ -50,15 +53,33 @@ class TopKRouter(Module):
     def forward(self, x, sequences=1):
         """x (tokens, hidden), `sequences` sequences of equal length one after the other -> (weights
         (tokens, k) Tensor, experts (tokens, k) host array, which of those choices are kept: a
-        (tokens, k) host bool array under a capacity factor, else None)."""
+        (tokens, k) host bool array under a capacity factor, else None). Under --moe-router-dtype
+        the logits, the weights and the losses are computed in that dtype, unrounded under
+        --fp16/--bf16 (Megatron-Core's router in FP32), the weights handed back in the model's."""
+        cfg, weight = self.cfg, self.weight
+        wide, model_dtype = router_dtype(cfg, x.dtype), numpy.result_type(x.dtype, numpy.float32)
+        with precision.suspended() if wide else contextlib.nullcontext():
+            if wide:
+                x, weight = _Cast.apply(x, dtype=wide), _Cast.apply(weight, dtype=wide)
+            logits = ag.linear(x, weight.T)
+            if cfg.moe_z_loss_coeff and ag.is_grad_enabled():      # training (as Megatron), not evaluation
+                logits = aux_loss.attach(logits, z_loss(logits), "z_loss", self.layer, cfg.moe_z_loss_coeff)
+            weights, experts = route(logits, cfg, self.expert_bias)
+            # the choice goes to the host once: the dispatch sorts and splits by it there (a GPU's one
+            # synchronisation a layer, Megatron's too), the counts and the capacity read it there
+            experts = ag.backend.to_numpy(experts)
+            kept = self._kept(weights, experts)
+            kind = cfg.moe_router_load_balancing_type
+            if kind != "none" and cfg.moe_aux_loss_coeff and ag.is_grad_enabled():
+                loss = balancing_loss(logits, cfg, kind, sequences, self.cp_group)
+                weights = aux_loss.attach(weights, loss, "load_balancing_loss", self.layer, cfg.moe_aux_loss_coeff)
+            if wide and wide != model_dtype:      # fp64: the weights meet the model's activations
+                weights = _Cast.apply(weights, dtype=model_dtype)
+        return weights, experts, kept
+
+    def _kept(self, weights, experts):
+        """Which choices the experts keep (None: all), and the counts kept for the bias and the log."""
         cfg = self.cfg
-        logits = ag.linear(x, self.weight.T)
-        if cfg.moe_z_loss_coeff and ag.is_grad_enabled():      # training (as Megatron), not evaluation
-            logits = aux_loss.attach(logits, z_loss(logits), "z_loss", self.layer, cfg.moe_z_loss_coeff)
-        weights, experts = route(logits, cfg, self.expert_bias)
-        # the choice goes to the host once: the dispatch sorts and splits by it there (a GPU's one
-        # synchronisation a layer, Megatron's too), the counts and the capacity read it there
-        experts = ag.backend.to_numpy(experts)
         kept = None
         if cfg.moe_expert_capacity_factor is not None:
             kept = within_capacity(weights.data, experts, cfg)
@@ -69,11 +90,7 @@ class TopKRouter(Module):
         if ag.is_grad_enabled():
             self.step_tokens_per_expert = _added(self.step_tokens_per_expert, counts)
             self.interval_tokens_per_expert = _added(self.interval_tokens_per_expert, counts)
-        kind = cfg.moe_router_load_balancing_type
-        if kind != "none" and cfg.moe_aux_loss_coeff and ag.is_grad_enabled():
-            loss = balancing_loss(logits, cfg, kind, sequences, self.cp_group)
-            weights = aux_loss.attach(weights, loss, "load_balancing_loss", self.layer, cfg.moe_aux_loss_coeff)
-        return weights, experts, kept
+        return kept
 
     def update_expert_bias(self, group=None):
         """DeepSeek-V3's update after a step: each expert's bias moves by the rate towards balance
@@ -95,6 +112,30 @@ def update_expert_biases(model, group=None):
     for _, module in model.named_modules():
         if isinstance(module, TopKRouter):
             module.update_expert_bias(group)
+
+
+def router_dtype(cfg, dtype):
+    """The dtype --moe-router-dtype computes the router in (never narrower than the model's), or
+    None: the model's own, rounded as every op under --fp16/--bf16."""
+    if cfg.moe_router_dtype is None:
+        return None
+    return numpy.result_type(ROUTER_DTYPES[cfg.moe_router_dtype], numpy.result_type(dtype, numpy.float32))
+
+
+class _Cast(Function):
+    """x in another float dtype; backward: the gradient in x's compute dtype (float32 for a 16-bit
+    x, whose gradient the tape then rounds as any activation's)."""
+    reads_16_bit = True
+    float32_output = True
+
+    @staticmethod
+    def forward(ctx, x, dtype):
+        ctx.dtype = numpy.result_type(x.dtype, numpy.float32)
+        return x.astype(dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.astype(ctx.dtype)
 
 
 def route(logits, cfg, expert_bias=None):

@@ -507,3 +507,33 @@ def test_forwards_without_gradients_record_no_moe_losses_or_drops():
     assert aux_loss.take_values() == {} and layer.router.interval_dropped == 0
     layer(ag.Tensor(x, requires_grad=True))
     assert set(aux_loss.take_values()) == {"z_loss", "load_balancing_loss"} and layer.router.interval_dropped > 0
+
+
+@pytest.mark.parametrize("router_dtype", ["fp32", "fp64"])
+def test_the_router_dtype_keeps_the_routing_unrounded_under_bf16(router_dtype):
+    """--moe-router-dtype under --bf16: the routing weights are off the bf16 grid (by default they
+    are rounded onto it, as every op's output), come back as float32, and the router's weight and
+    input still get their gradients."""
+    from npmegatron.autograd import precision
+    from npmegatron.moe import TopKRouter
+    x = precision.round_(np.random.default_rng(0).standard_normal((10, 16)).astype(np.float32), "bf16")
+    seen = {}
+    for dtype in (None, router_dtype):
+        cfg = GPTConfig(**{**BASE, "dtype": "float32", "moe_router_dtype": dtype, "moe_aux_loss_coeff": 0.1})
+        router = TopKRouter(cfg, np, np.float32, 0)
+        router.initialize(cfg.seed, "bf16")
+        xt = ag.Tensor(x.copy(), requires_grad=True)
+        with precision.storage("bf16"):
+            weights, _, _ = router(xt)
+            ag.sum(weights * weights).backward()
+        assert weights.dtype == np.float32 and np.abs(router.weight.grad).sum() > 0 and np.abs(xt.grad).sum() > 0
+        seen[dtype] = weights.data
+    on_grid = lambda a: np.array_equal(a, precision.round_(a.copy(), "bf16"))      # noqa: E731
+    assert on_grid(seen[None]) and not on_grid(seen[router_dtype])
+
+
+def test_the_router_in_float64_passes_finite_differences():
+    cfg, layer, x = layer_and_input(moe_router_dtype="fp64", moe_router_pre_softmax=True)
+    params = list(layer.parameters())
+    xt = ag.Tensor(x, requires_grad=True)
+    assert gradcheck(lambda a, *_: layer(a)[0], [xt] + params, tol=1e-6, max_entries=24) < 1e-6
