@@ -17,9 +17,14 @@ CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, max_position_emb
 LLAMA = dict(model_family="llama", num_attention_heads=8, group_query_attention=True, num_query_groups=2)
 
 
-@pytest.mark.parametrize("family", [{}, LLAMA], ids=["gpt2", "llama"])
+MOE = dict(LLAMA, num_experts=4, moe_router_topk=2, moe_layer_freq="([0]*1+[1]*1)",
+           moe_shared_expert_intermediate_size=16, moe_shared_expert_gate=True)
+
+
+@pytest.mark.parametrize("family", [{}, LLAMA, MOE], ids=["gpt2", "llama", "llama-moe"])
 def test_cached_logits_equal_the_full_forward(family):
-    """For the Llama family the cache keeps each key/value group once, rotated at its position."""
+    """For the Llama family the cache keeps each key/value group once, rotated at its position;
+    an MoE layer routes each new token as the full forward routed it."""
     model = GPT(GPTConfig(**{**CFG, **family})).eval()
     ids = np.random.default_rng(0).integers(0, 256, (2, 20))
     with ag.no_grad():

@@ -266,7 +266,7 @@ def family_of(layout):
     serial run takes too."""
     return [word for i, word in enumerate(layout)
             for flag in [layout[i - 1] if word[:2] != "--" else word]
-            if flag in ("--model-family", "--moe-router-load-balancing-type")]
+            if flag in ("--model-family", "--moe-router-load-balancing-type", "--num-layers", "--moe-layer-freq")]
 
 
 @pytest.mark.parametrize("layout", [["--tp", "2"], pytest.param(["--pp", "2"], marks=pytest.mark.slow),
@@ -317,11 +317,18 @@ def test_experts_split_over_ranks_equal_the_whole_layer(mpirun, ranks, case):
                                           (2, ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]),
                                           (4, ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]),
                                           (4, ["--expert-model-parallel-size", "2", "--cp", "2"]),
+                                          (2, ["--expert-model-parallel-size", "2", "--recompute-granularity", "full",
+                                               "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
+                                          pytest.param(4, ["--expert-model-parallel-size", "2", "--pp", "2",
+                                                           "--num-layers", "4", "--moe-layer-freq", "2",
+                                                           "--num-layers-per-virtual-pipeline-stage", "1"],
+                                                       marks=pytest.mark.slow),
                                           pytest.param(4, ["--expert-model-parallel-size", "2", "--pp", "2",
                                                            "--use-distributed-optimizer"], marks=pytest.mark.slow)],
                          ids=["ep2", "ep2xdp2", "ep2xpp2", "ep2xtp2", "ep2xtp2-sp", "ep2xtp2-sp-llama", "ep2xtp2-etp1",
                               "ep2-distopt",
-                              "ep2xdp2-distopt", "ep2xcp2", "ep2xpp2-distopt"])
+                              "ep2xdp2-distopt", "ep2xcp2", "ep2-recompute", "ep2xpp2-interleaved",
+                              "ep2xpp2-distopt"])
 def test_expert_parallel_training_follows_the_serial_trajectory(tmp_path, ranks, layout):
     """EP 2 (the two DP ranks split the experts), EP 2 x expert-DP 2 (4 DP ranks), EP 2 x PP 2 and
     EP 2 x TP 2 (each expert split over the TP ranks; with sequence parallelism; or whole on each
