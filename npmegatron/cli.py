@@ -232,17 +232,20 @@ def generation_prompts(prompt, prompts_file):
 
 
 @main.command()
-@click.option("--from-hf", "from_hf", default=None, help="A local Hugging Face GPT-2 or Llama folder "
-              "(config.json, model.safetensors, optionally tokenizer.json) to convert into a checkpoint in --save.")
+@click.option("--from-hf", "from_hf", default=None, help="A local Hugging Face GPT-2, Llama, Mixtral or "
+              "Qwen2-MoE folder (config.json, model.safetensors, optionally tokenizer.json) to convert into a "
+              "checkpoint in --save.")
 @click.option("--save", default=None, help="With --from-hf: the new checkpoint folder (loads at any layout).")
 @click.option("--to-hf", "to_hf", default=None, help="A folder to write the --load checkpoint into, as "
-              "GPT2LMHeadModel or (a Llama-family model) LlamaForCausalLM.from_pretrained reads it.")
+              "GPT2LMHeadModel, LlamaForCausalLM, MixtralForCausalLM or Qwen2MoeForCausalLM (as the model is) "
+              ".from_pretrained reads it.")
 @click.option("--load", default=None, help="With --to-hf: a checkpoint saved at any layout.")
 @click.option("--overwrite", is_flag=True, default=False, help="With --to-hf: replace the config.json and "
               "weights the folder already holds (by default that is refused).")
 @user_errors
 def convert(from_hf, save, to_hf, load, overwrite):
-    """Hugging Face GPT-2 or Llama weights in (--from-hf DIR --save CK) or out (--load CK --to-hf DIR)."""
+    """Hugging Face GPT-2, Llama, Mixtral or Qwen2-MoE weights in (--from-hf DIR --save CK) or out (--load CK
+    --to-hf DIR)."""
     from .convert import export_hf, import_hf
     if bool(from_hf) == bool(to_hf) or bool(from_hf) != bool(save) or bool(to_hf) != bool(load):
         raise InputError("convert needs either --from-hf DIR --save CHECKPOINT or --load CHECKPOINT "

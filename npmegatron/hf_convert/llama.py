@@ -28,6 +28,10 @@ permutes their q and k rows before it writes the format read here.
 HF's rotary_emb.inv_freq buffers (older transformers saved them) are skipped. A tied Llama
 (tie_word_embeddings) has no output layer: its lm_head, if present, must equal embed_tokens.
 Written files have "model."-prefixed keys and lm_head.weight when untied, as save_pretrained's.
+
+The decoder is shared with moe.py's Mixtral and Qwen2-MoE: decoder_config_from_hf and
+decoder_config_to_hf (the config.json fields), llama_name_map with another family's MLP, and the
+QKV joining, which takes Qwen2-MoE's q, k, v biases group by group like the weights' rows.
 """
 import json
 import re
@@ -67,9 +71,17 @@ def llama_config_from_hf(hf_config):
     """GPTConfig keyword arguments for an HF Llama config.json. Absent fields take LlamaConfig's
     defaults, as transformers would; fewer key/value heads than query heads is grouped-query
     attention. Llama has no hidden dropout; its attention_dropout carries over."""
-    values = {**hf_config, "rope_theta": _llama_rope_theta(hf_config)}
-    get = lambda key: values.get(key, LLAMA_DEFAULTS.get(key))   # noqa: E731
-    for key, (wanted, why) in LLAMA_REQUIRED.items():
+    return decoder_config_from_hf(hf_config, LLAMA_DEFAULTS, LLAMA_REQUIRED)
+
+
+def decoder_config_from_hf(hf_config, defaults, required):
+    """The GPTConfig keyword arguments of the decoder Llama, Mixtral and Qwen2-MoE share
+    (attention, rotary angles, RMSNorm, embeddings; intermediate_size as ffn_hidden_size), absent
+    fields taking the family's `defaults` and each field of `required` ({field: (the only value
+    supported, why)}) checked strictly."""
+    values = {**hf_config, "rope_theta": hf_rope_theta(hf_config, defaults["rope_theta"])}
+    get = lambda key: values.get(key, defaults.get(key))   # noqa: E731
+    for key, (wanted, why) in required.items():
         if json.dumps(get(key)) != json.dumps(wanted):     # strictly: true is not 1, nor 1.0 an int
             raise InputError(f"config.json has {key} {_shown(get(key))}; npmegatron supports only "
                              f"{json.dumps(wanted)} ({why})")
@@ -89,12 +101,12 @@ def llama_config_from_hf(hf_config):
             "init_method_std": numbers["initializer_range"]}
 
 
-def _llama_rope_theta(hf_config):
-    """The rotary base of a Llama config.json: transformers 4 writes rope_theta (and rope_scaling),
-    transformers 5 rope_parameters {"rope_type": "default", "rope_theta": ...} (reading either).
-    Only the plain kind is computed here; given both ways, the two must agree, since each version
-    of transformers reads its own."""
-    theta = hf_config.get("rope_theta", LLAMA_DEFAULTS["rope_theta"])
+def hf_rope_theta(hf_config, default):
+    """The rotary base of a Llama-like config.json: transformers 4 writes rope_theta (and
+    rope_scaling), transformers 5 rope_parameters {"rope_type": "default", "rope_theta": ...}
+    (reading either). Only the plain kind is computed here; given both ways, the two must agree,
+    since each version of transformers reads its own."""
+    theta = hf_config.get("rope_theta", default)
     parameters = hf_config.get("rope_parameters")
     if parameters is None:
         return theta
@@ -140,53 +152,75 @@ def _llama_sizes(get):
 
 
 def llama_config_to_hf(cfg: GPTConfig, bos_token_id=None, eos_token_id=None):
-    """A complete config.json for LlamaForCausalLM. The rotary base is written both ways that
-    transformers 4 (rope_theta) and 5 (rope_parameters) read. Unknown token ids are written null:
+    """A complete config.json for LlamaForCausalLM. Unknown token ids are written null:
     LlamaConfig's defaults (1 and 2) are Llama's own tokenizer's and would name other tokens of
     another vocabulary. Llama has no hidden dropout, so a model trained with one is written without it."""
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
-            "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
-            "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
-            "num_key_value_heads": cfg.num_query_groups, "head_dim": cfg.head_dim, "hidden_act": "silu",
-            "max_position_embeddings": cfg.max_position_embeddings, "initializer_range": cfg.init_method_std,
-            "rms_norm_eps": cfg.layernorm_epsilon, "rope_theta": cfg.rotary_base, "rope_scaling": None,
-            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rotary_base},
-            "attention_bias": False, "attention_dropout": cfg.attention_dropout, "mlp_bias": False,
-            "pretraining_tp": 1, "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
-            "use_cache": True, "torch_dtype": cfg.dtype, "bos_token_id": bos_token_id,
-            "eos_token_id": eos_token_id}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            **decoder_config_to_hf(cfg, bos_token_id, eos_token_id), "intermediate_size": cfg.ffn_hidden_size,
+            "head_dim": cfg.head_dim, "rope_scaling": None, "attention_bias": False, "mlp_bias": False,
+            "pretraining_tp": 1}
 
 
-def llama_name_map(cfg):
-    """[(HF names without "model.", npmegatron master name, master shape)] of a Llama configuration
-    in the model's parameter order: one HF tensor a master, but q_proj, k_proj and v_proj for the
-    joined QKV; lm_head (its name never prefixed) only when the output layer is untied."""
-    h, f, vocab = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size
+def decoder_config_to_hf(cfg: GPTConfig, bos_token_id=None, eos_token_id=None):
+    """The config.json fields Llama, Mixtral and Qwen2-MoE share. The rotary base is written both
+    ways that transformers 4 (rope_theta) and 5 (rope_parameters) read."""
+    return {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
+            "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_query_groups,
+            "hidden_act": "silu", "max_position_embeddings": cfg.max_position_embeddings,
+            "initializer_range": cfg.init_method_std, "rms_norm_eps": cfg.layernorm_epsilon,
+            "rope_theta": cfg.rotary_base, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rotary_base},
+            "attention_dropout": cfg.attention_dropout,
+            "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights, "use_cache": True,
+            "torch_dtype": cfg.dtype, "bos_token_id": bos_token_id, "eos_token_id": eos_token_id}
+
+
+def llama_name_map(cfg, mlp_names=None):
+    """[(HF names without "model.", npmegatron master name, master shape)] of a Llama-like
+    configuration in the model's parameter order: one HF tensor a master, but q_proj, k_proj and
+    v_proj for the joined QKV (and their biases for its bias); lm_head (its name never prefixed)
+    only when the output layer is untied. `mlp_names(cfg, n)` lists layer n's MLP as
+    [(HF names under "layers.n.", name under "blocks.n.", shape)]: Llama's dense SwiGLU by default."""
+    h, vocab, mlp_names = cfg.hidden_size, cfg.vocab_size, mlp_names or dense_mlp_names
     qkv = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * cfg.head_dim
-    layer = [(("input_layernorm",), "ln_1", (h,)),
-             (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "attn.qkv", (h, qkv)),
-             (("self_attn.o_proj",), "attn.proj", (h, h)), (("post_attention_layernorm",), "ln_2", (h,)),
-             (("mlp.gate_proj",), "mlp.gate", (h, f)), (("mlp.up_proj",), "mlp.up", (h, f)),
-             (("mlp.down_proj",), "mlp.proj", (f, h))]
+    projections = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    attention = [(("input_layernorm.weight",), "ln_1.weight", (h,)),
+                 (tuple(f"{name}.weight" for name in projections), "attn.qkv.weight", (h, qkv))]
+    if cfg.qkv_bias:
+        attention.append((tuple(f"{name}.bias" for name in projections), "attn.qkv.bias", (qkv,)))
+    attention += [(("self_attn.o_proj.weight",), "attn.proj.weight", (h, h)),
+                  (("post_attention_layernorm.weight",), "ln_2.weight", (h,))]
     names = [(("embed_tokens.weight",), "wte.weight", (vocab, h))]
     if cfg.untie_embeddings_and_output_weights:
         names.append(((LLAMA_HEAD,), "output_layer.weight", (vocab, h)))
     for n in range(cfg.num_layers):
-        names += [(tuple(f"layers.{n}.{hf}.weight" for hf in hfs), f"blocks.{n}.{ours}.weight", shape)
-                  for hfs, ours, shape in layer]
+        names += [(tuple(f"layers.{n}.{hf}" for hf in hfs), f"blocks.{n}.{ours}", shape)
+                  for hfs, ours, shape in attention + mlp_names(cfg, n)]
     return names + [(("norm.weight",), "ln_f.weight", (h,))]
 
 
-def llama_hf_shapes(cfg):
-    """{HF name without "model.": shape} of a Llama configuration, as its folder holds them."""
+def dense_mlp_names(cfg, n, hf="mlp", ours="mlp", size=None):
+    """A SwiGLU MLP of inner size `size` (default: ffn_hidden_size): HF's gate_proj, up_proj and
+    down_proj under `hf`, ours gate, up and proj under `ours`."""
+    h, f = cfg.hidden_size, size or cfg.ffn_hidden_size
+    return [((f"{hf}.gate_proj.weight",), f"{ours}.gate.weight", (h, f)),
+            ((f"{hf}.up_proj.weight",), f"{ours}.up.weight", (h, f)),
+            ((f"{hf}.down_proj.weight",), f"{ours}.proj.weight", (f, h))]
+
+
+def llama_hf_shapes(cfg, names=None):
+    """{HF name without "model.": shape} of a Llama-like configuration, as its folder holds them
+    (`names` from llama_name_map, Llama's by default)."""
     h, d = cfg.hidden_size, cfg.head_dim
     rows = {"q_proj": cfg.num_attention_heads * d, "k_proj": cfg.num_query_groups * d,
             "v_proj": cfg.num_query_groups * d}
     shapes = {}
-    for hf_names, _, shape in llama_name_map(cfg):
+    for hf_names, _, shape in names or llama_name_map(cfg):
         for name in hf_names:
-            module = name.split(".")[-2]
-            shapes[name] = (rows[module], h) if module in rows else shape[::-1] if is_linear(name) else shape
+            module, kind = name.split(".")[-2:]
+            if len(hf_names) == 3:              # q, k or v, of the joined QKV
+                shapes[name] = (rows[module], h) if kind == "weight" else (rows[module],)
+            else:
+                shapes[name] = shape[::-1] if is_linear(name) else shape
     return shapes
 
 
@@ -201,8 +235,9 @@ def llama_sizes_held(cfg):
 
 
 def is_linear(hf_name):
-    """A Llama nn.Linear weight other than lm_head: stored (out, in) by HF, so transposed."""
-    return hf_name.endswith("_proj.weight")
+    """An nn.Linear weight other than lm_head and the routers: stored (out, in) by HF, so
+    transposed (Llama's *_proj, Mixtral's experts' w1, w2, w3)."""
+    return hf_name.endswith("_proj.weight") or re.search(r"\.w[123]\.weight$", hf_name) is not None
 
 
 def is_rotary_buffer(name):
@@ -211,10 +246,11 @@ def is_rotary_buffer(name):
     return name.endswith("rotary_emb.inv_freq")
 
 
-def llama_masters(tensors, cfg):
-    """Masters from a checked Llama state: QKV joined, linears transposed, the rest as they are."""
+def llama_masters(tensors, cfg, names=None):
+    """Masters from a checked Llama-like state (`names` from llama_name_map, Llama's by default):
+    QKV joined, linears transposed, the rest as they are."""
     masters = {}
-    for hf_names, ours, _ in llama_name_map(cfg):
+    for hf_names, ours, _ in names or llama_name_map(cfg):
         arrays = [tensors[name] for name in hf_names]
         if len(arrays) == 3:
             masters[ours] = qkv_from_llama(*arrays, cfg.num_query_groups)
@@ -224,7 +260,7 @@ def llama_masters(tensors, cfg):
 
 
 def llama_state(masters, cfg, names):
-    """LlamaForCausalLM's state from checked masters: QKV split, linears transposed back."""
+    """A Llama-like model's HF state from checked masters: QKV split, linears transposed back."""
     state = {}
     for hf_names, ours, _ in names:
         if len(hf_names) == 3:
@@ -238,14 +274,19 @@ def llama_state(masters, cfg, names):
 
 def qkv_from_llama(q, k, v, groups):
     """HF Llama's q_proj (nq d, h), k_proj and v_proj (G d, h), with G = groups -> our QKV weight
-    (h, (nq + 2G) d), group by group: the group's nq / G query heads, its key head, its value head."""
+    (h, (nq + 2G) d), group by group: the group's nq / G query heads, its key head, its value head.
+    Biases ((nq d,), (G d,), (G d,)) are joined the same way, into ((nq + 2G) d,)."""
+    if q.ndim == 1:
+        return qkv_from_llama(q[:, None], k[:, None], v[:, None], groups)[0]
     h = q.shape[1]
     rows = numpy.concatenate([q.reshape(groups, -1, h), k.reshape(groups, -1, h), v.reshape(groups, -1, h)], axis=1)
     return numpy.ascontiguousarray(rows.reshape(-1, h).T)
 
 
 def qkv_to_llama(array, heads, groups):
-    """Our QKV weight -> HF Llama's [q_proj, k_proj, v_proj]: the inverse of qkv_from_llama."""
+    """Our QKV weight (or bias) -> HF Llama's [q_proj, k_proj, v_proj]: the inverse of qkv_from_llama."""
+    if array.ndim == 1:
+        return [numpy.ascontiguousarray(part[:, 0]) for part in qkv_to_llama(array[None, :], heads, groups)]
     h, per_group = array.shape[0], heads // groups
     d = array.shape[1] // (heads + 2 * groups)
     rows = array.T.reshape(groups, (per_group + 2) * d, h)

@@ -133,7 +133,7 @@ def layer_traffic(cfg, shape, w):
     ffn = tokens * cfg.ffn_hidden_size // t
     ops = [("norm", whole), ("norm", whole), ("residual", whole), ("residual", whole),
            ("swiglu", ffn) if cfg.swiglu else ("activation", ffn)]
-    if cfg.add_bias_linear:
+    if cfg.qkv_bias:
         ops.append(("stream", qkv))
     if cfg.position_embedding_type == "rope":
         ops.append(("stream", tokens * (query + cfg.num_query_groups * cfg.head_dim) // t))

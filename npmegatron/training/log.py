@@ -184,7 +184,7 @@ def parts_note(cfg):
              "SwiGLU" if cfg.swiglu else None,
              f"{cfg.num_query_groups} key/value groups" if cfg.group_query_attention else None,
              "untied output layer" if cfg.untie_embeddings_and_output_weights else None,
-             "no biases" if cfg.disable_bias_linear else None]
+             ("no biases but QKV's" if cfg.add_qkv_bias else "no biases") if cfg.disable_bias_linear else None]
     chosen = [p for p in parts if p]
     return f" ({', '.join(chosen)})" if chosen else ""
 

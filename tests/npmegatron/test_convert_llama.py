@@ -130,9 +130,9 @@ class ReferenceLlama:
     def _attention(self, x, layer):
         p, r = self.p, self.heads // self.groups
         a, inverse = rms_norm(x, p[layer + "input_layernorm.weight"], self.eps)
-        q0 = self._heads(a @ p[layer + "self_attn.q_proj.weight"].T, self.heads)
-        k0 = self._heads(a @ p[layer + "self_attn.k_proj.weight"].T, self.groups)
-        v = self._heads(a @ p[layer + "self_attn.v_proj.weight"].T, self.groups)
+        q0 = self._heads(self._projection(a, layer + "self_attn.q_proj"), self.heads)
+        k0 = self._heads(self._projection(a, layer + "self_attn.k_proj"), self.groups)
+        v = self._heads(self._projection(a, layer + "self_attn.v_proj"), self.groups)
         q, k = (z * self.cos + rotate_half(z) * self.sin for z in (q0, k0))
         k_all, v_all = np.repeat(k, r, axis=1), np.repeat(v, r, axis=1)        # repeat_kv: head i uses i // r
         t = x.shape[1]
@@ -142,6 +142,10 @@ class ReferenceLlama:
         y = (probs @ v_all).transpose(0, 2, 1, 3).reshape(x.shape)
         self.tape.append(dict(x=x, a=a, inverse=inverse, q=q, k_all=k_all, v_all=v_all, probs=probs, y=y))
         return y @ p[layer + "self_attn.o_proj.weight"].T
+
+    def _projection(self, a, name):
+        """a W^T, plus the bias where the state has one (Qwen2's q, k and v)."""
+        return a @ self.p[name + ".weight"].T + self.p.get(name + ".bias", 0.0)
 
     def _mlp(self, x, layer):
         p = self.p
@@ -197,6 +201,8 @@ class ReferenceLlama:
         for name, dz in (("q_proj", dq0), ("k_proj", dk0), ("v_proj", dv)):
             dz = dz.transpose(0, 2, 1, 3).reshape(b, t, -1)
             grads[layer + f"self_attn.{name}.weight"] = flat(dz).T @ flat(s["a"])
+            if layer + f"self_attn.{name}.bias" in p:
+                grads[layer + f"self_attn.{name}.bias"] = flat(dz).sum(0)
             da = da + dz @ p[layer + f"self_attn.{name}.weight"]
         dx, grads[layer + "input_layernorm.weight"] = rms_norm_backward(
             da, s["x"], s["inverse"], p[layer + "input_layernorm.weight"])
@@ -412,7 +418,7 @@ def test_transformers_5_rope_parameters_are_read():
     ({"rms_norm_eps": 0}, "rms_norm_eps 0; it must be a positive finite number"),
     ({"rope_theta": "1e4"}, "rope_theta '1e4'; it must be a positive finite number"),
     ({"attention_dropout": 1.0}, "attention_dropout 1.0; it must be a number in \\[0, 1\\)"),
-    ({"model_type": "mistral"}, "model_type 'mistral'; only 'gpt2' .* and 'llama' \\(LlamaModel, LlamaForCausalLM\\)"),
+    ({"model_type": "mistral"}, "model_type 'mistral'; only 'gpt2' .*, 'llama' \\(LlamaModel, LlamaForCausalLM\\)"),
 ])
 def test_unsupported_configs_are_refused_in_one_sentence(change, words):
     with pytest.raises(InputError, match=words) as error:

@@ -1,8 +1,8 @@
-"""Rank program for tests/npmegatron/test_convert.py and test_convert_llama.py: a checkpoint converted
-from a Hugging Face GPT-2 or Llama folder (TP = 1, one shard) loaded at TP = 2 x PP = 2 (4 ranks,
-resharded on load), one forward and backward of fixed tokens through the pipeline schedule. Each
-rank writes RANK.npz into OUT: its gradients with their places in the master tensors, and on the
-last stage the gathered logits and the loss.
+"""Rank program for tests/npmegatron/test_convert.py, test_convert_llama.py and test_convert_moe.py: a
+checkpoint converted from a Hugging Face GPT-2, Llama or Qwen2-MoE folder (TP = 1, one shard) loaded
+at TP = 2 x PP = 2 (4 ranks, resharded on load), one forward and backward of fixed tokens through
+the pipeline schedule. Each rank writes RANK.npz into OUT: its gradients with their places in the
+master tensors, and on the last stage the gathered logits and the loss.
 
     mpiexec -n 4 python tests/ranks/converted_gpt2.py CHECKPOINT TOKENS.npy OUT
 """
@@ -30,7 +30,9 @@ def main(folder, tokens_path, out):
     loss = run_schedule(model, StageExchange(grid, cfg.dtype, model.xp, 1), [(tokens[:, :-1], tokens[:, 1:])],
                         "1f1b", outputs=logits)
     model.finalize_grads()      # the tied embedding's two copies summed over the pipeline ends
-    arrays = {f"grad.{name}": to_numpy(p.grad) for name, p in model.named_parameters()}
+    # an expert no token chose has no gradient: zero
+    arrays = {f"grad.{name}": np.zeros(p.data.shape) if p.grad is None else to_numpy(p.grad)
+              for name, p in model.named_parameters()}
     if logits:
         arrays["logits"] = to_numpy(model.chunks[-1].full_logits(logits[0]))
         arrays["loss"] = np.asarray(to_numpy(loss))

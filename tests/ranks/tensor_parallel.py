@@ -5,6 +5,8 @@ TP group of the whole world (TP = number of ranks).
 
     mpiexec -n 4 python tests/ranks/tensor_parallel.py adjoint        # test_mappings_are_adjoint_pairs
     mpiexec -n N python tests/ranks/tensor_parallel.py equals-serial  # test_tensor_parallel_equals_serial
+    mpiexec -n 2 python tests/ranks/tensor_parallel.py equals-serial-qkv-bias
+                                                # test_convert_moe.py's test_the_qkv_bias_at_tp2_equals_serial
     mpiexec -n N python tests/ranks/tensor_parallel.py equals-serial-shared-memory
                                                 # test_tensor_parallel_through_shared_memory_equals_serial
     mpiexec -n 2 python tests/ranks/tensor_parallel.py counts
@@ -299,6 +301,7 @@ def tape_bytes(world, grid):
 CASES = {"adjoint": adjoint, "equals-serial": equals_serial,
          "equals-serial-llama": lambda world, grid: equals_serial(world, grid, LLAMA),
          "counts-llama": lambda world, grid: counts(world, grid, LLAMA),
+         "equals-serial-qkv-bias": lambda world, grid: equals_serial(world, grid, {**LLAMA, "add_qkv_bias": True}),
          "equals-serial-compiled-loss": lambda world, grid: equals_serial_compiled_loss(world, grid),
          "equals-serial-shared-memory": equals_serial_through_shared_memory, "counts": counts,
          "cross-entropy-volume": cross_entropy_volume, "megatron-cross-entropy": megatron_cross_entropy,
