@@ -88,7 +88,8 @@ class TopKRouter(Module):
         counts = _counts(experts if kept is None else experts[kept], cfg.num_experts)
         self.tokens_per_expert = counts
         if ag.is_grad_enabled():
-            self.step_tokens_per_expert = _added(self.step_tokens_per_expert, counts)
+            if self.expert_bias is not None:        # the step's counts: the bias's update only
+                self.step_tokens_per_expert = _added(self.step_tokens_per_expert, counts)
             self.interval_tokens_per_expert = _added(self.interval_tokens_per_expert, counts)
         return kept
 
@@ -109,6 +110,8 @@ class TopKRouter(Module):
 
 def update_expert_biases(model, group=None):
     """Every MoE router's expert bias under `model` updated from its step's counts (TopKRouter)."""
+    if getattr(model, "cfg", None) is not None and not model.cfg.moe_router_enable_expert_bias:
+        return      # no bias to update: no walk over the modules each step
     for _, module in model.named_modules():
         if isinstance(module, TopKRouter):
             module.update_expert_bias(group)
