@@ -1,5 +1,5 @@
 """Memory per rank of a model config on a shape (TP x PP x DP, virtual stages, micro-batch,
-sequence, dtype, sequence parallelism, recomputation).
+sequence, dtype, sequence parallelism, recomputation, expert parallelism).
 
 Parameters, gradients and optimizer state are exact: they count the tensors this project
 allocates (GPT, PipelineModel and AdamW), shard by shard, with the padded vocabulary on the first
@@ -39,6 +39,15 @@ less the tanh (4 w / t) where the float32 CPU kernel runs bias-GeLU (autograd/op
 inputs of COMPILED_GELU_SIZE elements or more): it recomputes tanh in backward. There is
 no a*s^2*b term: blockwise attention (autograd/ops/attention.py) recomputes the probabilities
 and draws their dropout masks again in backward, so selective recomputation changes nothing here.
+
+An MoE layer (npmegatron/moe/) in place of a dense layer: its attention and norms as a dense
+layer's; the router (E x h) and the shared expert's gate replicated, the shared expert split over
+TP, E / EP whole experts each split over the experts' TP (ETP = TP) or whole (ETP = 1); their
+AdamW state sharded over the DP x CP / EP ranks holding the same experts under the distributed
+optimizer. Its activations, on the tape: the MLP input once (the router's), and per routed row
+(k T of them, routing balanced, none dropped or padded) its expert's input, widths and output
+row, its router weight and the permutation's int64 indices; the router's scores; the shared
+expert's widths (moe_layer_activation_bytes).
 
 Activations are multiplied by the layers a rank holds and the peak number of its stage-chunks in
 flight, taken from the schedule itself (pipeline.schedules.build_actions): AFAB holds M, 1F1B
@@ -81,6 +90,8 @@ class ParallelShape:
     element_bytes: int = None        # default: the model's dtype; 2 for the paper's fp16
     mask_bytes: int = 1
     threads_per_rank: int = None     # a CPU rank's threads (default: the cores shared among the ranks)
+    ep: int = 1                      # expert-parallel ranks, carved out of DP: each holds E / EP experts
+    etp: int = None                  # each expert split over TP ranks (None: TP, the default) or whole (1)
 
     @property
     def ranks(self):
@@ -92,6 +103,16 @@ class ParallelShape:
         return self.seq // self.cp
 
     @property
+    def expert_tp(self):
+        """The ranks each expert is split over: TP, or 1 (whole experts)."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_dp(self):
+        """The ranks holding the same experts (their gradients summed, their optimizer state sharded)."""
+        return self.dp * self.cp // self.ep
+
+    @property
     def micro_batches(self):
         return self.global_batch // (self.micro_batch * self.dp)
 
@@ -101,7 +122,8 @@ class ParallelShape:
 
     def name(self):
         return (f"{self.tp}x{self.pp}x{self.dp}" + (f" cp{self.cp}" if self.cp > 1 else "")
-                + (f" v{self.virtual}" if self.virtual > 1 else ""))
+                + (f" v{self.virtual}" if self.virtual > 1 else "") + (f" ep{self.ep}" if self.ep > 1 else "")
+                + (" etp1" if self.expert_tp != self.tp else ""))
 
 
 def check_shape(cfg, shape):
@@ -119,6 +141,7 @@ def check_shape(cfg, shape):
                          "balanced causal split needs; use a multiple of it")
     if cfg.ffn_hidden_size % t:
         raise InputError(f"FFN size {cfg.ffn_hidden_size} is not divisible by TP {t}; choose another TP size")
+    _check_experts(cfg, shape)
     if cfg.num_layers % (p * v):
         raise InputError(f"{cfg.num_layers} layers do not split evenly over PP {p} x {v} virtual "
                          "stages; choose a PP size (and virtual stages) dividing the layers")
@@ -144,6 +167,34 @@ def check_shape(cfg, shape):
                          f"({cfg.max_position_embeddings}); raise max_position_embeddings")
 
 
+def _check_experts(cfg, shape):
+    """What training refuses of expert parallelism (config.check_expert_parallel and
+    check_expert_tensor_parallel) and of the experts' splits (ColumnParallelLinear), one sentence each."""
+    ep, etp, t = shape.ep, shape.expert_tp, shape.tp
+    if cfg.num_experts is None:
+        if ep > 1 or etp != t:
+            flag = f"--expert-model-parallel-size {ep}" if ep > 1 else f"--expert-tensor-parallel-size {etp}"
+            raise InputError(f"{flag} splits MoE layers' experts, but --num-experts is not given; add it or "
+                             "drop the flag")
+        return
+    shared = cfg.moe_shared_expert_intermediate_size
+    refusals = [
+        (etp not in (1, t), f"expert tensor-parallel size {etp} is neither 1 nor TP {t}: splitting experts over "
+                            f"a TP size of their own is not built; choose 1 or {t}"),
+        (cfg.num_experts % ep, f"the {cfg.num_experts} experts do not split evenly over EP {ep} ranks; choose "
+                               "an expert-parallel size dividing them"),
+        (shape.dp % ep, f"expert-parallel size {ep} does not divide the data-parallel size {shape.dp}, whose "
+                        "ranks it splits the experts over; choose a divisor of DP"),
+        (cfg.moe_ffn_hidden_size % etp, f"expert FFN size {cfg.moe_ffn_hidden_size} is not divisible by the "
+                                        f"experts' TP {etp}; choose another TP size or whole experts "
+                                        "(--expert-tensor-parallel-size 1)"),
+        (shared and shared % t, f"shared expert size {shared} is not divisible by TP {t}; choose another TP size"),
+    ]
+    why = next((reason for refused, reason in refusals if refused), None)
+    if why:
+        raise InputError(why)
+
+
 def stages_of(cfg, shape):
     """StageSpecs of every global stage (pipeline rank i holds stages i, i + PP, ...)."""
     text = default_layout(cfg.num_layers, shape.pp, shape.virtual)
@@ -153,12 +204,41 @@ def stages_of(cfg, shape):
 def layer_parameters(cfg, tp):
     """Elements of one transformer layer on one TP rank: sharded QKV, projection and MLP weights
     and column-parallel biases; replicated row-parallel biases and normalisation weights."""
-    h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    return _attention_parameters(cfg, tp) + _mlp_parameters(cfg, cfg.ffn_hidden_size, tp)
+
+
+def _attention_parameters(cfg, tp):
+    """A layer's part outside its MLP on one TP rank: sharded QKV and projection weights and QKV's
+    bias; the projection's bias and both normalisations' weights replicated."""
+    h = cfg.hidden_size
     qkv = (cfg.num_attention_heads + 2 * cfg.num_query_groups) * cfg.head_dim
-    first = 2 * f if cfg.swiglu else f
-    sharded = h * qkv + h * h + h * first + f * h + ((qkv + first) if cfg.add_bias_linear else 0)
-    replicated = (2 * h if cfg.add_bias_linear else 0) + 2 * _norm_size(cfg)
-    return sharded // tp + replicated
+    sharded = h * qkv + h * h + (qkv if cfg.qkv_bias else 0)
+    return sharded // tp + (h if cfg.add_bias_linear else 0) + 2 * _norm_size(cfg)
+
+
+def _mlp_parameters(cfg, ffn, split):
+    """The family's MLP of inner size ffn on one of the `split` ranks it is split over: fc (SwiGLU:
+    gate and up) by columns with its bias, proj by rows; proj's bias whole on every rank."""
+    h, first = cfg.hidden_size, 2 * ffn if cfg.swiglu else ffn
+    sharded = h * first + ffn * h + (first if cfg.add_bias_linear else 0)
+    return sharded // split + (h if cfg.add_bias_linear else 0)
+
+
+def moe_layer_parameters(cfg, shape):
+    """Elements of one MoE layer on a rank (moe/layer.py): a dense layer's attention and norms; the
+    router (E, h) and the shared expert's gate (1, h), replicated; the shared expert split over TP
+    as the dense MLP; and the rank's routed experts (expert_parameters)."""
+    h, shared = cfg.hidden_size, cfg.moe_shared_expert_intermediate_size
+    count = _attention_parameters(cfg, shape.tp) + cfg.num_experts * h + expert_parameters(cfg, shape)
+    if shared:
+        count += _mlp_parameters(cfg, shared, shape.tp) + (h if cfg.moe_shared_expert_gate else 0)
+    return count
+
+
+def expert_parameters(cfg, shape):
+    """Elements of one MoE layer's routed experts on a rank: E / EP whole experts (expert
+    parallelism), each split over the experts' TP ranks (ETP = TP) or whole (ETP = 1)."""
+    return cfg.num_experts // shape.ep * _mlp_parameters(cfg, cfg.moe_ffn_hidden_size, shape.expert_tp)
 
 
 def _norm_size(cfg):
@@ -166,15 +246,21 @@ def _norm_size(cfg):
     return cfg.hidden_size if cfg.normalization == "RMSNorm" else 2 * cfg.hidden_size
 
 
+def rank_layers(cfg, shape, pp_rank):
+    """The (global) numbers of the layers pipeline rank `pp_rank` holds, over its virtual stages."""
+    return [layer for stage in stages_of(cfg, shape)[pp_rank::shape.pp] for layer in stage.layers]
+
+
 def rank_parameters(cfg, shape, pp_rank):
-    """Elements this (TP rank, pipeline rank) allocates: its layers, the padded vocabulary shard
-    once if it holds the first or the last stage (one shared tensor when both, tied), or twice
-    where an untied output layer is on the same rank as the embedding; the position table (learned
-    positions) on the first stage and the final normalisation on the last."""
+    """Elements this (TP rank, pipeline rank) allocates: its layers (dense or MoE), the padded
+    vocabulary shard once if it holds the first or the last stage (one shared tensor when both,
+    tied), or twice where an untied output layer is on the same rank as the embedding; the position
+    table (learned positions) on the first stage and the final normalisation on the last."""
     stages = stages_of(cfg, shape)[pp_rank::shape.pp]
     h = cfg.hidden_size
     padded = pad_vocab_size(cfg.vocab_size, shape.tp, cfg.make_vocab_size_divisible_by)
-    count = sum(len(s.layers) for s in stages) * layer_parameters(cfg, shape.tp)
+    count = sum(moe_layer_parameters(cfg, shape) if cfg.is_moe_layer(layer) else layer_parameters(cfg, shape.tp)
+                for layer in rank_layers(cfg, shape, pp_rank))
     first, last = any(s.pre_process for s in stages), any(s.post_process for s in stages)
     vocabulary_tables = (first + last) if cfg.untie_embeddings_and_output_weights else (first or last)
     count += vocabulary_tables * (padded // shape.tp * h)
@@ -183,6 +269,22 @@ def rank_parameters(cfg, shape, pp_rank):
     if last:
         count += _norm_size(cfg)
     return count
+
+
+def rank_expert_parameters(cfg, shape, pp_rank):
+    """Of rank_parameters, the routed experts' elements: their gradients are summed over the
+    expert-data-parallel ranks, and the distributed optimizer shards their state over those."""
+    moe_layers = sum(cfg.is_moe_layer(layer) for layer in rank_layers(cfg, shape, pp_rank))
+    return moe_layers * expert_parameters(cfg, shape) if moe_layers else 0
+
+
+def optimizer_parameters(shape, params, experts):
+    """Parameters whose optimizer state a rank holds, of `params` of which `experts` are routed
+    experts': all, or under the distributed optimizer the dense ones' 1 / (DP x CP) share and the
+    experts' 1 / (DP x CP / EP) share (data_parallel/expert_parallel.py)."""
+    if not shape.distributed_optimizer:
+        return params
+    return (params - experts) / (shape.dp * shape.cp) + experts / shape.expert_dp
 
 
 def in_flight_chunks(shape, pp_rank):
@@ -207,7 +309,8 @@ def layer_activation_bytes(cfg, shape, w, recompute=None, accounting="project"):
     hidden_masks = 2 * shape.mask_bytes if cfg.hidden_dropout > 0 else 0
     if accounting != "korthikanti":
         log_sum_exp = a * s * b * w / t
-        per_head_share = (_attention_widths(cfg, shape) + _mlp_widths(cfg, shape, w)) * w / t
+        elements = s * b * cfg.ffn_hidden_size // t
+        per_head_share = (_attention_widths(cfg, shape) + _mlp_widths(cfg, cfg.ffn_hidden_size, elements, w)) * w / t
         return s * b * h * ((2 * w + hidden_masks) / sp_div + 2 * w + per_head_share) + log_sum_exp
     per_sbh = (4 * w + hidden_masks) / sp_div + 12 * w / t
     attn_dropout = cfg.attention_dropout > 0
@@ -227,19 +330,70 @@ def _attention_widths(cfg, shape):
     return 2 + 2 * cfg.num_query_groups / cfg.num_attention_heads
 
 
-def _mlp_widths(cfg, shape, w):
-    """What the MLP keeps per token, in units of h: the first layer's output (SwiGLU: gate and up;
-    GeLU: its input, and tanh unless the CPU kernel recomputes it) and the second layer's input."""
-    f = cfg.ffn_hidden_size / cfg.hidden_size
+def _mlp_widths(cfg, ffn, elements, w):
+    """What an MLP of inner size ffn keeps per row, in units of h: the first layer's output
+    (SwiGLU: gate and up; GeLU: its input, and tanh unless the CPU kernel recomputes it, which
+    depends on the `elements` its activation runs on) and the second layer's input."""
+    f = ffn / cfg.hidden_size
     if cfg.swiglu:
         return 3 * f
-    return (3 if _gelu_keeps_tanh(cfg, shape, w) else 2) * f
+    return (3 if _gelu_keeps_tanh(cfg, elements, w) else 2) * f
 
 
-def _gelu_keeps_tanh(cfg, shape, w):
+def _gelu_keeps_tanh(cfg, elements, w):
     """Whether bias-GeLU keeps tanh for backward: the chains do; the float32 CPU kernel does not."""
-    elements = shape.local_seq * shape.micro_batch * cfg.ffn_hidden_size // shape.tp
     return not (w == 4 and compiled_gelu(cfg.gelu, cfg.dtype, elements, cfg.device == "cpu"))
+
+
+def moe_layer_activation_bytes(cfg, shape, w, recompute=None):
+    """Bytes one MoE layer keeps for backward for one micro-batch, this project's tape: a dense
+    layer's without its MLP's widths (the MLP's input stays, kept once by the router and the shared
+    expert), the routed rows' (moe_routed_bytes), the router's scores, and the shared expert's
+    widths and its gate's output and sigmoid. Full recomputation keeps the layer input alone."""
+    recompute = recompute or shape.recompute
+    if recompute == "full":
+        return layer_activation_bytes(cfg, shape, w, "full")
+    tokens, h, t = shape.local_seq * shape.micro_batch, cfg.hidden_size, shape.tp
+    dense_mlp = _mlp_widths(cfg, cfg.ffn_hidden_size, tokens * cfg.ffn_hidden_size // t, w) * w / t
+    total = layer_activation_bytes(cfg, shape, w, recompute) - tokens * h * dense_mlp
+    total += moe_routed_bytes(cfg, shape, w) + tokens * _router_widths(cfg) * w
+    shared = cfg.moe_shared_expert_intermediate_size
+    if shared:
+        total += tokens * h * _mlp_widths(cfg, shared, tokens * shared // t, w) * w / t
+        total += tokens * (h + 1) * w if cfg.moe_shared_expert_gate else 0
+    return total
+
+
+def moe_routed_bytes(cfg, shape, w):
+    """What the k T routed rows keep (T the micro-batch's tokens on the rank: the whole sequence
+    under SP, which the layer gathers), balanced over the experts and none dropped or padded: each
+    row's expert input (whole: split experts all read it), its expert's widths (split over ETP),
+    the output row the router's weight multiplies and the weight; the permutation's int64 indices
+    (the gather and the scatter-add, and under EP the regroup and its inverse). Experts split and
+    without biases run SwiGLU on gate and up joined: the joined weights are kept too."""
+    k, h, etp = cfg.moe_router_topk, cfg.hidden_size, shape.expert_tp
+    rows = k * shape.local_seq * shape.micro_batch
+    local = cfg.num_experts // shape.ep
+    ffn = cfg.moe_ffn_hidden_size
+    widths = _mlp_widths(cfg, ffn, rows * shape.ep // cfg.num_experts * ffn // etp, w) / etp
+    total = rows * (h * (2 + widths) + 1) * w + rows * 8 * (4 if shape.ep > 1 else 2)
+    if etp > 1 and cfg.swiglu and not cfg.add_bias_linear:        # moe/experts.py: ExpertMLP.partial
+        total += local * h * 2 * ffn // etp * w
+    return total
+
+
+def _router_widths(cfg):
+    """Elements per token the router keeps: the softmax over each token's top k (over every expert
+    with --moe-router-pre-softmax; sigmoid's scores, and with k > 1 the normalised weights and
+    their sum), the balancing loss's scores over every expert (sigmoid's normalised, and their
+    sum), the z-loss's exp, log-sum-exp and its square's input."""
+    k, e = cfg.moe_router_topk, cfg.num_experts
+    sigmoid = cfg.moe_router_score_function == "sigmoid"
+    widths = e if sigmoid or cfg.moe_router_pre_softmax else k
+    widths += k + 1 if sigmoid and k > 1 else 0
+    if cfg.moe_router_load_balancing_type != "none" and cfg.moe_aux_loss_coeff:
+        widths += e + 1 if sigmoid else e
+    return widths + (e + 2 if cfg.moe_z_loss_coeff else 0)
 
 
 def _recompute_config(cfg, shape):
@@ -247,18 +401,34 @@ def _recompute_config(cfg, shape):
                    recompute_num_layers=shape.recompute_num_layers)
 
 
-def chunk_activation_bytes(cfg, shape, w, layers):
-    """(bytes one model chunk of `layers` layers keeps for one micro-batch, bytes of the segment
-    being recomputed in backward, held once): full recomputation keeps one layer input per
-    recomputed segment (recompute.py: chunks of N layers, or the first N layers alone)."""
-    whole = layer_activation_bytes(cfg, shape, w, "none")
+def chunk_activation_bytes(cfg, shape, w, layers, first=0):
+    """(bytes one model chunk of `layers` layers, numbered from `first`, keeps for one micro-batch,
+    bytes of the segment being recomputed in backward, held once): full recomputation keeps one
+    layer input per recomputed segment (recompute.py: chunks of N layers, or the first N alone)."""
+    numbers = range(first, first + layers)
     if shape.recompute != "full":
-        return layers * layer_activation_bytes(cfg, shape, w), 0
+        return sum(_layer_bytes(cfg, shape, w, n) for n in numbers), 0
+    whole = [_layer_bytes(cfg, shape, w, n, "none") for n in numbers]
     segments = recompute_segments(_recompute_config(cfg, shape), layers)
-    kept = sum(layer_activation_bytes(cfg, shape, w, "full") if again else (stop - first) * whole
-               for first, stop, again in segments)
-    workspace = max((stop - first) * whole for first, stop, again in segments if again)
+    kept = sum(layer_activation_bytes(cfg, shape, w, "full") if again else sum(whole[start:stop])
+               for start, stop, again in segments)
+    workspace = max(sum(whole[start:stop]) for start, stop, again in segments if again)
     return kept, workspace
+
+
+def _layer_bytes(cfg, shape, w, layer, recompute=None):
+    """Activation bytes of layer number `layer`: an MoE layer's or a dense one's."""
+    if cfg.is_moe_layer(layer):
+        return moe_layer_activation_bytes(cfg, shape, w, recompute)
+    return layer_activation_bytes(cfg, shape, w, recompute)
+
+
+def rank_activation_bytes(cfg, shape, w, pp_rank):
+    """Activations a pipeline rank holds at its peak: its chunks in flight, each charged as its
+    heaviest model chunk (all alike unless MoE layers fall unevenly), plus one recomputed segment."""
+    chunks = [chunk_activation_bytes(cfg, shape, w, len(s.layers), s.layers[0])
+              for s in stages_of(cfg, shape)[pp_rank::shape.pp]]
+    return in_flight_chunks(shape, pp_rank) * max(c[0] for c in chunks) + max(c[1] for c in chunks)
 
 
 def element_bytes(cfg, shape):
@@ -267,29 +437,29 @@ def element_bytes(cfg, shape):
 
 
 def rank_memory(cfg, shape, pp_rank):
-    """{'parameters', 'gradients', 'optimizer', 'activations', 'total', ...} in bytes for one rank."""
+    """{'parameters', 'gradients', 'optimizer', 'activations', 'total', ...} in bytes for one rank;
+    'experts': its routed experts' share of the parameters, gradients and optimizer state."""
     w = element_bytes(cfg, shape)
     params = rank_parameters(cfg, shape, pp_rank)
-    stages = stages_of(cfg, shape)[pp_rank::shape.pp]
-    layers_per_chunk = cfg.num_layers // (shape.pp * shape.virtual)
-    chunks = in_flight_chunks(shape, pp_rank)
-    kept, workspace = chunk_activation_bytes(cfg, shape, w, layers_per_chunk)
-    activations = chunks * kept + workspace
+    experts = rank_expert_parameters(cfg, shape, pp_rank)
+    activations = rank_activation_bytes(cfg, shape, w, pp_rank)
     # --fp16/--bf16: gradients accumulate in float32 (Megatron's main_grad), and the optimizer
     # keeps float32 master weights beside m and v; else all in the parameters' dtype.
     grad_w, optimizer_w = (4, 12) if cfg.storage_format else (w, 2 * w)
     result = {
-        "pp_rank": pp_rank, "layers": sum(len(s.layers) for s in stages),
+        "pp_rank": pp_rank, "layers": len(rank_layers(cfg, shape, pp_rank)),
         "parameter_count": params, "parameters": params * w, "gradients": params * grad_w,
-        # 1/(DP x CP) of the optimizer state with the distributed optimizer
-        "optimizer": params * optimizer_w / (shape.dp * shape.cp if shape.distributed_optimizer else 1),
-        "chunks_in_flight": chunks, "activations": activations,
+        # sharded over DP x CP (the experts' over DP x CP / EP) with the distributed optimizer
+        "optimizer": optimizer_parameters(shape, params, experts) * optimizer_w,
+        "chunks_in_flight": in_flight_chunks(shape, pp_rank), "activations": activations,
+        "expert_parameter_count": experts,
+        "experts": experts * (w + grad_w) + optimizer_parameters(shape, experts, experts) * optimizer_w,
     }
     result["total"] = result["parameters"] + result["gradients"] + result["optimizer"] + activations
     # 16-bit parameter and gradient (4 B), fp32 master weights, m and v (12 B, sharded over DP by
     # the distributed optimizer)
-    shard = shape.dp * shape.cp if shape.distributed_optimizer else 1
-    result["mixed_precision_states"] = params * (4 + (MIXED_PRECISION_BYTES_PER_PARAM - 4) / shard)
+    result["mixed_precision_states"] = 4 * params + (MIXED_PRECISION_BYTES_PER_PARAM - 4) * optimizer_parameters(
+        shape, params, experts)
     result["mixed_precision_total"] = result["mixed_precision_states"] + activations * 2 / w
     return result
 

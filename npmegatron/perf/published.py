@@ -15,7 +15,10 @@
   unless sequence parallelism shards it, QKV, the attention output and the MLP's 4h on this
   rank's columns), plus a dropout's passes where the model drops out;
 - the output layer's GEMM and the loss's bytes per logit on the last stage, the embedding's
-  passes on the first, and each parameter's gradient accumulated (read twice, written once).
+  passes on the first, and each parameter's gradient accumulated (read twice, written once);
+- an MoE layer, which the 2019 implementation did not have, with this project's GEMMs and
+  dispatch (work.moe_layer_gemms, DISPATCH_PASSES) and its experts' inner tensors passed over as
+  the dense MLP's.
 
 No engine cost is added: a GPU's kernels run asynchronously behind the host, and at these shapes
 each lasts far longer than its launch.
@@ -24,7 +27,7 @@ import math
 
 from ..autograd import InputError
 from ..tensor_parallel import pad_vocab_size
-from .work import busiest_stage, forward_backward, layer_gemms, pipeline_stages
+from .work import DISPATCH_PASSES, busiest_stage, forward_backward, layer_gemms, moe_layer_gemms, pipeline_stages
 
 
 NEIGHBOURS = 4
@@ -56,36 +59,52 @@ def gemm_seconds(published, bandwidth, w, m, k, n, batch=1):
 
 
 def passes_seconds(published, bandwidth, w, tensors, way):
-    """Seconds of the passes over [(tensor name, elements)] forward (way 0) or backward (1)."""
-    return sum(published["passes"][name][way] * elements * w for name, elements in tensors) / bandwidth
+    """Seconds of the passes over [(tensor name, elements)] forward (way 0) or backward (1); an MoE
+    layer's dispatch, which the 2019 implementation did not have, as this project's (work.py)."""
+    passes = {**DISPATCH_PASSES, **published["passes"]}
+    return sum(passes[name][way] * elements * w for name, elements in tensors) / bandwidth
 
 
-def layer_tensors(cfg, shape):
+def layer_tensors(cfg, shape, moe=False):
     """([(pass-table name, elements)] over attention's scores, [...] over everything else): one
-    layer's memory-bound kernels on a rank for one micro-batch."""
+    layer's memory-bound kernels on a rank for one micro-batch; an MoE layer's MLP part as its
+    experts' (moe_tensors)."""
     t, h, tokens = shape.tp, cfg.hidden_size, shape.micro_batch * shape.local_seq
     whole = tokens * h // (t if shape.sequence_parallel else 1)
     query = cfg.num_attention_heads * cfg.head_dim
     qkv = tokens * (query + 2 * cfg.num_query_groups * cfg.head_dim) // t
     scores = shape.micro_batch * cfg.num_attention_heads // t * shape.local_seq * shape.seq
     on_scores = [("scores", scores)] + ([("dropout", scores)] if cfg.attention_dropout > 0 else [])
-    others = [("hidden", whole), ("qkv", qkv), ("context", tokens * query // t),
-              ("ffn", tokens * cfg.ffn_hidden_size // t)]
+    mlp = moe_tensors(cfg, shape) if moe else [("ffn", tokens * cfg.ffn_hidden_size // t)]
+    others = [("hidden", whole), ("qkv", qkv), ("context", tokens * query // t)] + mlp
     if cfg.hidden_dropout > 0:
         others += [("dropout", whole), ("dropout", whole)]
     return on_scores, others
 
 
-def layer_seconds(cfg, shape, published, bandwidth, w):
-    """{part: (forward, backward) seconds} of one layer on a rank for one micro-batch."""
+def moe_tensors(cfg, shape):
+    """An MoE layer's MLP part: its experts' inner tensors over the k T routed rows (balanced, their
+    columns split over ETP) and the shared expert's over the tokens, passed over as the dense MLP's
+    "ffn"; the dispatch's passes over the routed rows of h (and the regroup under EP)."""
+    tokens, h = shape.micro_batch * shape.local_seq, cfg.hidden_size
+    rows = cfg.moe_router_topk * tokens
+    tensors = [("ffn", rows * cfg.moe_ffn_hidden_size // shape.expert_tp), ("dispatch", rows * h)]
+    tensors += [("regroup", rows * h)] if shape.ep > 1 else []
+    shared = cfg.moe_shared_expert_intermediate_size
+    return tensors + ([("ffn", tokens * shared // shape.tp)] if shared else [])
+
+
+def layer_seconds(cfg, shape, published, bandwidth, w, moe=False):
+    """{part: (forward, backward) seconds} of one layer (moe: an MoE layer) on a rank for one
+    micro-batch."""
     one = lambda m, k, n: gemm_seconds(published, bandwidth, w, m, k, n)
     seq, d = shape.local_seq, cfg.head_dim
     batch = shape.micro_batch * cfg.num_attention_heads // shape.tp
     batched = lambda m, k, n: gemm_seconds(published, bandwidth, w, m, k, n, batch)
-    on_scores, others = layer_tensors(cfg, shape)
+    on_scores, others = layer_tensors(cfg, shape, moe)
     passes = lambda tensors, way: passes_seconds(published, bandwidth, w, tensors, way)
     scores = forward_backward(batched, [(seq, d, shape.seq), (seq, shape.seq, d)])
-    return {"gemm": forward_backward(one, layer_gemms(cfg, shape)),
+    return {"gemm": forward_backward(one, moe_layer_gemms(cfg, shape) if moe else layer_gemms(cfg, shape)),
             "attention": tuple(scores[way] + passes(on_scores, way) for way in (0, 1)),
             "memory_bound": tuple(passes(others, way) for way in (0, 1))}
 
@@ -115,9 +134,14 @@ def stage_seconds(cfg, shape, profile, again, w):
         raise InputError(f"profile {profile['name']!r} publishes GEMM rates for {' and '.join(sorted(published['gemm']))}"
                          f"-byte elements, not this model's {w}; plan it in one of those widths (e.g. --fp16) "
                          f"or add published.gemm.\"{w}\" to the profile")
-    layer = {part: forward + backward + again * forward
-             for part, (forward, backward) in layer_seconds(cfg, shape, published, bandwidth, w).items()}
-    stages = pipeline_stages(cfg, shape, layer, *end_seconds(cfg, shape, published, bandwidth, w))
+
+    def per_layer(moe):
+        seconds = layer_seconds(cfg, shape, published, bandwidth, w, moe)
+        return {part: forward + backward + again * forward for part, (forward, backward) in seconds.items()}
+
+    moe_layer = per_layer(True) if cfg.num_experts else None
+    stages = pipeline_stages(cfg, shape, per_layer(False), *end_seconds(cfg, shape, published, bandwidth, w),
+                             moe_layer=moe_layer)
     for parts, params in stages:
         parts["memory_bound"] += 3 * params * w / bandwidth
     return [parts for parts, _ in stages]

@@ -14,7 +14,9 @@ def plan(cfg, shape, profile, device_memory=None):
     device_memory = profile["device_memory_bytes"] if device_memory is None else device_memory
     timing = step_time(cfg, shape, profile)
     return {"layout": shape.name(), "tp": shape.tp, "pp": shape.pp, "dp": shape.dp, "cp": shape.cp,
-            "virtual": shape.virtual, "micro_batches": shape.micro_batches,
+            "ep": shape.ep, "etp": shape.expert_tp, "virtual": shape.virtual, "micro_batches": shape.micro_batches,
+            # every parameter, and those a token's forward uses (an MoE layer's k experts of E)
+            "parameters": gpt_num_parameters(cfg), "active_parameters": gpt_num_parameters(cfg, active=True),
             "memory": memory_plan(cfg, shape, device_memory), "time": timing,
             "throughput": throughput(timing, shape, profile)}
 
@@ -44,18 +46,28 @@ def shapes_of(n):
             for p in range(1, n // t + 1) if (n // t) % p == 0]
 
 
+def expert_choices(cfg, base, dp):
+    """The EP sizes to try with DP ranks: base's, or for an MoE model whose EP was not given
+    (base.ep 1) every divisor of DP that divides the experts."""
+    if cfg.num_experts is None or base.ep > 1:
+        return [base.ep]
+    return [ep for ep in range(1, dp + 1) if dp % ep == 0 and cfg.num_experts % ep == 0]
+
+
 def search(cfg, base, profile, n, device_memory=None):
-    """Every TP x PP x DP = n / CP (base.cp) the model can run on, fastest first (layouts that do
-    not fit the device memory after those that do); InputError when none is valid."""
+    """Every TP x PP x DP = n / CP (base.cp) the model can run on, and for an MoE model every EP
+    (expert_choices), fastest first (layouts that do not fit the device memory after those that
+    do); InputError when none is valid."""
     plans, reasons = [], []
     for t, p, d in shapes_of(n // base.cp):
-        shape = replace(base, tp=t, pp=p, dp=d)
-        try:
-            check_shape(cfg, shape)
-        except InputError as error:
-            reasons.append(f"{t}x{p}x{d}: {error}")
-            continue
-        plans.append(plan(cfg, shape, profile, device_memory))
+        for ep in expert_choices(cfg, base, d):
+            shape = replace(base, tp=t, pp=p, dp=d, ep=ep)
+            try:
+                check_shape(cfg, shape)
+            except InputError as error:
+                reasons.append(f"{shape.name()}: {error}")
+                continue
+            plans.append(plan(cfg, shape, profile, device_memory))
     if not plans:
         raise InputError(f"no layout of {n} ranks is valid for this model (e.g. {reasons[-1]}); "
                          "choose another rank count, batch or model shape")

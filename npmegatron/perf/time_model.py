@@ -3,7 +3,11 @@
 Ring costs, for n ranks and a buffer of S bytes (alpha per ring step, beta per byte one device
 sends, base a collective call's own latency, 0 unless the profile gives one: NCCL's model has
 one):  all-reduce base + 2(n-1) alpha + 2(n-1)/n S beta;  all-gather / reduce-scatter (S the
-full buffer) base + (n-1) alpha + (n-1)/n S beta;  point-to-point base + alpha + S beta.
+full buffer) base + (n-1) alpha + (n-1)/n S beta;  point-to-point base + alpha + S beta;
+all-to-all (S each rank's buffer, S/n to each peer) as the all-gather of S: a rank sends the same
+(n-1)/n S bytes in n-1 messages, each a step's alpha, on the all-gather link (a profile measures no
+all-to-all of its own). Across nodes it gets no ring's sharing (beta / k below): every member
+sends its own off-node share through its own part of the node's network.
 
 A step on one rank, M micro-batches, V virtual stages, L layers on the rank:
 - compute, for a profile with this machine's measured rates ("measured", from `plan calibrate`):
@@ -12,16 +16,22 @@ A step on one rank, M micro-batches, V virtual stages, L layers on the rank:
   GEMM benchmark, the device's bandwidth and the modelled implementation's kernels (published.py);
   otherwise model_flops(global batch) / (TP PP DP) / one rank's FLOP/s (the profile's, or on a
   CPU profile its share of the machine: rank_flops), times 4/3 for full
-  recomputation (one more forward) unless the profile's rate was measured with it;
+  recomputation (one more forward) unless the profile's rate was measured with it; model FLOPs
+  count an MoE model's active parameters (a token's k experts), and whole experts under TP
+  (ETP 1) add their FLOPs repeated on every TP rank;
 - TP comm (TP > 1): per layer and micro-batch 4 all-reduces of s*b*h elements (2 forward,
   2 backward; 6 with full recomputation), or with SP as many all-gathers plus reduce-scatters;
-  plus the embedding's and the output layer's all-reduce, 2 per micro-batch spread over the PP
-  ranks;
+  an MoE layer half of those (its attention's) and its MLP part's (moe_tp_collectives); plus
+  the embedding's and the output layer's all-reduce, 2 per micro-batch spread over the PP ranks;
+- EP comm (EP > 1): per MoE layer and micro-batch 2 all-to-alls of the k T routed rows forward
+  and 2 backward, and 1 of the E counts forward (3 more forward for a recomputed layer), exposed;
+  routing is taken as balanced: each rank receives as many rows as it sends, k T EP / E an
+  expert, and no expert's rows are dropped or padded to a capacity;
 - CP comm (CP > 1): the ring's key/value blocks (context_parallel_time), exposed; every other
   term counts a rank's seq / CP tokens, and gradients are averaged over DP x CP;
 - PP comm (PP > 1): per micro-batch and virtual stage one activation sent forward and one
   gradient back, s*b*h elements (/TP with SP: the sequence shard), counted as exposed;
-- bubble = (PP-1)/(M V) x (compute + TP comm + PP comm); with measured rates the compute's part
+- bubble = (PP-1)/(M V) x (compute + TP, EP, CP and PP comm); with measured rates the compute's part
   is each other stage's micro-batch once (work.measured_compute), which is the same for equal
   stages and less where the busiest stage is the last's output layer;
 - DP comm exposed = max(all-reduce of the last bucket, all-reduce of this rank's gradients -
@@ -29,7 +39,8 @@ A step on one rank, M micro-batches, V virtual stages, L layers on the rank:
   per step, overlapped with the backward of the last micro-batch, and the last bucket starts only
   when that backward ends (last_bucket_elements: at least the embedding's tables); the
   whole all-reduce without overlap_grad_reduce (Megatron's --no-overlap-grad-reduce, and what
-  the 2019 implementation did); plus, with PP > 1, the tied embedding's all-reduce between the
+  the 2019 implementation did); under EP the dense gradients over DP x CP and the experts' over
+  their DP x CP / EP ranks; plus, with PP > 1, the tied embedding's all-reduce between the
   first and last stage, exposed;
 - optimizer = the bytes AdamW reads and writes per parameter this rank updates / the profile's
   memory_bandwidth_bytes_per_s (memory bound; 0 for a profile without one): float32 reads the
@@ -43,10 +54,13 @@ group spanning nodes uses "inter", whose beta is one device's share of the node'
 members of a ring on one node cross the node boundary once between them, so their ring runs at
 k shares: beta / k.
 """
+from collections import Counter
+
 from ..model import gpt_num_parameters, model_flops
 from ..recompute import recompute_segments
 from ..tensor_parallel import pad_vocab_size
-from .memory import _recompute_config, check_shape, element_bytes, rank_parameters
+from .memory import (_mlp_parameters, _recompute_config, check_shape, element_bytes, optimizer_parameters,
+                     rank_expert_parameters, rank_layers, rank_parameters)
 from .published import published_compute
 from .work import measured_compute, measured_rates, nearest_count
 
@@ -68,6 +82,12 @@ def p2p_time(nbytes, alpha, beta, base=0.0):
     return base + alpha + nbytes * beta
 
 
+def all_to_all_time(n, nbytes, alpha, beta, base=0.0):
+    """n ranks, each holding nbytes of which it sends nbytes / n to each of its n - 1 peers: the
+    per-rank bytes and messages of an all-gather of nbytes (module docstring)."""
+    return all_gather_time(n, nbytes, alpha, beta, base)
+
+
 def group_links(profile, op, span, members_per_node):
     """(alpha, beta, base) of a group whose ranks cover `span` consecutive rank positions."""
     if span <= profile["devices_per_node"]:
@@ -78,16 +98,19 @@ def group_links(profile, op, span, members_per_node):
 
 
 def placement(shape, profile):
-    """Span and members per node of the TP group, the CP ring, the DP x CP group and pipeline
-    neighbours (ranks ordered TP, CP, DP, PP)."""
+    """Span and members per node of the TP group, the CP ring, the DP x CP group, pipeline
+    neighbours, the EP group and the experts' data-parallel group (ranks ordered TP, CP, DP, PP)."""
     dpn, t, c, d, p = profile["devices_per_node"], shape.tp, shape.cp, shape.dp, shape.pp
 
     def strided(count, stride):
         """`count` members `stride` ranks apart."""
         return stride * (count - 1) + 1, 1 if stride >= dpn else max(1, min(count, dpn // stride))
 
+    # the experts' data-parallel ranks: every EP-th DP rank, with their CP ranks (comm/grid.py)
+    expert_dp = Counter(t * (j + c * i) // dpn for i in range(0, d, shape.ep) for j in range(c))
     return {"tp": (t, min(t, dpn)), "cp": strided(c, t), "dp": strided(d * c, t),
-            "pp": (t * c * d * p if p > 1 else 1, 1)}
+            "pp": (t * c * d * p if p > 1 else 1, 1), "ep": strided(shape.ep, t * c),
+            "edp": (t * (c - 1 + c * (d - shape.ep)) + 1, max(expert_dp.values()))}
 
 
 def rank_flops(profile, shape):
@@ -136,9 +159,9 @@ def optimizer_time(cfg, shape, profile):
     per_parameter = 30 if cfg.storage_format or shape.element_bytes == 2 else 28
     if "published" in profile:
         per_parameter = profile["published"]["optimizer_bytes_per_parameter"]
-    params = max(rank_parameters(cfg, shape, r) for r in range(shape.pp))
-    shard = shape.dp * shape.cp if shape.distributed_optimizer else 1
-    return params / shard * per_parameter / bandwidth
+    params = max(optimizer_parameters(shape, rank_parameters(cfg, shape, r), rank_expert_parameters(cfg, shape, r))
+                 for r in range(shape.pp))
+    return params * per_parameter / bandwidth
 
 
 def last_bucket_elements(cfg, shape, grad_elements, bucket_elements):
@@ -158,13 +181,125 @@ def last_bucket_elements(cfg, shape, grad_elements, bucket_elements):
     return max(min(bucket_elements, grad_elements), tables)
 
 
+def layer_counts(cfg, shape):
+    """(dense layers, MoE layers) of each pipeline rank."""
+    counts = []
+    for rank in range(shape.pp):
+        layers = rank_layers(cfg, shape, rank)
+        moe = sum(cfg.is_moe_layer(layer) for layer in layers)
+        counts.append((len(layers) - moe, moe))
+    return counts
+
+
+def tensor_parallel_time(cfg, shape, profile, w, again, place):
+    """TP communication in one step on the busiest pipeline rank (module docstring): a dense layer's
+    two collectives forward (again when recomputed) and two backward; an MoE layer's attention's one
+    and one, and its MLP part's (moe_tp_collectives); the embedding's and output layer's."""
+    t = shape.tp
+    if t == 1:
+        return 0.0
+    sbh = shape.local_seq * shape.micro_batch * cfg.hidden_size * w
+    if shape.sequence_parallel:
+        one = (all_gather_time(t, sbh, *group_links(profile, "all_gather", *place["tp"]))
+               + reduce_scatter_time(t, sbh, *group_links(profile, "reduce_scatter", *place["tp"])))
+    else:
+        one = all_reduce_time(t, sbh, *group_links(profile, "all_reduce", *place["tp"]))
+    per_layer_count = 2 + 2 * again + 2       # forward's two, the recomputation's two, backward's two
+    moe_layer = per_layer_count / 2 * one
+    for op, nbytes, forward, backward in moe_tp_collectives(cfg, shape, w):
+        timed = all_gather_time if op == "all_gather" else all_reduce_time
+        moe_layer += (forward * (1 + again) + backward) * timed(t, nbytes, *group_links(profile, op, *place["tp"]))
+    busiest = max(dense * per_layer_count * one + moe * moe_layer for dense, moe in layer_counts(cfg, shape))
+    return shape.micro_batches * (busiest + 2 / shape.pp * one)
+
+
+def moe_tp_collectives(cfg, shape, w):
+    """[(collective, bytes, calls forward, calls backward)] of an MoE layer's MLP part in the TP group
+    for one micro-batch (moe/layer.py), T tokens of h elements (the whole sequence) and k T routed
+    rows, balanced over the experts: under SP the sequence gathered forward and the gradient of the
+    rank's block gathered backward; the shared expert's own g and f; experts split and without
+    biases one g of all routed rows and one f of the tokens, with biases each local expert's g and
+    f on its rows; whole experts (ETP 1) none."""
+    if shape.tp == 1 or cfg.num_experts is None:
+        return []
+    tokens = shape.local_seq * shape.micro_batch * cfg.hidden_size * w
+    rows, local = cfg.moe_router_topk * tokens, cfg.num_experts // shape.ep
+    collectives = [("all_gather", tokens, 1, 1)] if shape.sequence_parallel else []
+    if cfg.moe_shared_expert_intermediate_size:
+        collectives.append(("all_reduce", tokens, 1, 1))
+    if shape.expert_tp > 1 and not cfg.add_bias_linear:
+        collectives += [("all_reduce", rows, 1, 0), ("all_reduce", tokens, 0, 1)]
+    elif shape.expert_tp > 1:
+        collectives.append(("all_reduce", rows / local, local, local))
+    return collectives
+
+
+def dispatch_bytes(cfg, shape, w):
+    """{collective: (calls, bytes in all)} of the dispatcher in one MoE layer for one micro-batch,
+    as comm.stats() counts them (each call its input buffer; moe/expert_parallel.py): four
+    all_to_all_v of k T rows of h elements (the rows out and home forward, their gradients back),
+    each rank receiving as many rows as it sends under balanced routing, and one all_to_all of the
+    E int64 counts."""
+    rows = cfg.moe_router_topk * shape.local_seq * shape.micro_batch * cfg.hidden_size * w
+    return {"all_to_all_v": (4, 4 * rows), "all_to_all": (1, cfg.num_experts * 8)}
+
+
+def expert_parallel_time(cfg, shape, profile, w, again, place):
+    """The dispatcher's all-to-alls in one step on the busiest pipeline rank, exposed: per MoE layer
+    and micro-batch dispatch_bytes' calls, the forward's three again for a recomputed layer. Each
+    is timed as an all-gather of its per-rank bytes on the all-gather link; a group spanning nodes
+    gets no ring's sharing of a node's network (module docstring)."""
+    if shape.ep == 1:
+        return 0.0
+    links = group_links(profile, "all_gather", place["ep"][0], 1)
+    sent = dispatch_bytes(cfg, shape, w)
+    calls, nbytes = sent["all_to_all_v"]
+    rows = all_to_all_time(shape.ep, nbytes / calls, *links)
+    counts = all_to_all_time(shape.ep, sent["all_to_all"][1], *links)
+    per_layer = (4 + 2 * again) * rows + (1 + again) * counts
+    return shape.micro_batches * max(moe for _, moe in layer_counts(cfg, shape)) * per_layer
+
+
+def data_parallel_time(cfg, shape, profile, w, compute, place):
+    """(whole, exposed) seconds of the gradients' all-reduce (module docstring): over DP x CP, or
+    under EP the dense gradients over DP x CP and the experts' over their DP x CP / EP ranks."""
+    d, links = shape.dp * shape.cp, group_links(profile, "all_reduce", *place["dp"])
+    if d == 1:
+        return 0.0, 0.0
+    held = [(rank_parameters(cfg, shape, r), rank_expert_parameters(cfg, shape, r) if shape.ep > 1 else 0)
+            for r in range(shape.pp)]
+    dense = max(p - e for p, e in held) * w
+    whole = all_reduce_time(d, dense, *links)
+    if shape.ep > 1:            # the experts' own all-reduce (none where EP takes all of DP x CP)
+        experts = max(e for _, e in held) * w
+        whole += all_reduce_time(shape.expert_dp, experts, *group_links(profile, "all_reduce", *place["edp"]))
+    if not shape.overlap_grad_reduce:
+        return whole, whole
+    bucket = last_bucket_elements(cfg, shape, dense // w, shape.bucket_elements) * w
+    last_backward = compute * 2 / 3 / shape.micro_batches
+    return whole, max(all_reduce_time(d, bucket, *links), whole - profile["dp_overlap"] * last_backward)
+
+
+def flat_compute(cfg, shape, profile, flops, again):
+    """Compute from one FLOP rate (a profile without measured or published rates): the model FLOPs
+    shared by the ranks, plus, for whole experts (ETP 1) under TP, the experts' FLOPs every TP
+    rank repeats on the same rows."""
+    factor = (1 + (RECOMPUTE_COST["full"] - 1) * again) / RECOMPUTE_COST[profile["flops_recompute"]]
+    repeated = 0.0
+    if cfg.num_experts and shape.expert_tp < shape.tp:
+        expert = _mlp_parameters(cfg, cfg.moe_ffn_hidden_size, 1)
+        tokens = shape.global_batch * shape.seq * cfg.moe_router_topk
+        repeated = 6 * expert * tokens * sum(cfg.moe_layers) * (shape.tp - 1)
+    return (flops + repeated) / shape.ranks / rank_flops(profile, shape) * factor
+
+
 def step_time(cfg, shape, profile):
-    """{'compute', 'tp_comm', 'pp_comm', 'bubble', 'dp_comm_exposed', 'total', ...} in seconds."""
+    """{'compute', 'tp_comm', 'ep_comm', 'pp_comm', 'bubble', 'dp_comm_exposed', 'total', ...} in seconds."""
     check_shape(cfg, shape)
     w = element_bytes(cfg, shape)
-    t, p, d, v, m = shape.tp, shape.pp, shape.dp, shape.virtual, shape.micro_batches
-    s, b, h = shape.local_seq, shape.micro_batch, cfg.hidden_size
+    t, p, v, m = shape.tp, shape.pp, shape.virtual, shape.micro_batches
     place = placement(shape, profile)
+    # model FLOPs count the active parameters: model_flops leaves out the experts a token skips
     flops = model_flops(cfg, gpt_num_parameters(cfg), shape.global_batch, shape.seq)
     again = recomputed_share(cfg, shape)
     if "measured" in profile:        # this machine's rates by kind of work (work.py)
@@ -172,52 +307,30 @@ def step_time(cfg, shape, profile):
     elif "published" in profile:     # a GPU's published rates and the counted kernels (published.py)
         compute, compute_bubble, parts = published_compute(cfg, shape, profile, again, w)
     else:
-        factor = (1 + (RECOMPUTE_COST["full"] - 1) * again) / RECOMPUTE_COST[profile["flops_recompute"]]
-        compute = flops / shape.ranks / rank_flops(profile, shape) * factor
+        compute = flat_compute(cfg, shape, profile, flops, again)
         compute_bubble = (p - 1) / (m * v) * compute
         parts = {}
 
-    sbh = s * b * h * w
-    tp_comm = 0.0
-    if t > 1:
-        per_layer_count = 2 + 2 * again + 2       # forward's two, the recomputation's two, backward's two
-        if shape.sequence_parallel:
-            ag = all_gather_time(t, sbh, *group_links(profile, "all_gather", *place["tp"]))
-            rs = reduce_scatter_time(t, sbh, *group_links(profile, "reduce_scatter", *place["tp"]))
-            one = ag + rs
-        else:
-            one = all_reduce_time(t, sbh, *group_links(profile, "all_reduce", *place["tp"]))
-        tp_comm = m * (cfg.num_layers // p * per_layer_count + 2 / p) * one
-
+    tp_comm = tensor_parallel_time(cfg, shape, profile, w, again, place)
+    ep_comm = expert_parallel_time(cfg, shape, profile, w, again, place)
     pp_comm = 0.0
     if p > 1:
-        nbytes = sbh / (t if shape.sequence_parallel else 1)
+        nbytes = shape.local_seq * shape.micro_batch * cfg.hidden_size * w / (t if shape.sequence_parallel else 1)
         pp_comm = 2 * m * v * p2p_time(nbytes, *group_links(profile, "sendrecv", *place["pp"]))
 
     cp_comm = context_parallel_time(cfg, shape, profile, w, again, place)
-    ideal = compute + tp_comm + pp_comm + cp_comm
-    bubble = compute_bubble + (p - 1) / (m * v) * (tp_comm + pp_comm + cp_comm)
-
-    grad_bytes = max(rank_parameters(cfg, shape, r) for r in range(p)) * w
-    dp_total = dp_exposed = 0.0
-    if d * shape.cp > 1:             # gradients are averaged over DP and CP together
-        links = group_links(profile, "all_reduce", *place["dp"])
-        dp_total = all_reduce_time(d * shape.cp, grad_bytes, *links)
-        bucket = last_bucket_elements(cfg, shape, grad_bytes // w, shape.bucket_elements) * w
-        last_backward = compute * 2 / 3 / m
-        dp_exposed = max(all_reduce_time(d * shape.cp, bucket, *links),
-                         dp_total - profile["dp_overlap"] * last_backward)
-        if not shape.overlap_grad_reduce:
-            dp_exposed = dp_total
+    exchanged = tp_comm + ep_comm + pp_comm + cp_comm
+    bubble = compute_bubble + (p - 1) / (m * v) * exchanged
+    dp_total, dp_exposed = data_parallel_time(cfg, shape, profile, w, compute, place)
     embedding = 0.0
     if p > 1 and not cfg.untie_embeddings_and_output_weights:     # the tied embedding's two copies
         padded = pad_vocab_size(cfg.vocab_size, t, cfg.make_vocab_size_divisible_by)
-        embedding = all_reduce_time(2, padded // t * h * w,
+        embedding = all_reduce_time(2, padded // t * cfg.hidden_size * w,
                                     *group_links(profile, "all_reduce", place["pp"][0], 1))
     optimizer = optimizer_time(cfg, shape, profile)
-    total = ideal + bubble + dp_exposed + embedding + optimizer
-    return {"compute": compute, "tp_comm": tp_comm, "pp_comm": pp_comm, "cp_comm": cp_comm, "bubble": bubble,
-            "optimizer": optimizer,
+    total = compute + exchanged + bubble + dp_exposed + embedding + optimizer
+    return {"compute": compute, "tp_comm": tp_comm, "ep_comm": ep_comm, "pp_comm": pp_comm, "cp_comm": cp_comm,
+            "bubble": bubble, "optimizer": optimizer,
             "dp_comm": dp_total, "dp_comm_exposed": dp_exposed, "embedding_comm": embedding,
             "total": total, "model_flops": flops, "compute_parts": parts,
             "flops_per_device": flops / total / shape.ranks,

@@ -11,7 +11,10 @@
 - memory-bound work as bytes / bandwidth: what each op reads and writes (PASSES, layer_traffic
   below), on the full hidden size at every TP rank unless sequence parallelism shards it, at the
   bandwidth the engine's op of that kind achieved on arrays of that size;
-- the engine's own cost, measured on a tiny model: seconds per layer and per micro-batch.
+- the engine's own cost, measured on a tiny model: seconds per layer and per micro-batch;
+- an MoE layer as its own GEMMs (moe_layer_gemms: the router's, the rank's experts' on their
+  share of the routed rows, balanced) and memory-bound ops (moe_layer_traffic: the experts'
+  activations and the dispatch's passes over the routed rows).
 
 Each rank of a CPU layout gets max(1, cores // ranks) threads unless the shape says otherwise
 (the tables measured with the nearest thread count), and the whole is slowed by ranks x threads /
@@ -22,7 +25,7 @@ import math
 
 from ..autograd.ops.attention import BLOCK_SIZE as ATTENTION_BLOCK_ROWS, query_blocks
 from ..tensor_parallel import pad_vocab_size
-from .memory import rank_parameters, stages_of
+from .memory import rank_layers, rank_parameters
 
 
 def log_interpolate(grid_axes, values, point):
@@ -51,6 +54,32 @@ def layer_gemms(cfg, shape):
     qkv = (query + 2 * cfg.num_query_groups * cfg.head_dim) // t
     ffn = cfg.ffn_hidden_size // t
     return [(m, h, qkv), (m, query // t, h), (m, h, 2 * ffn if cfg.swiglu else ffn), (m, ffn, h)]
+
+
+def moe_layer_gemms(cfg, shape):
+    """(rows, inner, cols) of one MoE layer's forward GEMMs on one rank for one micro-batch: its
+    attention's two; the router's; each of the rank's E / EP experts on its share of the k T rows
+    the rank receives, routing balanced (k T EP / E rows an expert), its columns split over ETP;
+    the shared expert's and its gate's on the T tokens (the whole sequence, under SP too)."""
+    tokens, h, t = shape.micro_batch * shape.local_seq, cfg.hidden_size, shape.tp
+    rows = cfg.moe_router_topk * tokens * shape.ep / cfg.num_experts
+    joined = shape.expert_tp > 1 and not cfg.add_bias_linear        # ExpertMLP.partial
+    gemms = layer_gemms(cfg, shape)[:2] + [(tokens, h, cfg.num_experts)]
+    gemms += _mlp_gemms(cfg, rows, cfg.moe_ffn_hidden_size // shape.expert_tp, joined) * (cfg.num_experts // shape.ep)
+    shared = cfg.moe_shared_expert_intermediate_size
+    if shared:
+        gemms += _mlp_gemms(cfg, tokens, shared // t, False)
+    if cfg.moe_shared_expert_gate:
+        gemms.append((tokens, h, 1))
+    return gemms
+
+
+def _mlp_gemms(cfg, rows, ffn, joined):
+    """An expert's GEMMs on `rows` rows, ffn its columns on this rank: fc (SwiGLU: gate and up, one
+    GEMM where `joined`) and proj."""
+    h = cfg.hidden_size
+    first = [(rows, h, 2 * ffn)] if joined else [(rows, h, ffn)] * (2 if cfg.swiglu else 1)
+    return first + [(rows, ffn, h)]
 
 
 def gemm_seconds(rates, m, k, n):
@@ -109,9 +138,17 @@ def attention_seconds(cfg, shape, measured):
 #:   embedding: forward reads and writes its rows; backward reads the gradient and reads and
 #:     writes the table's rows it scatters into;
 #:   loss: three passes over the logits forward (the row maximum, then exp and its sum), two
-#:     backward (the gradient written in place).
+#:     backward (the gradient written in place);
+#:   dispatch (MoE, per element of the k T routed rows of h): forward the rows gathered from their
+#:     tokens (read, write), multiplied by their router weights (read, write) and added back into
+#:     their tokens (read the row, read and write the sum); backward the gradient gathered (2),
+#:     the row's gradient (read, write) and the weight's (read the gradient and the row), and the
+#:     gradient scattered back to the tokens (3);
+#:   regroup (MoE under EP): the arrived rows put in expert order and back (a gather each way
+#:     forward, a scatter-add each backward).
+DISPATCH_PASSES = {"dispatch": (7, 9), "regroup": (4, 6)}
 PASSES = {"norm": (3, 4), "activation": (3, 4), "swiglu": (3, 5), "residual": (5, 4), "stream": (2, 1),
-          "embedding": (2, 3), "loss": (3, 2)}
+          "embedding": (2, 3), "loss": (3, 2), **DISPATCH_PASSES}
 
 
 def op_bytes(kind, elements, w, mask=False):
@@ -138,6 +175,22 @@ def layer_traffic(cfg, shape, w):
     if cfg.position_embedding_type == "rope":
         ops.append(("stream", tokens * (query + cfg.num_query_groups * cfg.head_dim) // t))
     return [(kind, n) + op_bytes(kind, n, w, kind == "residual" and cfg.hidden_dropout > 0) for kind, n in ops]
+
+
+def moe_layer_traffic(cfg, shape, w):
+    """The memory-bound ops of one MoE layer on a rank for one micro-batch: a dense layer's but its
+    MLP's activation; the experts' activations on the k T routed rows (their columns split over
+    ETP), the shared expert's on the tokens; the dispatch over the routed rows of h (and the
+    regroup under EP); each expert's output bias, added apart."""
+    tokens, h = shape.micro_batch * shape.local_seq, cfg.hidden_size
+    rows, kind = cfg.moe_router_topk * tokens, "swiglu" if cfg.swiglu else "activation"
+    ops = [(kind, rows * cfg.moe_ffn_hidden_size // shape.expert_tp), ("dispatch", rows * h)]
+    ops += [("regroup", rows * h)] if shape.ep > 1 else []
+    ops += [("stream", rows * h)] if cfg.add_bias_linear else []
+    if cfg.moe_shared_expert_intermediate_size:
+        ops.append((kind, tokens * cfg.moe_shared_expert_intermediate_size // shape.tp))
+    attention = [op for op in layer_traffic(cfg, shape, w) if op[0] not in ("activation", "swiglu")]
+    return attention + [(kind, n) + op_bytes(kind, n, w) for kind, n in ops]
 
 
 def traffic_seconds(measured, traffic, way):
@@ -176,30 +229,42 @@ COMPUTE_PARTS = ("gemm", "attention", "memory_bound", "engine")
 
 def stage_seconds(cfg, shape, measured, again, w):
     """Compute seconds of one micro-batch on each pipeline rank, by part (COMPUTE_PARTS): its
-    layers (the recomputed share's forward twice), its ends, the engine's cost per layer and per
-    micro-batch, and the sum of each parameter's gradient into the accumulated one (a stream of
-    its parameters, read twice and written once)."""
-    gemm_f, gemm_b = gemms_seconds(measured["gemm"], layer_gemms(cfg, shape))
-    attn_f, attn_b = attention_seconds(cfg, shape, measured)
-    traffic = layer_traffic(cfg, shape, w)
-    bytes_f, bytes_b = (traffic_seconds(measured, traffic, way) for way in (0, 1))
-    overhead = measured["layer_overhead_s"]
-    layer = {"gemm": gemm_f + gemm_b + again * gemm_f, "attention": attn_f + attn_b + again * attn_f,
-             "memory_bound": bytes_f + bytes_b + again * bytes_f, "engine": overhead * (1 + again / 2)}
-    stages = pipeline_stages(cfg, shape, layer, *end_seconds(cfg, shape, measured, w))
+    layers (dense or MoE), its ends, the engine's cost per layer and per micro-batch, and the sum
+    of each parameter's gradient into the accumulated one (a stream of its parameters, read twice
+    and written once)."""
+    layer = layer_seconds(cfg, shape, measured, again, layer_gemms(cfg, shape), layer_traffic(cfg, shape, w))
+    moe = None
+    if cfg.num_experts:
+        moe = layer_seconds(cfg, shape, measured, again, moe_layer_gemms(cfg, shape), moe_layer_traffic(cfg, shape, w))
+    stages = pipeline_stages(cfg, shape, layer, *end_seconds(cfg, shape, measured, w), moe_layer=moe)
     for parts, params in stages:
         parts["memory_bound"] += traffic_seconds(measured, [("stream", params, 0, 3 * params * w)], 1)
         parts["engine"] += measured["micro_batch_overhead_s"]
     return [parts for parts, _ in stages]
 
 
-def pipeline_stages(cfg, shape, layer, first, last):
-    """[(seconds by part, parameters)] of one micro-batch on each pipeline rank: its layers at
-    `layer`'s seconds each, the first stage's ends `first` and the last's `last` ({part: s})."""
-    chunks, stages = stages_of(cfg, shape), []
+def layer_seconds(cfg, shape, measured, again, gemms, traffic):
+    """{part: seconds} of one layer of these GEMMs and memory-bound ops and the attention core for
+    one micro-batch, the recomputed share's forward twice. The engine's cost is the measured dense
+    layer's (an MoE layer's extra Python calls per expert are not counted)."""
+    gemm_f, gemm_b = gemms_seconds(measured["gemm"], gemms)
+    attn_f, attn_b = attention_seconds(cfg, shape, measured)
+    bytes_f, bytes_b = (traffic_seconds(measured, traffic, way) for way in (0, 1))
+    overhead = measured["layer_overhead_s"]
+    return {"gemm": gemm_f + gemm_b + again * gemm_f, "attention": attn_f + attn_b + again * attn_f,
+            "memory_bound": bytes_f + bytes_b + again * bytes_f, "engine": overhead * (1 + again / 2)}
+
+
+def pipeline_stages(cfg, shape, layer, first, last, moe_layer=None):
+    """[(seconds by part, parameters)] of one micro-batch on each pipeline rank: its dense layers at
+    `layer`'s seconds each and its MoE layers at `moe_layer`'s, the first stage's ends `first` and
+    the last's `last` ({part: s})."""
+    stages = []
     for rank in range(shape.pp):
-        layers = sum(len(s.layers) for s in chunks[rank::shape.pp])
-        parts = {part: layers * seconds for part, seconds in layer.items()}
+        layers = rank_layers(cfg, shape, rank)
+        moe = sum(cfg.is_moe_layer(number) for number in layers)
+        parts = {part: (len(layers) - moe) * seconds + (moe * moe_layer[part] if moe else 0.0)
+                 for part, seconds in layer.items()}
         for ends, holds in ((first, rank == 0), (last, rank == shape.pp - 1)):
             for part, seconds in ends.items():
                 parts[part] += seconds if holds else 0.0

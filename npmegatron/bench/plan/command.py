@@ -15,7 +15,10 @@ from .calibrate import calibrate
 MODEL_FIELDS = {"num_layers", "hidden_size", "num_attention_heads", "vocab_size", "dtype", "fp16", "bf16",
                 "sequence_parallel", "hidden_dropout", "attention_dropout", "ffn_hidden_size", "model_family",
                 "normalization", "position_embedding_type", "swiglu", "group_query_attention", "num_query_groups",
-                "untie_embeddings_and_output_weights", "disable_bias_linear"}
+                "untie_embeddings_and_output_weights", "disable_bias_linear",
+                # mixture of experts: what sets the experts' parameters, GEMMs and dispatch
+                "num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk",
+                "moe_shared_expert_intermediate_size", "moe_shared_expert_gate"}
 GB = 1e9
 
 
@@ -72,6 +75,8 @@ def format_plan(result, cfg, profile):
         lines.append(f"{r['pp_rank']:>7} {r['layers']:>6} {r['parameter_count']:>12,} {gb(r['parameters']):>11} "
                      f"{gb(r['gradients']):>11} {gb(r['optimizer']):>11} {gb(r['activations']):>12} "
                      f"{gb(r['total']):>11}   {gb(r['mixed_precision_total']):>15}")
+    if cfg.num_experts:
+        lines.append(format_experts(result, cfg))
     fits = "n/a" if mem["fits"] is None else ("fits" if mem["fits"] else "DOES NOT FIT")
     lines.append(f"peak {gb(mem['peak'])} on pipeline rank {mem['peak_pp_rank']} vs device memory "
                  f"{gb(mem['device_memory'] or 0)}: {fits}")
@@ -93,13 +98,28 @@ def format_plan(result, cfg, profile):
     return "\n".join(lines)
 
 
+def format_experts(result, cfg):
+    """An MoE model's parameters (all, and those a token uses, which its model FLOPs count) and
+    what each pipeline rank's routed experts take of its memory."""
+    split = (f"split over TP {result['tp']}" if result["etp"] > 1
+             else "whole on every TP rank" if result["tp"] > 1 else "whole")
+    held = ", ".join(f"pp rank {r['pp_rank']} {r['expert_parameter_count']:,} ({gb(r['experts'])})"
+                     for r in result["memory"]["ranks"])
+    return (f"mixture of experts: {cfg.num_experts} experts, top {cfg.moe_router_topk}, in {sum(cfg.moe_layers)} of "
+            f"{cfg.num_layers} layers; {result['parameters']:,} parameters, {result['active_parameters']:,} active per "
+            f"token (model FLOPs and utilisation count these)\n"
+            f"routed experts per rank (EP {result['ep']}, each expert {split}), parameters (with their gradients and "
+            f"optimizer state): {held}")
+
+
 #: The parts of compute a profile with measured rates splits it into (perf/work.py).
 COMPUTE_PART_NAMES = {"gemm": "GEMMs", "attention": "attention core", "memory_bound": "memory-bound ops",
                       "engine": "engine (Python, autograd)"}
 
 
 #: The step time's terms in plan's output, in the order of a step (time_model.step_time's keys).
-TIME_TERMS = (("compute", "compute"), ("tp_comm", "TP communication"), ("cp_comm", "CP ring"),
+TIME_TERMS = (("compute", "compute"), ("tp_comm", "TP communication"), ("ep_comm", "expert all-to-alls"),
+              ("cp_comm", "CP ring"),
               ("pp_comm", "pipeline sends"), ("bubble", "pipeline bubble"),
               ("dp_comm_exposed", "DP all-reduce not hidden"), ("embedding_comm", "tied embedding all-reduce"),
               ("optimizer", "optimizer"))
@@ -108,14 +128,18 @@ TIME_TERMS = (("compute", "compute"), ("tp_comm", "TP communication"), ("cp_comm
 def format_search(results):
     """One line a layout; with a run length (--train-iters or --train-tokens) its duration too."""
     run = "training" in results[0]
-    lines = [f"{'layout':<12}{'step ms':>10}{'compute':>10}{'TP':>9}{'PP':>9}{'bubble':>9}{'DP exp':>9}"
-             f"{'tokens/s':>12}{'peak mem':>12}" + (f"{'run':>20}" if run else "") + "  fit"]
+    width = max(12, max(len(r["layout"]) for r in results) + 2)      # an MoE layout names its EP too
+    experts = any(r["ep"] > 1 for r in results)                       # a column for the all-to-alls
+    lines = [f"{'layout':<{width}}{'step ms':>10}{'compute':>10}{'TP':>9}" + (f"{'EP':>9}" if experts else "")
+             + f"{'PP':>9}{'bubble':>9}{'DP exp':>9}{'tokens/s':>12}{'peak mem':>12}"
+             + (f"{'run':>20}" if run else "") + "  fit"]
     for r in results:
         t, m = r["time"], r["memory"]
         fit = "-" if m["fits"] is None else ("yes" if m["fits"] else "no")
         length = f"{format_duration(r['training']['seconds']):>20}" if run else ""
-        lines.append(f"{r['layout']:<12}{t['total'] * 1e3:>10.2f}{t['compute'] * 1e3:>10.2f}"
-                     f"{t['tp_comm'] * 1e3:>9.2f}{t['pp_comm'] * 1e3:>9.2f}{t['bubble'] * 1e3:>9.2f}"
+        lines.append(f"{r['layout']:<{width}}{t['total'] * 1e3:>10.2f}{t['compute'] * 1e3:>10.2f}"
+                     f"{t['tp_comm'] * 1e3:>9.2f}" + (f"{t['ep_comm'] * 1e3:>9.2f}" if experts else "")
+                     + f"{t['pp_comm'] * 1e3:>9.2f}{t['bubble'] * 1e3:>9.2f}"
                      f"{t['dp_comm_exposed'] * 1e3:>9.2f}{r['throughput']['tokens_per_s']:>12,.0f}"
                      f"{gb(m['peak']):>12}{length}  {fit}")
     return "\n".join(lines)
@@ -140,7 +164,8 @@ def format_weak(rows):
 @config_options(GPTConfig, only=MODEL_FIELDS, defaults=TRAIN_MODEL_DEFAULTS)      # train's defaults
 @config_options(TrainConfig, only={"seq_length", "micro_batch_size", "global_batch_size"})
 @config_options(ParallelConfig, only={"num_layers_per_virtual_pipeline_stage", "pipeline_schedule",
-                                      "context_parallel_size", "ddp_bucket_size"})
+                                      "context_parallel_size", "ddp_bucket_size", "expert_model_parallel_size",
+                                      "expert_tensor_parallel_size"})
 @model_preset_option
 @click.option("--layout", default="1x1x1", show_default=True, help="TPxPPxDP, e.g. 2x1x4.")
 @click.option("--recompute", type=click.Choice(["none", "selective", "full"]), default="none",
@@ -205,6 +230,7 @@ def plan_command(ctx, preset, layout, recompute, recompute_method, recompute_num
     schedule = options.pop("pipeline_schedule")
     cp = options.pop("context_parallel_size")
     bucket = options.pop("ddp_bucket_size")
+    ep, etp = options.pop("expert_model_parallel_size"), options.pop("expert_tensor_parallel_size")
     cfg = GPTConfig(**options, max_position_embeddings=seq)
     t, p, d = parse_grid_shape(layout)
     if search_ranks is not None and layout != "1x1x1":
@@ -226,7 +252,7 @@ def plan_command(ctx, preset, layout, recompute, recompute_method, recompute_num
                   sequence_parallel=cfg.sequence_parallel, recompute=recompute, schedule=schedule,
                   recompute_method=recompute_method, recompute_num_layers=recompute_num_layers,
                   distributed_optimizer=distributed_optimizer, overlap_grad_reduce=overlap_grad_reduce,
-                  bucket_elements=bucket)
+                  bucket_elements=bucket, ep=ep, etp=etp)
     ranks = search_ranks or t * p * d * cp
     if memory is None and device == "cpu":
         memory = machine_memory_bytes() / ranks         # the ranks of a CPU run share this machine
