@@ -58,9 +58,9 @@ class TopKRouter(Module):
         --fp16/--bf16 (Megatron-Core's router in FP32), the weights handed back in the model's."""
         cfg, weight = self.cfg, self.weight
         wide, model_dtype = router_dtype(cfg, x.dtype), numpy.result_type(x.dtype, numpy.float32)
+        if wide:    # cast outside the block: the input's gradient is rounded as any activation's
+            x, weight = _Cast.apply(x, dtype=wide), _Cast.apply(weight, dtype=wide)
         with precision.suspended() if wide else contextlib.nullcontext():
-            if wide:
-                x, weight = _Cast.apply(x, dtype=wide), _Cast.apply(weight, dtype=wide)
             logits = ag.linear(x, weight.T)
             if cfg.moe_z_loss_coeff and ag.is_grad_enabled():      # training (as Megatron), not evaluation
                 logits = aux_loss.attach(logits, z_loss(logits), "z_loss", self.layer, cfg.moe_z_loss_coeff)
@@ -73,7 +73,8 @@ class TopKRouter(Module):
             if kind != "none" and cfg.moe_aux_loss_coeff and ag.is_grad_enabled():
                 loss = balancing_loss(logits, cfg, kind, sequences, self.cp_group)
                 weights = aux_loss.attach(weights, loss, "load_balancing_loss", self.layer, cfg.moe_aux_loss_coeff)
-            if wide and wide != model_dtype:      # fp64: the weights meet the model's activations
+            if wide:    # a new array in the model's dtype: the ops after the router round their
+                # outputs in place, and the router's saved arrays (the softmax's) must stay unrounded
                 weights = _Cast.apply(weights, dtype=model_dtype)
         return weights, experts, kept
 

@@ -63,7 +63,7 @@ def moe_layer_gemms(cfg, shape):
     the shared expert's and its gate's on the T tokens (the whole sequence, under SP too)."""
     tokens, h, t = shape.micro_batch * shape.local_seq, cfg.hidden_size, shape.tp
     rows = cfg.moe_router_topk * tokens * shape.ep / cfg.num_experts
-    joined = shape.expert_tp > 1 and not cfg.add_bias_linear        # ExpertMLP.partial
+    joined = shape.expert_tp > 1 and cfg.swiglu and not cfg.add_bias_linear    # ExpertMLP.partial
     gemms = layer_gemms(cfg, shape)[:2] + [(tokens, h, cfg.num_experts)]
     gemms += _mlp_gemms(cfg, rows, cfg.moe_ffn_hidden_size // shape.expert_tp, joined) * (cfg.num_experts // shape.ep)
     shared = cfg.moe_shared_expert_intermediate_size

@@ -133,10 +133,11 @@ def memory_note(trainer):
     w = numpy.dtype(cfg.dtype).itemsize
     shard = grid.dp_size * grid.cp_size if config.parallel.use_distributed_optimizer else 1
     granularity = cfg.recompute_granularity or "none"
-    layout = ParallelShape(tp=grid.tp_size, cp=grid.cp_size, seq=config.seq_length, micro_batch=config.micro_batch_size,
-                    sequence_parallel=cfg.sequence_parallel, recompute=granularity,
-                    recompute_method=cfg.recompute_method or "uniform",
-                    recompute_num_layers=cfg.recompute_num_layers or 1)
+    layout = ParallelShape(tp=grid.tp_size, cp=grid.cp_size, dp=grid.dp_size, ep=grid.ep_size,
+                           etp=grid.expert_tp_group.size, seq=config.seq_length,
+                           micro_batch=config.micro_batch_size, sequence_parallel=cfg.sequence_parallel,
+                           recompute=granularity, recompute_method=cfg.recompute_method or "uniform",
+                           recompute_num_layers=cfg.recompute_num_layers or 1)
     layers = cfg.num_layers // (grid.pp_size * trainer.model.virtual_size)
     # --fp16/--bf16: 16-bit weights and activations, float32 gradients, masters and moments.
     # On the CPU this project holds the 16-bit values in float32 arrays, on a GPU only the weights

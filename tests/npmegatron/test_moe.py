@@ -544,3 +544,23 @@ def test_the_router_in_float64_passes_finite_differences():
     params = list(layer.parameters())
     xt = ag.Tensor(x, requires_grad=True)
     assert gradcheck(lambda a, *_: layer(a)[0], [xt] + params, tol=1e-6, max_entries=24) < 1e-6
+
+
+def test_the_fp32_routers_backward_reads_its_own_unrounded_softmax_under_bf16():
+    """Under --bf16 the ops after the router round their outputs in place (a reshape's is a view
+    of its input): the router hands on a copy, so its backward reads the unrounded softmax it
+    saved, and its gradients are those of a float32 router on the same (bf16) inputs."""
+    from npmegatron.autograd import precision
+    from npmegatron.moe import TopKRouter
+    x = precision.round_(np.random.default_rng(0).standard_normal((10, 16)).astype(np.float32), "bf16")
+    c = precision.round_(np.random.default_rng(1).standard_normal(20).astype(np.float32), "bf16")
+    grads = []
+    for storage in ("bf16", None):
+        cfg = GPTConfig(**{**BASE, "dtype": "float32", "moe_router_dtype": "fp32"})
+        router = TopKRouter(cfg, np, np.float32, 0)
+        router.initialize(cfg.seed, "bf16")
+        with precision.storage(storage):
+            weights, _, _ = router(ag.Tensor(x.copy()))
+            ag.sum(ag.reshape(weights, (20,)) * ag.Tensor(c)).backward()
+        grads.append(router.weight.grad.copy())
+    np.testing.assert_array_equal(grads[0], grads[1])
