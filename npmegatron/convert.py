@@ -66,7 +66,7 @@ def config_from_hf(hf_config):
     its model_type says. dtype is left to the caller: it is a choice of the run, and load_masters
     casts the weights to it."""
     model_type = hf_config.get("model_type")
-    if model_type not in READERS:
+    if not isinstance(model_type, str) or model_type not in READERS:
         raise InputError(f"config.json has model_type {_shown(model_type)}; only 'gpt2' (GPT2Model, "
                          "GPT2LMHeadModel), 'llama' (LlamaModel, LlamaForCausalLM), 'mixtral' "
                          "(MixtralForCausalLM) and 'qwen2_moe' (Qwen2MoeForCausalLM) can be converted")

@@ -12,7 +12,7 @@ from tqdm import tqdm
 from .. import comm
 from ..autograd import InputError, precision
 from ..autograd.ops.fused_attention import attention_path
-from ..model import model_flops
+from ..model import gpt_num_parameters, model_flops
 from ..moe.metrics import interval_metrics
 from ..perf.memory import ParallelShape, chunk_activation_bytes
 from .metrics import format_layers, format_memory, format_phases, layer_times, peak_flops_per_rank, phases
@@ -168,7 +168,8 @@ def attention_note(trainer):
 def header(trainer):
     cfg, grid, plan, model, data = trainer.cfg, trainer.grid, trainer.plan, trainer.model, trainer.data
     pipeline = f", layout {plan.layout!r} ({trainer.schedule})" if grid.pp_size > 1 else ""
-    return (f"GPT: {model.num_parameters():,} parameters, {cfg.num_layers} layers, hidden "
+    active = f" ({gpt_num_parameters(cfg, active=True):,} active a token)" if cfg.num_experts else ""
+    return (f"GPT: {model.num_parameters():,} parameters{active}, {cfg.num_layers} layers, hidden "
             f"{cfg.hidden_size}, {cfg.num_attention_heads} heads{parts_note(cfg)}, {precision_note(cfg)} on "
             f"{cfg.device}, {grid}"
             f"{' sequence-parallel' if cfg.sequence_parallel else ''}{pipeline}{recompute_note(cfg)}; global batch "
