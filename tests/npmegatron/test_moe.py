@@ -272,8 +272,11 @@ def family_of(layout):
 @pytest.mark.parametrize("layout", [["--tp", "2"], pytest.param(["--pp", "2"], marks=pytest.mark.slow),
                                     pytest.param([], marks=pytest.mark.slow),
                                     pytest.param(["--pp", "2", "--tp", "2"], marks=pytest.mark.slow),
-                                    ["--tp", "2", "--sequence-parallel"], ["--tp", "2", "--model-family", "llama"],
-                                    ["--cp", "2"], ["--cp", "2", "--moe-router-load-balancing-type", "seq_aux_loss"]],
+                                    ["--tp", "2", "--sequence-parallel"],
+                                    pytest.param(["--tp", "2", "--model-family", "llama"], marks=pytest.mark.slow),
+                                    ["--cp", "2"],
+                                    pytest.param(["--cp", "2", "--moe-router-load-balancing-type", "seq_aux_loss"],
+                                                 marks=pytest.mark.slow)],
                          ids=["tp2", "pp2", "dp2", "tp2xpp2", "tp2-sp", "tp2-llama", "cp2", "cp2-seq-aux"])
 def test_moe_training_follows_the_serial_trajectory(tmp_path, layout):
     """Two ranks (TP 2 with every expert split over the TP ranks, with sequence parallelism too;
@@ -284,9 +287,10 @@ def test_moe_training_follows_the_serial_trajectory(tmp_path, layout):
     from helpers import launch
     args = MOE_TINY + ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"]
     curves = {}
-    for name, extra, ranks in (("serial", family_of(layout), 0), ("layout", layout, 4 if {"--pp", "--tp"} <= set(layout) else 2)):
+    ranks = 4 if {"--pp", "--tp"} <= set(layout) else 2
+    for name, extra, n in (("serial", family_of(layout), 0), ("layout", layout, ranks)):
         log = tmp_path / f"{name}.jsonl"
-        run = launch(ranks, args + extra + ["--log-file", str(log)])
+        run = launch(n, args + extra + ["--log-file", str(log)])
         assert run.returncode == 0, run.stdout + run.stderr
         curves[name] = [json.loads(line)["loss"] for line in open(log)]
     assert len(curves["serial"]) == 8
@@ -307,18 +311,23 @@ def test_experts_split_over_ranks_equal_the_whole_layer(mpirun, ranks, case):
                                           (4, ["--expert-model-parallel-size", "2"]),
                                           pytest.param(4, ["--expert-model-parallel-size", "2", "--pp", "2"],
                                                        marks=pytest.mark.slow),
-                                          (4, ["--expert-model-parallel-size", "2", "--tp", "2"]),
-                                          (4, ["--expert-model-parallel-size", "2", "--tp", "2", "--sequence-parallel"]),
+                                          pytest.param(4, ["--expert-model-parallel-size", "2", "--tp", "2"],
+                                                       marks=pytest.mark.slow),
+                                          pytest.param(4, ["--expert-model-parallel-size", "2", "--tp", "2",
+                                                           "--sequence-parallel"], marks=pytest.mark.slow),
                                           (4, ["--expert-model-parallel-size", "2", "--tp", "2", "--sequence-parallel",
                                                "--model-family", "llama"]),
                                           pytest.param(4, ["--expert-model-parallel-size", "2", "--tp", "2",
                                                            "--expert-tensor-parallel-size", "1"],
                                                        marks=pytest.mark.slow),
                                           (2, ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]),
-                                          (4, ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]),
-                                          (4, ["--expert-model-parallel-size", "2", "--cp", "2"]),
-                                          (2, ["--expert-model-parallel-size", "2", "--recompute-granularity", "full",
-                                               "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
+                                          pytest.param(4, ["--expert-model-parallel-size", "2",
+                                                           "--use-distributed-optimizer"], marks=pytest.mark.slow),
+                                          pytest.param(4, ["--expert-model-parallel-size", "2", "--cp", "2"],
+                                                       marks=pytest.mark.slow),
+                                          pytest.param(2, ["--expert-model-parallel-size", "2",
+                                                           "--recompute-granularity", "full", "--recompute-method", "uniform",
+                                                           "--recompute-num-layers", "1"], marks=pytest.mark.slow),
                                           pytest.param(4, ["--expert-model-parallel-size", "2", "--pp", "2",
                                                            "--num-layers", "4", "--moe-layer-freq", "2",
                                                            "--num-layers-per-virtual-pipeline-stage", "1"],
@@ -434,7 +443,8 @@ def test_expert_parallel_drops_the_tokens_its_data_parallel_layout_drops(tmp_pat
 
 
 @pytest.mark.parametrize("ranks,layout", [(0, []), (2, ["--expert-model-parallel-size", "2"]),
-                                          (4, ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"])],
+                                          pytest.param(4, ["--expert-model-parallel-size", "2",
+                                                           "--use-distributed-optimizer"], marks=pytest.mark.slow)],
                          ids=["serial", "ep2", "ep2xdp2-distopt"])
 def test_a_moe_run_resumes_bitwise(tmp_path, ranks, layout):
     """Saved at step 3 of 6 and resumed, a run with MoE layers (load-balancing and z-losses, a
