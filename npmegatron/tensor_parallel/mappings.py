@@ -96,22 +96,6 @@ class _ScatterToSPRegion(Function):
         return comm.all_gather(g, ctx.group, axis=SEQUENCE_AXIS)
 
 
-class _GatherWholeSequence(Function):
-    """The conjugate of _ScatterToSPRegion: work after it is repeated whole on every rank (an MoE
-    layer's routing), so each rank's gradient is already the whole one and needs no sum."""
-    reads_16_bit = True     # moves values: 16-bit ones in half the bytes (no sum)
-    reads_16_bit_grads = True
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gathered(x, group, SEQUENCE_AXIS)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _split(g, ctx.group, SEQUENCE_AXIS)
-
-
 class _GatherFromSPRegion(Function):
     reads_16_bit = True     # moves values: 16-bit ones in half the bytes (no sum)
     @staticmethod
@@ -122,6 +106,17 @@ class _GatherFromSPRegion(Function):
     @staticmethod
     def backward(ctx, g):
         return comm.reduce_scatter(g, ctx.group, axis=SEQUENCE_AXIS)
+
+
+class _GatherWholeSequence(_GatherFromSPRegion):
+    """_GatherFromSPRegion's forward with _ScatterToSPRegion's conjugate backward: work after it
+    is repeated whole on every rank (an MoE layer's routing), so each rank's gradient is already
+    the whole one and needs no sum, only this rank's block kept."""
+    reads_16_bit_grads = True
+
+    @staticmethod
+    def backward(ctx, g):
+        return _split(g, ctx.group, SEQUENCE_AXIS)
 
 
 class _ReduceScatterToSPRegion(Function):

@@ -264,17 +264,22 @@ def test_the_references_backward_is_its_forwards_derivative(variant):
     """Central differences of the reference's loss on random entries of every HF tensor, so the
     hand-written backward the model is held against is itself right."""
     hf = {**HF_CONFIG, **VARIANTS[variant]}
-    state, ids = random_llama_state(hf), ids_for(hf, t=8)
-    reference = ReferenceLlama(state, hf)
+    assert_backward_is_the_derivative(ReferenceLlama, random_llama_state(hf), hf, ids_for(hf, t=8), entries=3)
+
+
+def assert_backward_is_the_derivative(reference_class, state, hf, ids, entries):
+    """A reference's hand-written gradients against central differences of its loss, on `entries`
+    random entries of every tensor of `state`."""
+    reference = reference_class(state, hf)
     reference.loss(ids[:, :-1], ids[:, 1:])
     grads, rng, step = reference.gradients(), np.random.default_rng(2), 1e-6
     for name, array in state.items():
-        for index in zip(*(rng.integers(0, n, 3) for n in array.shape)):
+        for index in zip(*(rng.integers(0, n, entries) for n in array.shape)):
             values = []
             for sign in (1, -1):
                 moved = {**state, name: array.copy()}
                 moved[name][index] += sign * step
-                values.append(ReferenceLlama(moved, hf).loss(ids[:, :-1], ids[:, 1:])[0])
+                values.append(reference_class(moved, hf).loss(ids[:, :-1], ids[:, 1:])[0])
             difference = (values[0] - values[1]) / (2 * step)
             assert abs(difference - grads[name][index]) < 1e-8 + 1e-6 * abs(grads[name][index]), (name, index)
 

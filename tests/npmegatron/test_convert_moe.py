@@ -23,7 +23,8 @@ from npmegatron.convert import (config_from_hf, config_to_hf, export_hf, import_
 from npmegatron.model import GPT, gpt_num_parameters
 from npmegatron.module import load_masters
 from test_convert import assembled_gradients, relative_error
-from test_convert_llama import HEAD, ReferenceLlama, canonical, ids_for, rms_norm, rms_norm_backward, silu
+from test_convert_llama import (HEAD, ReferenceLlama, assert_backward_is_the_derivative, canonical, ids_for, rms_norm,
+                                rms_norm_backward, silu)
 
 SHARED = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
           "max_position_embeddings": 16, "vocab_size": 60, "rms_norm_eps": 1e-5, "rope_theta": 500.0,
@@ -253,19 +254,7 @@ def test_the_references_backward_is_its_forwards_derivative(variant):
     """Central differences of the reference's loss on random entries of every HF tensor, so the
     hand-written backward the model is held against is itself right."""
     hf = VARIANTS[variant]
-    state, ids = random_moe_state(hf), ids_for(hf, t=8)
-    reference = ReferenceMoE(state, hf)
-    reference.loss(ids[:, :-1], ids[:, 1:])
-    grads, rng, step = reference.gradients(), np.random.default_rng(2), 1e-6
-    for name, array in state.items():
-        for index in zip(*(rng.integers(0, n, 2) for n in array.shape)):
-            values = []
-            for sign in (1, -1):
-                moved = {**state, name: array.copy()}
-                moved[name][index] += sign * step
-                values.append(ReferenceMoE(moved, hf).loss(ids[:, :-1], ids[:, 1:])[0])
-            difference = (values[0] - values[1]) / (2 * step)
-            assert abs(difference - grads[name][index]) < 1e-8 + 1e-6 * abs(grads[name][index]), (name, index)
+    assert_backward_is_the_derivative(ReferenceMoE, random_moe_state(hf), hf, ids_for(hf, t=8), entries=2)
 
 
 def test_the_qkv_bias_and_the_experts_are_where_they_belong():
