@@ -18,7 +18,7 @@ from .ops import (
     exp, log, tanh, gelu, bias_gelu,
     softmax, layer_norm, dropout, dropout_add, bias_dropout_add, add_rows_dropout, embedding, cross_entropy,
     causal_attention, causal_attention_packed, grouped_causal_attention, repeat_heads, rms_norm, rotary, rotary_angles,
-    swiglu, gelu_mlp,
+    swiglu, gelu_mlp, RowBlocks, grouped_matmul, grouped_bias,
 )
 from .gradcheck import gradcheck, numerical_grad
 
@@ -31,5 +31,6 @@ __all__ = [
     "softmax", "layer_norm", "dropout", "dropout_add", "bias_dropout_add", "add_rows_dropout", "embedding",
     "cross_entropy",
     "causal_attention", "causal_attention_packed", "grouped_causal_attention", "repeat_heads", "rms_norm",
-    "rotary", "rotary_angles", "swiglu", "gelu_mlp", "gradcheck", "numerical_grad",
+    "rotary", "rotary_angles", "swiglu", "gelu_mlp", "RowBlocks", "grouped_matmul", "grouped_bias", "gradcheck",
+    "numerical_grad",
 ]

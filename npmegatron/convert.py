@@ -27,7 +27,7 @@ from .hf_convert.llama import (LLAMA_HEAD, LLAMA_LAYER_MATRIX, LLAMA_PREFIX, is_
                                llama_config_to_hf, llama_hf_shapes, llama_masters, llama_name_map, llama_sizes_held,
                                llama_state)
 from .hf_convert.moe import (mixtral_config_from_hf, moe_config_to_hf, moe_family, moe_name_map, moe_sizes_held,
-                             qwen2_moe_config_from_hf)
+                             qwen2_moe_config_from_hf, stack_experts, unstack_experts)
 from .hf_folder import PREFIX, check_hf_target, inside_folder, is_mask_buffer, read_hf_folder, write_hf_folder
 from .model import GPT
 from .module import load_masters
@@ -191,7 +191,7 @@ def masters_from_hf(tensors, cfg):
                          ("config.json's tie_word_embeddings is true, so give the config.json saved with "
                           "these weights" if llama else "npmegatron's output layer is tied to the token "
                           "embedding, so an untied head cannot be converted"))
-    return llama_masters(tensors, cfg, names) if llama else gpt2_masters(tensors, cfg)
+    return stack_experts(llama_masters(tensors, cfg, names)) if llama else gpt2_masters(tensors, cfg)
 
 
 def masters_to_hf(masters, cfg):
@@ -201,7 +201,7 @@ def masters_to_hf(masters, cfg):
     the QKV split into q_proj, k_proj and v_proj."""
     family = hf_family(cfg)
     if family in LLAMA_LIKE:
-        names = LLAMA_LIKE[family][0](cfg)
+        names, masters = LLAMA_LIKE[family][0](cfg), unstack_experts(masters)
         check_tensors(masters, {ours: shape for _, ours, shape in names}, "the npmegatron masters", family=family)
         return llama_state(masters, cfg, names)
     names = name_map(cfg)

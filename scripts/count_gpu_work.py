@@ -151,9 +151,11 @@ def _gemm_key(launch):
             + (f" epilogue {f['epilogue']}" if f.get("epilogue") else ""))
 
 
-def difference(two, one):
+def difference(two, one, by_sizes=True):
     """Launches of the second layer: those of the 2-layer model minus those of the 1-layer one,
-    per (kind, op, name, fields) (the records of one layer are alike in both models)."""
+    per (kind, op, name, fields) (the records of one layer are alike in both models). by_sizes
+    False: what is left is then matched by (kind, op, name) alone, for layers whose sizes follow
+    their input (an MoE layer's grouped GEMMs are as wide as its busiest expert's block)."""
     remaining = collections.Counter(_identity(launch) for launch in one)
     extra = []
     for launch in two:
@@ -162,7 +164,18 @@ def difference(two, one):
             remaining[key] -= 1
         else:
             extra.append(launch)
-    return extra
+    if by_sizes:
+        return extra
+    loose = collections.Counter()
+    for key, n in remaining.items():
+        loose[key[:3]] += n
+    unmatched = []
+    for launch in extra:
+        if loose[_identity(launch)[:3]]:
+            loose[_identity(launch)[:3]] -= 1
+        else:
+            unmatched.append(launch)
+    return unmatched
 
 
 def _identity(launch):
@@ -175,11 +188,12 @@ def measure(cfg, batch, seq, check_depth=False, check_python_calls=None):
     check_python_calls (a depth), also that model's Python calls per step, measured."""
     one = count_step(dataclasses.replace(cfg, num_layers=1), batch, seq)
     two = count_step(dataclasses.replace(cfg, num_layers=2), batch, seq)
-    layer = difference(two["forward_backward"], one["forward_backward"])
+    by_sizes = not cfg.num_experts
+    layer = difference(two["forward_backward"], one["forward_backward"], by_sizes)
     same_at_depth_3 = None
     if check_depth:
         three = count_step(dataclasses.replace(cfg, num_layers=3), batch, seq)
-        third = difference(three["forward_backward"], two["forward_backward"])
+        third = difference(three["forward_backward"], two["forward_backward"], by_sizes)
         same_at_depth_3 = sorted(map(_identity, third)) == sorted(map(_identity, layer))
     kept_one, _ = kept_for_backward(dataclasses.replace(cfg, num_layers=1), batch, seq)
     kept_two, param_bytes = kept_for_backward(dataclasses.replace(cfg, num_layers=2), batch, seq)
@@ -200,7 +214,7 @@ def measure(cfg, batch, seq, check_depth=False, check_python_calls=None):
                                       "extrapolated": outside_calls + check_python_calls * per_layer}
     # the first layer's own launches that differ from a later layer's (its input's gradient meets
     # the embedding's, not a residual add's) are the one-layer model's left over: counted outside
-    outside = difference(one["forward_backward"], layer)
+    outside = difference(one["forward_backward"], layer, by_sizes)
     layer_summary, outside_summary, optimizer_summary = summary(layer), summary(outside), summary(two["optimizer"])
     return {"config": {"hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_attention_heads,
                        "seq_length": seq, "vocab_size": cfg.vocab_size, "micro_batch_size": batch,

@@ -512,15 +512,18 @@ def test_python_calls_count_only_the_repositorys_sources():
     assert result.stdout.strip() == "[True, True, False, False]", result.stdout + result.stderr
 
 
-def test_an_moe_layer_synchronises_once_and_runs_every_gemm_through_cublas():
+def test_an_moe_layer_synchronises_once_and_its_launches_do_not_grow_with_the_experts():
     """The MoE layer's one host synchronisation a forward is the choice of experts going to the
-    host (the dispatch sorts and splits by it there; the balancing loss counts on the device);
-    its experts' GEMMs go through cuBLAS directly, with no hidden copy. Its launches still grow
-    with the experts (one set of GEMMs an expert: no grouped GEMM yet)."""
-    two, four = (count("--model-family", "llama", "--num-experts", str(e), "--moe-router-topk", "1")
-                 for e in (2, 4))
-    for result in (two, four):
+    host (the dispatch sorts and lays out the blocks there; the balancing loss counts on the
+    device). Its experts run as grouped GEMMs, batched over the experts through cuBLAS with no
+    hidden copy, so a layer of 8 experts makes the launches and GEMMs of a layer of 2."""
+    two, eight = (count("--model-family", "llama", "--num-experts", str(e), "--moe-router-topk", "2")
+                  for e in (2, 8))
+    for result in (two, eight):
         assert result["syncs_per_step"] == 1 + 2      # the loss and norm's, and one a MoE layer
         step = result["step_two_layers"]
         assert step["hidden_copies"] == 0 and step["gemms_through_cupy_matmul"] == 0
-    assert four["layer"]["by_kind"]["gemm"] > two["layer"]["by_kind"]["gemm"]
+    for key in ("launches", "by_kind"):
+        assert eight["layer"][key] == two["layer"][key], (eight["layer"][key], two["layer"][key])
+    batched = {name: n for name, n in eight["layer"]["gemms"].items() if "batch=8" in name}
+    assert sum(batched.values()) == 2 * 3, eight["layer"]["gemms"]   # two projections, three GEMMs each

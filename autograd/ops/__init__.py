@@ -10,6 +10,7 @@ from .rms_norm import rms_norm
 from .rotary import rotary, rotary_angles
 from .swiglu import swiglu
 from .mlp import gelu_mlp
+from .grouped import RowBlocks, grouped_bias, grouped_matmul
 from ..tensor import Tensor
 
 

@@ -5,13 +5,14 @@ angles, the head) is Llama's, read and written by llama.py; Qwen2-MoE's q, k, v 
 group by group like their weights, into our QKV bias (--add-qkv-bias).
 
 Under "model.layers.N.", HF's linears (out, in) TRANSPOSED, the router and the shared expert's
-gate as they are; ours are under "blocks.N.mlp.":
+gate as they are; ours are under "blocks.N.mlp.", each expert's a slice of the stacked weight
+("experts.gate.weight" (E, h, f): stack_experts and unstack_experts):
 
     Mixtral (block_sparse_moe.)  Qwen2-MoE (mlp.)                    npmegatron              shape
     gate.weight                  gate.weight                         router.weight           (E, h)
-    experts.e.w1.weight          experts.e.gate_proj.weight          experts.e.gate.weight   (h, f)
-    experts.e.w3.weight          experts.e.up_proj.weight            experts.e.up.weight     (h, f)
-    experts.e.w2.weight          experts.e.down_proj.weight          experts.e.proj.weight   (f, h)
+    experts.e.w1.weight          experts.e.gate_proj.weight          experts.gate.weight[e]  (h, f)
+    experts.e.w3.weight          experts.e.up_proj.weight            experts.up.weight[e]    (h, f)
+    experts.e.w2.weight          experts.e.down_proj.weight          experts.proj.weight[e]  (f, h)
                                  shared_expert.gate_proj / up_proj   shared_expert.gate / up (h, s)
                                  shared_expert.down_proj.weight      shared_expert.proj      (s, h)
                                  shared_expert_gate.weight           shared_expert_gate      (1, h)
@@ -28,6 +29,10 @@ renormalised), else Qwen2-MoE when it has a gated shared expert, else refused in
 is any routing neither computes. Experts fused into one tensor (transformers 5's in-memory
 gate_up_proj) are not read: save_pretrained writes them one by one, as here.
 """
+import re
+
+import numpy
+
 from ..autograd import InputError
 from ..config import GPTConfig
 from ..safetensors_header import shown as _shown
@@ -230,3 +235,35 @@ def moe_sizes_held(cfg):
         ("shared_expert_intermediate_size", cfg.moe_shared_expert_intermediate_size,
          f"{layer}.shared_expert.gate_proj.weight", 0),
         ("num_experts", cfg.num_experts, f"{layer}.gate.weight", 0)]
+
+
+#: One routed expert's weight in the name maps: "<layer>.experts.<e>.<projection>.<kind>".
+_ONE_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+\.\w+)$")
+
+
+def stack_experts(masters):
+    """The name maps' one-expert masters joined into the model's stacked ones: each layer's
+    "experts.e.gate.weight" (h, f), e = 0 ... E - 1, becomes "experts.gate.weight" (E, h, f)."""
+    out, stacks = {}, {}
+    for name, array in masters.items():
+        match = _ONE_EXPERT.match(name)
+        if match is None:
+            out[name] = array
+        else:
+            stacks.setdefault(f"{match[1]}.{match[3]}", {})[int(match[2])] = array
+    for name, experts in stacks.items():
+        out[name] = numpy.stack([experts[e] for e in range(len(experts))])
+    return out
+
+
+def unstack_experts(masters):
+    """stack_experts' inverse: the model's stacked expert masters split one expert a name."""
+    out = {}
+    for name, array in masters.items():
+        layer, _, projection = name.rpartition(".experts.")
+        if layer and projection.count(".") == 1 and not projection.split(".")[0].isdigit():
+            out.update({f"{layer}.experts.{e}.{projection}": numpy.ascontiguousarray(array[e])
+                        for e in range(array.shape[0])})
+        else:
+            out[name] = array
+    return out

@@ -4,7 +4,8 @@ expert sees its tokens in order), each expert runs on its contiguous block, and 
 weighted by its router weight, is added back into its token's row.
 
 The sort and the block sizes are computed on the host: the blocks' sizes are needed there to
-split the rows (on a GPU that is the dispatcher's one synchronisation a layer, Megatron's too)."""
+lay out the grouped GEMMs (on a GPU that is the dispatcher's one synchronisation a layer,
+Megatron's too)."""
 import numpy
 
 from .. import autograd as ag
@@ -39,42 +40,21 @@ def sort_by_expert(experts, num_experts, kept=None):
     return order, numpy.bincount(flat[candidates], minlength=num_experts)
 
 
-def run_experts(x, weights, experts, mlps, kept=None, finish=None, pad_to=None):
+def run_experts(x, weights, experts, run, num_experts, kept=None, pad_to=None):
     """sum over each token's k experts of weight x expert(token): x (tokens, hidden) Tensor,
-    weights (tokens, k) Tensor, experts (tokens, k) int array, mlps one callable per expert;
-    kept: which choices the experts take (a capacity's), None: all; finish: applied to the
-    experts' output rows before they are weighted (the TP ranks' partial sums reduced); pad_to:
-    the rows each expert runs on (run_blocks)."""
-    order, counts = sort_by_expert(experts, len(mlps), kept)
+    weights (tokens, k) Tensor, experts (tokens, k) int array; run(rows, blocks): the experts on
+    their blocks of rows (GroupedExperts, with whatever the layer applies around them); kept:
+    which choices the experts take (a capacity's), None: all; pad_to: the rows each expert runs
+    on in a GPU's batched GEMMs (ag.RowBlocks)."""
+    order, counts = sort_by_expert(experts, num_experts, kept)
     source = sources(x, order, experts.shape[1])
-    y = run_blocks(x[source], counts, mlps, pad_to)
-    return combine(finish(y) if finish else y, weights, order, source, experts.shape[0])
+    y = run(x[source], ag.RowBlocks(counts, get_array_module(x.data), pad_to))
+    return combine(y, weights, order, source, experts.shape[0])
 
 
 def sources(x, order, k):
     """The token of each sorted (token, slot) pair, on x's device."""
     return get_array_module(x.data).asarray(order) // k
-
-
-def run_blocks(rows, sizes, mlps, pad_to=None):
-    """Each mlp on its block of `rows` (consecutive blocks of these sizes), the outputs joined in
-    order; an empty block is skipped (and all empty: the rows themselves, still on the tape).
-    pad_to: each mlp runs on its block padded with zero rows to this many (every expert the same
-    shape, --moe-pad-expert-input-to-capacity), the padding's outputs left out."""
-    parts = ag.split(rows, [int(c) for c in numpy.cumsum(sizes)[:-1]], axis=0)
-    if pad_to is not None:
-        return _run_padded(rows, parts, sizes, mlps, pad_to)
-    outputs = [mlp(part) for mlp, part, size in zip(mlps, parts, sizes) if size]
-    return rows if not outputs else outputs[0] if len(outputs) == 1 else ag.concatenate(outputs, axis=0)
-
-
-def _run_padded(rows, parts, sizes, mlps, pad_to):
-    xp = get_array_module(rows.data)
-    outputs = []
-    for mlp, part, size in zip(mlps, parts, sizes):
-        padding = ag.Tensor(xp.zeros((pad_to - int(size),) + rows.shape[1:], rows.dtype))
-        outputs.append(mlp(ag.concatenate([part, padding], axis=0))[:int(size)])
-    return ag.concatenate(outputs, axis=0)
 
 
 def combine(y, weights, order, source, tokens):

@@ -16,10 +16,11 @@ the expert-data-parallel ranks and divided by the data-parallel size it is the d
 average every other weight gets (Megatron-Core's expert gradient scaling)."""
 import numpy
 
+from .. import autograd as ag
 from .. import comm
 from ..autograd import Function
 from ..autograd.backend import get_array_module
-from .dispatch import combine, run_blocks, sort_by_expert, sources
+from .dispatch import combine, sort_by_expert, sources
 
 
 class _AllToAll(Function):
@@ -56,19 +57,18 @@ def expert_major(received):
     return numpy.concatenate(blocks) if blocks else numpy.zeros(0, numpy.int64)
 
 
-def run_experts_parallel(x, weights, experts, local_mlps, group, kept=None, finish=None, pad_to=None):
-    """run_experts (dispatch.py) with the experts split over `group`: local_mlps are this rank's
-    E / group.size experts, the rank's place in the group naming which (rank r holds r L ... );
-    kept: which choices the experts take (a capacity's), None: all; finish: applied to the
-    experts' output rows before they travel home; pad_to: the rows each expert runs on (run_blocks)."""
-    order, counts = sort_by_expert(experts, len(local_mlps) * group.size, kept)
+def run_experts_parallel(x, weights, experts, run, num_experts, group, kept=None, pad_to=None):
+    """run_experts (dispatch.py) with the experts split over `group`: run(rows, blocks) runs this
+    rank's E / group.size experts, the rank's place in the group naming which (rank r holds
+    r L ... ); kept: which choices the experts take (a capacity's), None: all; pad_to: the rows
+    each expert runs on in a GPU's batched GEMMs (ag.RowBlocks)."""
+    order, counts = sort_by_expert(experts, num_experts, kept)
     send, received = exchange_counts(counts, group)
     source = sources(x, order, experts.shape[1])
     arrived = _AllToAll.apply(x[source], group=group, send=send, recv=received.sum(axis=1))
     xp = get_array_module(source)
     regroup = expert_major(received)
-    y = run_blocks(arrived[xp.asarray(regroup)], received.sum(axis=0), local_mlps, pad_to)
-    y = finish(y) if finish else y
+    y = run(arrived[xp.asarray(regroup)], ag.RowBlocks(received.sum(axis=0), xp, pad_to))
     arrival_order = y[xp.asarray(numpy.argsort(regroup))]
     home = _AllToAll.apply(arrival_order, group=group, send=received.sum(axis=1), recv=send)
     return combine(home, weights, order, source, experts.shape[0])

@@ -5,18 +5,19 @@ token, gated by sigmoid(x w) under --moe-shared-expert-gate (Qwen2-MoE). Droples
 takes every token sent to it, unless --moe-expert-capacity-factor caps its share (router.py).
 
 Under tensor parallelism every TP rank routes the same tokens and sends them to the same experts;
-the experts and the shared expert are split over the TP ranks as the dense MLP is. Experts without
-biases (the Llama family) leave the TP region together: their output rows' partial sums are
-all-reduced once a layer, before the router's weights multiply them, not once an expert. Under
+the experts and the shared expert are split over the TP ranks as the dense MLP is. The experts
+enter and leave the TP region together: one f on the layer's input, and one all-reduce of their
+output rows' partial sums, before the second projection's bias and the router's weights. Under
 sequence parallelism the layer first gathers the whole sequence (so the sequence-level balancing
 loss sees whole sequences) and gives back its rank's block at the end: Megatron-Core's all-gather
 dispatcher, but with the tokens' rows all-reduced and then split where it reduce-scatters them."""
 from .. import autograd as ag
+from ..comm import Group
 from ..module import Module, ParamSpec, parameter
 from ..tensor_parallel import copy_to_tp_region, gather_whole_sequence, reduce_from_tp_region, scatter_to_sp_region
 from .dispatch import run_experts
 from .expert_parallel import run_experts_parallel
-from .experts import ExpertMLP
+from .experts import GroupedExperts, SharedExpertMLP
 from .router import TopKRouter, expert_capacity, sigmoid
 
 
@@ -34,17 +35,13 @@ class MoELayer(Module):
         self.ep_group = ep_group if ep_group is not None and ep_group.size > 1 else None
         local = cfg.num_experts // (self.ep_group.size if self.ep_group else 1)
         first = self.ep_group.rank * local if self.ep_group else 0
-        # a dict by global expert number: the parameters' names are the serial model's
-        self.experts = {e: ExpertMLP(cfg, xp, dtype, cfg.moe_ffn_hidden_size, group=expert_tp_group)
-                        for e in range(first, first + local)}
-        # Experts split over the TP ranks and without biases leave the TP region together: one
-        # reduction a layer, not one an expert (a bias is added once, after its expert's own g)
-        self.one_reduction = (expert_tp_group is not None and expert_tp_group.size > 1 and not cfg.add_bias_linear)
+        self.expert_tp_group = expert_tp_group or Group.single("expert")
+        self.experts = GroupedExperts(cfg, xp, dtype, first, local, self.expert_tp_group)
         self.shared_expert = None
         self.specs = {}
         if cfg.moe_shared_expert_intermediate_size:
-            self.shared_expert = ExpertMLP(cfg, xp, dtype, cfg.moe_shared_expert_intermediate_size, routed=False,
-                                           group=tp_group)
+            self.shared_expert = SharedExpertMLP(cfg, xp, dtype, cfg.moe_shared_expert_intermediate_size,
+                                                 group=tp_group)
             if cfg.moe_shared_expert_gate:
                 self.shared_expert_gate = parameter(xp, (1, cfg.hidden_size), dtype)
                 self.specs["shared_expert_gate"] = ParamSpec(cfg.init_method_std, (1, cfg.hidden_size))
@@ -66,21 +63,21 @@ class MoELayer(Module):
         return (scatter_to_sp_region(out, self.tp_group) if self.sequence_parallel else out), None
 
     def _routed(self, flat, weights, experts, kept):
-        """The routed experts' weighted sum for each token. Under one_reduction each TP rank runs
-        its share of every expert's columns, and the output rows' partial sums are all-reduced
-        once for all experts before they are weighted (Megatron-Core's dispatchers reduce there
-        too, so the router's weights get the whole output's gradient)."""
+        """The routed experts' weighted sum for each token. Experts split over the TP ranks enter
+        the TP region through one f, each rank runs its share of every expert's columns, and the
+        output rows' partial sums are all-reduced once for all experts before they are weighted
+        (Megatron-Core's dispatchers reduce there too, so the router's weights get the whole
+        output's gradient)."""
         finish = None
-        mlps = list(self.experts.values())
-        if self.one_reduction:      # f once for every expert: their input gradients' partial sums
+        if self.expert_tp_group.size > 1:   # the TP group's ranks: f once for every expert
             flat = copy_to_tp_region(flat, self.tp_group)
-            mlps = [expert.partial for expert in mlps]
             finish = lambda rows: reduce_from_tp_region(rows, self.tp_group)  # noqa: E731
+        run = lambda rows, blocks: self.experts(rows, blocks, finish)  # noqa: E731
         cfg = self.router.cfg
         # --moe-pad-expert-input-to-capacity: each expert runs on its capacity's rows from every
         # rank of its group, the most a capacity lets arrive
         pad_to = (expert_capacity(flat.shape[0], cfg) * (self.ep_group.size if self.ep_group else 1)
                   if cfg.moe_pad_expert_input_to_capacity else None)
         if self.ep_group is None:
-            return run_experts(flat, weights, experts, mlps, kept, finish, pad_to)
-        return run_experts_parallel(flat, weights, experts, mlps, self.ep_group, kept, finish, pad_to)
+            return run_experts(flat, weights, experts, run, cfg.num_experts, kept, pad_to)
+        return run_experts_parallel(flat, weights, experts, run, cfg.num_experts, self.ep_group, kept, pad_to)

@@ -369,15 +369,15 @@ def moe_routed_bytes(cfg, shape, w):
     under SP, which the layer gathers), balanced over the experts and none dropped or padded: each
     row's expert input (whole: split experts all read it), its expert's widths (split over ETP),
     the output row the router's weight multiplies and the weight; the permutation's int64 indices
-    (the gather and the scatter-add, and under EP the regroup and its inverse). Experts split and
-    without biases run SwiGLU on gate and up joined: the joined weights are kept too."""
+    (the gather and the scatter-add, and under EP the regroup and its inverse). SwiGLU experts run
+    on gate and up joined: the joined weights are kept too."""
     k, h, etp = cfg.moe_router_topk, cfg.hidden_size, shape.expert_tp
     rows = k * shape.local_seq * shape.micro_batch
     local = cfg.num_experts // shape.ep
     ffn = cfg.moe_ffn_hidden_size
     widths = _mlp_widths(cfg, ffn, rows * shape.ep // cfg.num_experts * ffn // etp, w) / etp
     total = rows * (h * (2 + widths) + 1) * w + rows * 8 * (4 if shape.ep > 1 else 2)
-    if etp > 1 and cfg.swiglu and not cfg.add_bias_linear:        # moe/experts.py: ExpertMLP.partial
+    if cfg.swiglu:          # moe/experts.py: the grouped GEMM's joined gate and up weights
         total += local * h * 2 * ffn // etp * w
     return total
 

@@ -218,20 +218,18 @@ def moe_tp_collectives(cfg, shape, w):
     for one micro-batch (moe/layer.py), T tokens of h elements (the whole sequence) and k T routed
     rows, balanced over the experts: under SP the sequence gathered forward and the gradient of the
     rank's block gathered backward; the shared expert's own g and f (two f's for SwiGLU's gate and
-    up); experts split and without biases one g of all routed rows and one f of the tokens, with
-    biases each local expert's g and f's on its rows; whole experts (ETP 1) none."""
+    up); experts split over the TP ranks one g of all routed rows and one f of the tokens (their
+    biases, where they have them, added after the g); whole experts (ETP 1) none."""
     if shape.tp == 1 or cfg.num_experts is None:
         return []
     tokens = shape.local_seq * shape.micro_batch * cfg.hidden_size * w
-    rows, local = cfg.moe_router_topk * tokens, cfg.num_experts // shape.ep
+    rows = cfg.moe_router_topk * tokens
     firsts = 2 if cfg.swiglu else 1     # SwiGLU's gate and up: two column-parallel linears, two f's
     collectives = [("all_gather", tokens, 1, 1)] if shape.sequence_parallel else []
     if cfg.moe_shared_expert_intermediate_size:
         collectives.append(("all_reduce", tokens, 1, firsts))
-    if shape.expert_tp > 1 and not cfg.add_bias_linear:
+    if shape.expert_tp > 1:
         collectives += [("all_reduce", rows, 1, 0), ("all_reduce", tokens, 0, 1)]
-    elif shape.expert_tp > 1:
-        collectives.append(("all_reduce", rows / local, local, local * firsts))
     return collectives
 
 

@@ -63,9 +63,10 @@ def moe_layer_gemms(cfg, shape):
     the shared expert's and its gate's on the T tokens (the whole sequence, under SP too)."""
     tokens, h, t = shape.micro_batch * shape.local_seq, cfg.hidden_size, shape.tp
     rows = cfg.moe_router_topk * tokens * shape.ep / cfg.num_experts
-    joined = shape.expert_tp > 1 and cfg.swiglu and not cfg.add_bias_linear    # ExpertMLP.partial
     gemms = layer_gemms(cfg, shape)[:2] + [(tokens, h, cfg.num_experts)]
-    gemms += _mlp_gemms(cfg, rows, cfg.moe_ffn_hidden_size // shape.expert_tp, joined) * (cfg.num_experts // shape.ep)
+    # moe/experts.py: SwiGLU's gate and up joined; the grouped GEMM's blocks counted one an expert
+    expert = _mlp_gemms(cfg, rows, cfg.moe_ffn_hidden_size // shape.expert_tp, cfg.swiglu)
+    gemms += expert * (cfg.num_experts // shape.ep)
     shared = cfg.moe_shared_expert_intermediate_size
     if shared:
         gemms += _mlp_gemms(cfg, tokens, shared // t, False)
@@ -246,7 +247,7 @@ def stage_seconds(cfg, shape, measured, again, w):
 def layer_seconds(cfg, shape, measured, again, gemms, traffic):
     """{part: seconds} of one layer of these GEMMs and memory-bound ops and the attention core for
     one micro-batch, the recomputed share's forward twice. The engine's cost is the measured dense
-    layer's (an MoE layer's extra Python calls per expert are not counted)."""
+    layer's (an MoE layer's extra Python calls, its router's and dispatch's, are not counted)."""
     gemm_f, gemm_b = gemms_seconds(measured["gemm"], gemms)
     attn_f, attn_b = attention_seconds(cfg, shape, measured)
     bytes_f, bytes_b = (traffic_seconds(measured, traffic, way) for way in (0, 1))

@@ -266,8 +266,8 @@ def test_the_qkv_bias_and_the_experts_are_where_they_belong():
     reference = ReferenceMoE(state, hf).loss(ids[:, :-1], ids[:, 1:])[1]
     plain = {**masters, "blocks.1.attn.qkv.bias": np.concatenate(
         [state[f"model.layers.1.self_attn.{n}_proj.bias"] for n in "qkv"])}
-    swapped = {**masters, "blocks.2.mlp.experts.0.up.weight": masters["blocks.2.mlp.experts.1.up.weight"],
-               "blocks.2.mlp.experts.1.up.weight": masters["blocks.2.mlp.experts.0.up.weight"]}
+    stacked = masters["blocks.2.mlp.experts.up.weight"][[1, 0, *range(2, hf["num_experts"])]]
+    swapped = {**masters, "blocks.2.mlp.experts.up.weight": stacked}
     for wrong in (plain, swapped):
         assert relative_error(ours_in_hf_layout(hf, wrong, ids)[1], reference) > 1e-3
 

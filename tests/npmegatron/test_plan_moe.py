@@ -183,10 +183,10 @@ def test_the_all_to_alls_by_hand():
 @pytest.mark.parametrize("options,etp,sp,expected", [
     (LLAMA, None, False, [("all_reduce", 2, 1, 0), ("all_reduce", 1, 0, 1)]),      # one g of k T rows, one f
     (LLAMA, 1, False, []),                                                          # whole experts
-    ({}, None, False, [("all_reduce", 2 / 2, 2, 2)]),                  # biases: each local expert's g and f
+    ({}, None, False, [("all_reduce", 2, 1, 0), ("all_reduce", 1, 0, 1)]),     # biases: added after the g
     ({**LLAMA, "moe_shared_expert_intermediate_size": 32}, None, True,     # the shared SwiGLU: g, two f's
      [("all_gather", 1, 1, 1), ("all_reduce", 1, 1, 2), ("all_reduce", 2, 1, 0), ("all_reduce", 1, 0, 1)]),
-    ({**LLAMA, "disable_bias_linear": False}, None, False, [("all_reduce", 2 / 2, 2, 4)]),   # biased SwiGLU
+    ({**LLAMA, "disable_bias_linear": False}, None, False, [("all_reduce", 2, 1, 0), ("all_reduce", 1, 0, 1)]),
 ])
 def test_the_moe_layers_tp_collectives(options, etp, sp, expected):
     """The MoE layer's MLP part in the TP group (moe/layer.py), in units of T h w bytes."""
