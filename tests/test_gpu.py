@@ -3,7 +3,7 @@
 skips; tests/test_strict_gpu.py runs this very file on the CPU with the strict CuPy stand-in
 (tests/fakes/strict_cupy) first on the path, where it also counts host synchronisations.
 
-- the serial GPT's loss and gradients on CuPy equal NumPy's;
+- the serial GPT's loss and gradients on CuPy equal NumPy's, with MoE layers too;
 - every pipeline equality layout (PP 2 and 4, TP, DP, three schedules, overlap on and off,
   uneven layouts, variable lengths, SP) with the pipeline on CuPy equals the serial model;
 - the training path at TP = 2 (and TP 2 x PP 2 x DP 2, slow) with sequence parallelism and
@@ -24,6 +24,7 @@ except Exception:
 
 from helpers import pipeline_cases  # noqa: E402
 from npmegatron.model import GPT, GPTConfig  # noqa: E402
+from npmegatron.moe import aux_loss  # noqa: E402
 
 STRICT = hasattr(cupy, "_strict")
 HOST_SYNCS_PER_STEP = 1     # the loss and the gradient norm, read together (Trainer.train_step)
@@ -36,13 +37,18 @@ GPT2_SMALL = dict(num_layers=2, hidden_size=16, num_attention_heads=2, vocab_siz
 LLAMA_SMALL = dict(model_family="llama", num_layers=2, hidden_size=16, num_attention_heads=4,
                    group_query_attention=True, num_query_groups=2, ffn_hidden_size=24, vocab_size=32,
                    max_position_embeddings=8, dtype="float64", hidden_dropout=0.0, attention_dropout=0.0)
+#: mixture-of-experts layers: the experts' grouped GEMMs (padded, batched over the experts) on CuPy
+MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=12, moe_aux_loss_coeff=0.01)
 
 
-@pytest.mark.parametrize("kw", [GPT2_SMALL, LLAMA_SMALL], ids=["gpt", "llama"])
+@pytest.mark.parametrize("kw", [GPT2_SMALL, LLAMA_SMALL, {**GPT2_SMALL, **MOE}, {**LLAMA_SMALL, **MOE}],
+                         ids=["gpt", "llama", "gpt-moe", "llama-moe"])
 def test_gpt_on_gpu_equals_cpu_in_float64(kw):
     cpu, gpu = GPT(GPTConfig(**kw)), GPT(GPTConfig(**kw, device="gpu"))
     ids = np.random.default_rng(0).integers(0, 32, (2, 9))
+    aux_loss.take_values()      # MoE losses logged by an earlier test's models (on either device)
     _, loss_cpu = cpu(ids[:, :-1], ids[:, 1:])
+    aux_loss.take_values()      # the CPU model's, before the GPU model's
     _, loss_gpu = gpu(ids[:, :-1], ids[:, 1:])
     loss_cpu.backward()
     loss_gpu.backward()
