@@ -21,9 +21,9 @@ def grid_ranks(world_size, tp, pp, dp, cp=1, ep=1):
     """The rank lists of every group kind, computed without MPI (so 16-rank layouts are testable
     in one process): tp, cp, dp, dp_cp (the ranks gradients are averaged over), pp, mp (model
     parallel: TP x PP, one per DP and CP position), embd (first and last pipeline stage, for the
-    tied embedding), ep (expert parallelism: EP neighbouring data-parallel ranks, which split the
-    experts) and edp (the ranks holding the same experts, the context-parallel ones among them,
-    over which their gradients are summed)."""
+    tied embedding), ep (expert parallelism: EP neighbouring ranks of the DP x CP ranks, context
+    ranks first, which split the experts, as Megatron-Core carves them) and edp (the ranks holding
+    the same experts, over which their gradients are summed)."""
     for name, size in (("tensor", tp), ("pipeline", pp), ("data", dp), ("context", cp)):
         if size < 1:
             raise InputError(f"{name}-parallel size {size} must be a positive integer")
@@ -32,6 +32,7 @@ def grid_ranks(world_size, tp, pp, dp, cp=1, ep=1):
         raise InputError(f"world size {world_size} does not equal {names} = {' x '.join(map(str, sizes))} "
                          f"= {tp * pp * dp * cp}; launch {tp * pp * dp * cp} ranks or change the sizes")
     rank = lambda t, c, d, p: t + tp * (c + cp * (d + dp * p))
+    place = lambda c, d: c + cp * d         # among the DP x CP ranks, in rank order
     every = [(t, c, d, p) for p in range(pp) for d in range(dp) for c in range(cp) for t in range(tp)]
 
     def groups(key, member):
@@ -50,8 +51,8 @@ def grid_ranks(world_size, tp, pp, dp, cp=1, ep=1):
         "mp": groups(lambda t, c, d, p: (d, c), lambda t, c, d, p: (p, t)),
         "embd": [sorted({rank(t, c, d, 0), rank(t, c, d, pp - 1)}) for d in range(dp) for c in range(cp)
                  for t in range(tp)],
-        "ep": groups(lambda t, c, d, p: (p, c, t, d // ep), lambda t, c, d, p: d % ep),
-        "edp": groups(lambda t, c, d, p: (p, t, d % ep), lambda t, c, d, p: (d // ep, c)),
+        "ep": groups(lambda t, c, d, p: (p, t, place(c, d) // ep), lambda t, c, d, p: place(c, d) % ep),
+        "edp": groups(lambda t, c, d, p: (p, t, place(c, d) % ep), lambda t, c, d, p: place(c, d) // ep),
     }
 
 
@@ -82,9 +83,9 @@ class ProcessGrid:
                 raise InputError(f"world size {world.size} is not divisible by {what} = {tp * pp * cp}; "
                                  f"launch a multiple of {what} ranks (mpirun -n N)")
             dp = world.size // (tp * pp * cp)
-        if dp % ep:
-            raise InputError(f"expert-parallel size {ep} does not divide the data-parallel size {dp}; "
-                             "choose a divisor of it")
+        if (dp * cp) % ep:
+            raise InputError(f"expert-parallel size {ep} does not divide the data-parallel x context-parallel "
+                             f"size {dp * cp}; choose a divisor of it")
         layout = grid_ranks(world.size, tp, pp, dp, cp, ep)
         self.world, self.rank, self.world_size = world, world.rank, world.size
         self.tp_size, self.pp_size, self.dp_size, self.cp_size = tp, pp, dp, cp

@@ -356,15 +356,16 @@ def _pattern_value(text, freq):
     return result
 
 
-def check_expert_parallel(config, ep, dp):
-    """Expert parallelism's conditions, each refused in one sentence."""
+def check_expert_parallel(config, ep, dp, cp=1):
+    """Expert parallelism's conditions, each refused in one sentence: EP takes its ranks from the
+    DP x CP ranks (Megatron-Core's expert grid)."""
     model, parallel = config.model, config.parallel
     refusals = [
         (model.num_experts is None, "it splits MoE layers' experts, but --num-experts is not given; add it"),
         (model.num_experts is not None and model.num_experts % ep,
          f"the {model.num_experts} experts do not split evenly over {ep} ranks; choose a divisor of them"),
-        (dp % ep, f"its ranks come from the {dp} data-parallel ranks, which {ep} does not divide; launch a "
-                  "multiple of it"),
+        ((dp * cp) % ep, f"its ranks come from the {dp * cp} data-parallel" + (" x context-parallel" if cp > 1
+                         else "") + f" ranks, which {ep} does not divide; launch a multiple of it"),
     ]
     why = next((reason for refused, reason in refusals if refused), None)
     if why:
@@ -435,8 +436,8 @@ class ParallelConfig:
         False, "Shard AdamW's state over the data-parallel ranks (ZeRO-1): gradients reduce-scattered, "
                "parameters all-gathered after the step.")
     expert_model_parallel_size: int = option(
-        1, "Expert parallelism: the MoE layers' experts split over this many data-parallel ranks, tokens "
-           "sent to them and back by all-to-alls.", minimum=1)
+        1, "Expert parallelism: the MoE layers' experts split over this many data-parallel (x context-parallel) "
+           "ranks, tokens sent to them and back by all-to-alls.", minimum=1)
     expert_tensor_parallel_size: Optional[int] = option(
         None, "Each expert split over this many tensor-parallel ranks: --tp (the default) or 1 (each TP rank "
               "holds its experts whole and runs them on all its tokens).", minimum=1)
@@ -703,7 +704,7 @@ class RunPlan:
         self.ep = parallel.expert_model_parallel_size
         self.etp = check_expert_tensor_parallel(config, self.tp)
         if self.ep > 1:
-            check_expert_parallel(config, self.ep, self.dp)
+            check_expert_parallel(config, self.ep, self.dp, self.cp)
         if self.cp > 1:
             check_context_parallel_split(config.seq_length, self.cp)
             check_context_parallel_dropout(config.model, self.cp)

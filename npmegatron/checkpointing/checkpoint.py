@@ -133,19 +133,20 @@ def save(root, iteration, model, optimizer, grid, extra, files=None):
 def _serialize_shard(model, state, grid):
     """(safetensors bytes or None, this rank's manifest record): DP and CP rank 0 of each (TP, PP)
     position writes the shard; data- and context-parallel replicas hold the same state. Under
-    expert parallelism DP ranks 1 ... EP - 1 (the rest of DP rank 0's EP group) write their
+    expert parallelism the rest of its EP group (the next EP - 1 of the DP x CP ranks) write their
     experts. TP rank 0 of each writing position records its routers' expert biases."""
     record = {"rank": grid.rank, "tp": grid.tp_rank, "pp": grid.pp_rank, "dp": grid.dp_rank,
               "rng": model.rng.get_states()}
     ep = _ep_size(grid)
-    if grid.dp_rank >= ep or grid.cp_rank != 0:
+    place = grid.cp_rank + grid.cp_size * grid.dp_rank     # among the DP x CP ranks; the first EP write
+    if place >= ep:
         return None, record
-    experts_only = grid.dp_rank != 0
+    experts_only = place != 0
     names = {name for name, _, spec in model.named_specs() if spec.expert or not experts_only}
     if not experts_only and grid.tp_rank == 0:
         record["expert_bias"] = {name: to_numpy(bias).tolist() for name, bias in _expert_biases_of(model)}
     blob = to_safetensors(_state_tensors(model, state, names))
-    record["shard"] = {"file": shard_name(grid.tp_rank, grid.pp_rank, grid.dp_rank if ep > 1 else None),
+    record["shard"] = {"file": shard_name(grid.tp_rank, grid.pp_rank, place if ep > 1 else None),
                        "bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest(),
                        "places": {name: place for name, place in reshard.places(model).items() if name in names}}
     return blob, record

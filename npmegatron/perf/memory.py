@@ -183,8 +183,9 @@ def _check_experts(cfg, shape):
                             f"a TP size of their own is not built; choose 1 or {t}"),
         (cfg.num_experts % ep, f"the {cfg.num_experts} experts do not split evenly over EP {ep} ranks; choose "
                                "an expert-parallel size dividing them"),
-        (shape.dp % ep, f"expert-parallel size {ep} does not divide the data-parallel size {shape.dp}, whose "
-                        "ranks it splits the experts over; choose a divisor of DP"),
+        ((shape.dp * shape.cp) % ep, f"expert-parallel size {ep} does not divide the data-parallel x "
+                                     f"context-parallel size {shape.dp * shape.cp}, whose ranks it splits the "
+                                     "experts over; choose a divisor of DP x CP"),
         (cfg.moe_ffn_hidden_size % etp, f"expert FFN size {cfg.moe_ffn_hidden_size} is not divisible by the "
                                         f"experts' TP {etp}; choose another TP size or whole experts "
                                         "(--expert-tensor-parallel-size 1)"),

@@ -46,12 +46,12 @@ def shapes_of(n):
             for p in range(1, n // t + 1) if (n // t) % p == 0]
 
 
-def expert_choices(cfg, base, dp):
-    """The EP sizes to try with DP ranks: base's, or for an MoE model whose EP was not given
-    (base.ep 1) every divisor of DP that divides the experts."""
+def expert_choices(cfg, base, ranks):
+    """The EP sizes to try over `ranks` DP x CP ranks: base's, or for an MoE model whose EP was
+    not given (base.ep 1) every divisor of them that divides the experts."""
     if cfg.num_experts is None or base.ep > 1:
         return [base.ep]
-    return [ep for ep in range(1, dp + 1) if dp % ep == 0 and cfg.num_experts % ep == 0]
+    return [ep for ep in range(1, ranks + 1) if ranks % ep == 0 and cfg.num_experts % ep == 0]
 
 
 def search(cfg, base, profile, n, device_memory=None):
@@ -60,7 +60,7 @@ def search(cfg, base, profile, n, device_memory=None):
     do); InputError when none is valid."""
     plans, reasons = [], []
     for t, p, d in shapes_of(n // base.cp):
-        for ep in expert_choices(cfg, base, d):
+        for ep in expert_choices(cfg, base, d * base.cp):
             shape = replace(base, tp=t, pp=p, dp=d, ep=ep)
             try:
                 check_shape(cfg, shape)

@@ -106,11 +106,12 @@ def placement(shape, profile):
         """`count` members `stride` ranks apart."""
         return stride * (count - 1) + 1, 1 if stride >= dpn else max(1, min(count, dpn // stride))
 
-    # the experts' data-parallel ranks: every EP-th DP rank, with their CP ranks (comm/grid.py)
-    expert_dp = Counter(t * (j + c * i) // dpn for i in range(0, d, shape.ep) for j in range(c))
+    # EP: neighbouring ranks of the DP x CP ranks; the experts' data-parallel ranks: every EP-th
+    # of them (comm/grid.py)
+    expert_dp = Counter(t * q // dpn for q in range(0, d * c, shape.ep))
     return {"tp": (t, min(t, dpn)), "cp": strided(c, t), "dp": strided(d * c, t),
-            "pp": (t * c * d * p if p > 1 else 1, 1), "ep": strided(shape.ep, t * c),
-            "edp": (t * (c - 1 + c * (d - shape.ep)) + 1, max(expert_dp.values()))}
+            "pp": (t * c * d * p if p > 1 else 1, 1), "ep": strided(shape.ep, t),
+            "edp": (t * (d * c - shape.ep) + 1, max(expert_dp.values()))}
 
 
 def rank_flops(profile, shape):

@@ -57,3 +57,19 @@ def test_context_parallel_lies_inside_each_data_parallel_replica():
     assert grid_ranks(16, tp=2, pp=4, dp=2) == {**grid_ranks(16, tp=2, pp=4, dp=2, cp=1)}
     with pytest.raises(InputError, match=r"TP x PP x DP x CP = 2 x 2 x 2 x 2 = 16"):
         grid_ranks(8, 2, 2, 2, 2)
+
+
+def test_expert_parallel_ranks_come_from_the_data_and_context_parallel_ranks():
+    """Megatron-Core's expert grid: EP neighbouring ranks of the DP x CP ranks (CP first, as ranks
+    run), so EP may span CP ranks; edp: every EP-th of them, holding the same experts."""
+    layout = grid_ranks(16, tp=2, pp=1, dp=2, cp=4, ep=4)
+    assert layout["ep"][:3] == [[0, 2, 4, 6], [8, 10, 12, 14], [1, 3, 5, 7]]     # the four CP ranks of one DP
+    assert layout["edp"][:2] == [[0, 8], [2, 10]]
+    wide = grid_ranks(16, tp=2, pp=1, dp=2, cp=4, ep=8)     # EP across DP and CP: one group a TP rank
+    assert wide["ep"] == [[0, 2, 4, 6, 8, 10, 12, 14], [1, 3, 5, 7, 9, 11, 13, 15]]
+    assert wide["edp"][:2] == [[0], [2]]
+    narrow = grid_ranks(8, tp=1, pp=2, dp=2, cp=2, ep=2)
+    assert narrow["ep"] == [[0, 1], [2, 3], [4, 5], [6, 7]] and narrow["edp"][:2] == [[0, 2], [1, 3]]
+    for grid, world in ((layout, 16), (wide, 16), (narrow, 8)):
+        for axis in ("ep", "edp"):
+            assert sorted(r for group in grid[axis] for r in group) == list(range(world)), axis

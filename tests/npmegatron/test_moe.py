@@ -327,6 +327,9 @@ def test_experts_split_over_ranks_equal_the_whole_layer(mpirun, ranks, case):
                                                            "--use-distributed-optimizer"], marks=pytest.mark.slow),
                                           pytest.param(4, ["--expert-model-parallel-size", "2", "--cp", "2"],
                                                        marks=pytest.mark.slow),
+                                          (2, ["--expert-model-parallel-size", "2", "--cp", "2"]),
+                                          pytest.param(4, ["--expert-model-parallel-size", "4", "--cp", "2"],
+                                                       marks=pytest.mark.slow),
                                           pytest.param(2, ["--expert-model-parallel-size", "2",
                                                            "--recompute-granularity", "full", "--recompute-method", "uniform",
                                                            "--recompute-num-layers", "1"], marks=pytest.mark.slow),
@@ -338,10 +341,11 @@ def test_experts_split_over_ranks_equal_the_whole_layer(mpirun, ranks, case):
                                                            "--use-distributed-optimizer"], marks=pytest.mark.slow)],
                          ids=["ep2", "ep2xdp2", "ep2xpp2", "ep2xtp2", "ep2xtp2-sp", "ep2xtp2-sp-llama", "ep2xtp2-etp1",
                               "ep2-distopt",
-                              "ep2xdp2-distopt", "ep2xcp2", "ep2-recompute", "ep2xpp2-interleaved",
+                              "ep2xdp2-distopt", "ep2-in-dp2xcp2", "ep2-over-cp2", "ep4-over-dp2xcp2", "ep2-recompute", "ep2xpp2-interleaved",
                               "ep2xpp2-distopt"])
 def test_expert_parallel_training_follows_the_serial_trajectory(tmp_path, ranks, layout):
-    """EP 2 (the two DP ranks split the experts), EP 2 x expert-DP 2 (4 DP ranks), EP 2 x PP 2 and
+    """EP 2 (the two DP ranks split the experts), EP 2 x expert-DP 2 (4 DP ranks), EP over the CP
+    ranks (the two CP ranks of one DP rank; all of DP 2 x CP 2 at EP 4), EP 2 x PP 2 and
     EP 2 x TP 2 (each expert split over the TP ranks; with sequence parallelism; or whole on each
     TP rank), and EP 2 with the distributed optimizer (the experts' AdamW state sharded over the
     expert-data-parallel ranks, the dense weights' over DP) against one rank over 8 steps, float64,
@@ -446,8 +450,10 @@ def test_expert_parallel_drops_the_tokens_its_data_parallel_layout_drops(tmp_pat
 
 @pytest.mark.parametrize("ranks,layout", [(0, []), (2, ["--expert-model-parallel-size", "2"]),
                                           pytest.param(4, ["--expert-model-parallel-size", "2",
-                                                           "--use-distributed-optimizer"], marks=pytest.mark.slow)],
-                         ids=["serial", "ep2", "ep2xdp2-distopt"])
+                                                           "--use-distributed-optimizer"], marks=pytest.mark.slow),
+                                          pytest.param(4, ["--expert-model-parallel-size", "4", "--cp", "2"],
+                                                       marks=pytest.mark.slow)],
+                         ids=["serial", "ep2", "ep2xdp2-distopt", "ep4-over-dp2xcp2"])
 def test_a_moe_run_resumes_bitwise(tmp_path, ranks, layout):
     """Saved at step 3 of 6 and resumed, a run with MoE layers (load-balancing and z-losses, a
     capacity factor; at EP 2, with and without the distributed optimizer, sigmoid routing with the

@@ -234,7 +234,7 @@ def test_expert_flags_without_experts_are_refused(shape, match):
 
 @pytest.mark.parametrize("options,shape,match", [
     ({}, dict(dp=3, ep=3), "the 4 experts do not split evenly over EP 3 ranks"),
-    ({}, dict(dp=2, ep=4), "expert-parallel size 4 does not divide the data-parallel size 2"),
+    ({}, dict(dp=2, ep=4), "expert-parallel size 4 does not divide the data-parallel x context-parallel size 2"),
     ({}, dict(tp=4, etp=2), "expert tensor-parallel size 2 is neither 1 nor TP 4"),
     ({"moe_ffn_hidden_size": 50}, dict(tp=4), "expert FFN size 50 is not divisible by the experts' TP 4"),
     ({"moe_shared_expert_intermediate_size": 30}, dict(tp=4), "shared expert size 30 is not divisible by TP 4"),
@@ -281,7 +281,7 @@ def test_cli_plan_prints_an_moe_models_parameters_experts_and_all_to_alls():
     refused = runner.invoke(main, ["plan", "--num-experts", "8", "--layout", "1x1x2", "--expert-model-parallel-size",
                                    "4"])
     assert refused.exit_code == 1 and refused.output.count("\n") == 1
-    assert "expert-parallel size 4 does not divide the data-parallel size 2" in refused.output
+    assert "expert-parallel size 4 does not divide the data-parallel x context-parallel size 2" in refused.output
 
 
 def test_search_tries_each_expert_parallel_size():
