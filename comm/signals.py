@@ -1,4 +1,5 @@
-"""Signals under mpirun: Ctrl-C on any rank ends every rank, and SIGTERM can ask for a clean stop.
+"""Signals under mpirun: Ctrl-C on any rank ends every rank, SIGTERM too (what a scheduler sends
+before it pre-empts a job), and with --exit-signal-handler SIGTERM asks for a clean stop instead.
 
 Why a watchdog thread: mpiexec forwards Ctrl-C to every rank as SIGINT, but Python only runs a
 signal handler between bytecodes, so a rank blocked in a collective never sees KeyboardInterrupt,
@@ -24,10 +25,11 @@ import time
 import numpy
 
 from .collectives import all_reduce
-from .ending import end_on_purpose, every_rank_interrupted
+from .ending import end_on_purpose, every_rank_interrupted, resume_hint
 from .launch import launch_rank, tell_launcher_finalized
 
 INTERRUPTED_EXIT_CODE = 130     # 128 + SIGINT, what a shell reports for Ctrl-C
+TERMINATED_EXIT_CODE = 143      # 128 + SIGTERM
 # mpiexec forwards Ctrl-C to every rank within milliseconds; a rank whose main thread holds the
 # interpreter in a long computation answers later. Past this, only some ranks were interrupted.
 AGREE_WITHIN_S = 2.0
@@ -39,12 +41,16 @@ _installed = {}
 
 
 def install_interrupt_watchdog():
-    """Make SIGINT end this rank at once, wherever the main thread is. Call from the main thread."""
+    """Make SIGINT and SIGTERM end this rank at once, wherever the main thread is, each rank saying
+    so once (SIGTERM's default would kill the rank, and the job would read as a rank that died).
+    Call from the main thread."""
     if _installed or threading.current_thread() is not threading.main_thread():
         return
     wake_reader, wake_writer = socket.socketpair()
     wake_writer.setblocking(False)
     signal.signal(signal.SIGINT, _note_only)          # the watchdog acts, not KeyboardInterrupt
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:     # not ExitSignal's (--exit-signal-handler)
+        signal.signal(signal.SIGTERM, _note_only)
     signal.set_wakeup_fd(wake_writer.fileno(), warn_on_full_buffer=False)
     _installed.update(reader=wake_reader, writer=wake_writer)
     threading.Thread(target=_watch, args=(wake_reader,), name="npmegatron-interrupt-watchdog",
@@ -61,30 +67,41 @@ def _watch(reader):
         if not woken_by:
             return
         if signal.SIGINT in woken_by:       # other signals with Python handlers pass through here too
-            _end_this_rank()
+            _end_this_rank(signal.SIGINT)
+        # SIGTERM ends the rank unless --exit-signal-handler took it (ExitSignal's handler)
+        if signal.SIGTERM in woken_by and signal.getsignal(signal.SIGTERM) is _note_only:
+            _end_this_rank(signal.SIGTERM)
 
 
-def _end_this_rank():
-    """On the watchdog thread of a rank that got SIGINT (see the module docstring)."""
+def _end_this_rank(signum):
+    """On the watchdog thread of a rank that got SIGINT or SIGTERM (see the module docstring)."""
+    code = INTERRUPTED_EXIT_CODE if signum == signal.SIGINT else TERMINATED_EXIT_CODE
     rank = launch_rank()
     end_on_purpose()
     together = every_rank_interrupted(AGREE_WITHIN_S)
     if not together:                    # this rank alone (or MPI is not up): mpiexec ends the others
         if together is None and rank != 0:
             time.sleep(REPORT_GRACE_S)
-        _say_interrupted(rank)
-        os._exit(INTERRUPTED_EXIT_CODE)
+        _say_ended(rank, signum)
+        os._exit(code)
     tell_launcher_finalized()
     if rank == 0:
-        _say_interrupted(rank)
+        _say_ended(rank, signum)
     # Exit together: a rank whose main thread still reads a peer's memory (MPICH's single-copy
     # path for large messages) when that peer has gone meets a fatal MPI error.
     every_rank_interrupted(AGREE_WITHIN_S)
-    os._exit(INTERRUPTED_EXIT_CODE)
+    os._exit(code)
 
 
-def _say_interrupted(rank):
-    sys.stderr.write(f"[rank {rank}] interrupted (SIGINT): ending every rank\n")
+def _say_ended(rank, signum):
+    """The one line: the signal, and (from the training loop, once it runs) where to resume."""
+    hint = resume_hint()
+    if signum == signal.SIGINT:
+        line = "interrupted (SIGINT): ending every rank" + (f"; {hint}" if hint else "")
+    else:
+        line = ("terminated (SIGTERM): ending every rank" + (f"; {hint}" if hint else "")
+                + "; with --exit-signal-handler a SIGTERM saves a checkpoint (with --save) and stops cleanly")
+    sys.stderr.write(f"[rank {rank}] {line}\n")
     sys.stderr.flush()
 
 

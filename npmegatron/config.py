@@ -579,6 +579,8 @@ class TrainConfig:
                              f"(--max-position-embeddings {self.model.max_position_embeddings}); raise "
                              "--max-position-embeddings or shorten --seq-length")
         self._check_loss_scale()
+        self._check_betas()
+        self._check_folders()
         if self.use_checkpoint_args and not self.load:
             raise InputError("--use-checkpoint-args reads the model's arguments from the checkpoint "
                              "--load names, but no --load was given; add --load DIR")
@@ -589,6 +591,21 @@ class TrainConfig:
         if self.log_file and (not os.path.isdir(log_folder) or os.path.isdir(self.log_file)):
             raise InputError(f"--log-file {self.log_file}: the folder {log_folder} must exist and "
                              f"{self.log_file} must not be a folder; choose another file")
+
+    def _check_betas(self):
+        for flag, beta in (("--adam-beta1", self.adam_beta1), ("--adam-beta2", self.adam_beta2)):
+            if not 0 <= beta < 1:
+                raise InputError(f"{flag} is {beta}; AdamW's betas must lie in [0, 1) (its bias correction "
+                                 f"divides by 1 - beta^t), such as 0.9 for --adam-beta1 and 0.999 for --adam-beta2")
+
+    def _check_folders(self):
+        """--tensorboard-dir and --load name folders (missing ones are fine: made, or a fresh start)."""
+        if self.tensorboard_dir and os.path.exists(self.tensorboard_dir) and not os.path.isdir(self.tensorboard_dir):
+            raise InputError(f"--tensorboard-dir {self.tensorboard_dir} is a file, not a folder; choose a folder "
+                             "(it is made if missing)")
+        if self.load and os.path.exists(self.load) and not os.path.isdir(self.load):
+            raise InputError(f"--load {self.load} is a file, not a checkpoint folder; give the folder --save "
+                             "wrote (or one of its iter_NNNNNNN folders)")
 
     def _check_split(self):
         if self.split is None:

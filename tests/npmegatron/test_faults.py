@@ -106,14 +106,22 @@ def test_sigterm_with_exit_signal_handler_saves_and_exits_0(tmp_path):
     assert json.loads((ck / f"iter_{iteration:07d}" / "manifest.json").read_text())["iteration"] == iteration
 
 
-@pytest.mark.slow
-def test_sigterm_without_the_flag_ends_the_job_quickly(tmp_path):
-    log = str(tmp_path / "log.jsonl")
-    job = start(2, FOREVER + ["--tp", "2", "--log-file", log])
-    wait_for_training(job, log)
+def test_sigterm_without_the_flag_ends_the_job_quickly_in_one_sentence(tmp_path):
+    """What a scheduler sends before it pre-empts a job: every rank ends at once, one line says the
+    job was terminated, where to resume (the checkpoint saved at iteration 1) and that
+    --exit-signal-handler would have saved first; the status is 143 (128 + SIGTERM)."""
+    log, ck = str(tmp_path / "log.jsonl"), tmp_path / "ck"
+    job = start(2, FOREVER + ["--tp", "2", "--log-file", log, "--save", str(ck), "--save-interval", "1"])
+    wait_for_training(job, log, iterations=2)
     os.kill(job.pid, signal.SIGTERM)
     code, out, err, taken = end_within(job, 10, log)
-    assert code != 0 and taken < 10
+    assert code == 143 and taken < 10, (code, out, err)
+    lines = [line for line in err.splitlines() if "terminated (SIGTERM)" in line]
+    assert len(lines) == 1 and " stopped (" not in err, err
+    assert re.fullmatch(rf"\[rank 0\] terminated \(SIGTERM\): ending every rank; resume with --load {ck} "
+                        r"\(latest: iter_\d{7}\); with --exit-signal-handler a SIGTERM saves a checkpoint "
+                        r"\(with --save\) and stops cleanly", lines[0]), lines[0]
+    assert "Traceback" not in err and "BAD TERMINATION" not in out, (out, err)
 
 
 def sentinels_of(rank_pids):
