@@ -474,7 +474,9 @@ class TrainConfig:
     train_iters: int = option(1000, "Optimizer steps.", minimum=1)
     lr: float = option(2e-3, "Peak learning rate.")
     min_lr: float = option(1e-4, "Final learning rate.", minimum=0)
-    lr_warmup_iters: int = option(100, "Linear warmup steps.", minimum=0)
+    lr_warmup_iters: int = option(100, "Linear warmup steps: the first update runs at --lr-warmup-init, "
+                                       "update N + 1 at --lr (Megatron's schedule).", minimum=0)
+    lr_warmup_init: float = option(0.0, "The learning rate the warmup starts from.", minimum=0)
     lr_warmup_fraction: Optional[float] = option(None, "Warmup as a fraction of --lr-decay-iters, in place of "
                                                        "--lr-warmup-iters.", minimum=0)
     lr_decay_iters: Optional[int] = option(None, "Steps over which the learning rate decays to --min-lr "
@@ -640,9 +642,10 @@ class TrainConfig:
 
     @property
     def warmup_iters(self):
-        """--lr-warmup-iters, or --lr-warmup-fraction of the decay's steps (Megatron's rule)."""
+        """--lr-warmup-iters, or --lr-warmup-fraction of the decay's steps, not rounded to whole
+        steps (Megatron's rule: a fraction of the decay's samples)."""
         if self.lr_warmup_fraction is not None:
-            return int(self.lr_warmup_fraction * self.decay_iters)
+            return self.lr_warmup_fraction * self.decay_iters
         return self.lr_warmup_iters
 
     def _check_cuda_graph(self):

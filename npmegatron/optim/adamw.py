@@ -253,36 +253,47 @@ def publish_rounded(param, master, storage):
 
 
 def learning_rate(step, lr, min_lr, warmup_iters, decay_iters, style="cosine", wsd_decay_iters=None,
-                  wsd_style="linear"):
-    """Linear warmup to lr, then decay to min_lr by decay_iters, as Megatron's
-    OptimizerParamScheduler: 'cosine', 'linear', 'constant', 'inverse-square-root' (lr x
-    sqrt(warmup / step), not below min_lr), or 'WSD' (warmup, stable at lr, then the last
-    wsd_decay_iters steps before decay_iters decay in `wsd_style`: 'linear', 'cosine',
-    'exponential' or 'minus_sqrt'). After decay_iters: min_lr (constant: lr)."""
-    if warmup_iters and step < warmup_iters:
-        return lr * (step + 1) / warmup_iters
+                  wsd_style="linear", init_lr=0.0, global_batch=1):
+    """The learning rate of update `step` (from 0), as Megatron's OptimizerParamScheduler gives it:
+    the scheduler is built at step 0 and steps after each applied update, so update k + 1 reads
+    get_lr() at step k. It counts samples (steps x global_batch): the same ratios, but the clamps
+    of inverse-square-root's max(., 1) are in samples, and a warmup of --lr-warmup-fraction x the
+    decay's samples needs no whole number of steps.
+      warmup: init_lr + (lr - init_lr) x step / warmup, up to and including step = warmup (the
+        first update at init_lr, lr reached at update warmup + 1);
+      then 'constant': lr; past decay_iters: min_lr; 'inverse-square-root': lr x sqrt(warmup /
+        step), not below min_lr; else min_lr + coefficient x (lr - min_lr), the coefficient of the
+        decay's progress (step - warmup) / (decay - warmup): 'linear' 1 - p, 'cosine'
+        (1 + cos(pi p)) / 2, or 'WSD' (1 until the last wsd_decay_iters steps before decay_iters,
+        then `wsd_style` of their progress: 'linear', 'cosine', 'exponential' 2 x 0.5^p - 1 or
+        'minus_sqrt' 1 - sqrt(p))."""
+    step, warmup, decay = step * global_batch, warmup_iters * global_batch, decay_iters * global_batch
+    if warmup > 0 and step <= warmup:
+        return init_lr + (lr - init_lr) * float(step) / float(warmup)
     if style == "constant":
         return lr
+    if step > decay:
+        return min_lr
     if style == "inverse-square-root":
-        return max(min_lr, lr * math.sqrt(max(warmup_iters, 1)) / math.sqrt(max(step, 1)))
-    if decay_iters <= warmup_iters:
-        return lr
+        return max(min_lr, lr * max(warmup, 1) ** 0.5 / max(step, 1) ** 0.5)
     if style == "WSD":
-        start = decay_iters - wsd_decay_iters
-        progress = min(1.0, max(0, step - start) / wsd_decay_iters)
-        coefficient = {"linear": 1.0 - progress, "cosine": 0.5 * (1 + math.cos(math.pi * progress)),
-                       "exponential": 2.0 * 0.5 ** progress - 1.0, "minus_sqrt": 1.0 - math.sqrt(progress)}[wsd_style]
+        start = decay - wsd_decay_iters * global_batch
+        progress = float(step - start) / float(wsd_decay_iters * global_batch)
+        coefficient = 1.0 if step <= start else {
+            "linear": 1.0 - progress, "cosine": 0.5 * (math.cos(math.pi * progress) + 1.0),
+            "exponential": 2.0 * math.pow(0.5, progress) - 1.0, "minus_sqrt": 1.0 - math.sqrt(progress)}[wsd_style]
         return min_lr + coefficient * (lr - min_lr)
-    progress = min(1.0, (step - warmup_iters) / (decay_iters - warmup_iters))
-    if style == "linear":
-        return lr - (lr - min_lr) * progress
-    return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress))
+    progress = float(step - warmup) / float(decay - warmup)
+    coefficient = 1.0 - progress if style == "linear" else 0.5 * (math.cos(math.pi * progress) + 1.0)
+    return min_lr + coefficient * (lr - min_lr)
 
 
-def scheduled_learning_rate(config, step):
-    """The learning rate of applied optimizer step `step` (from 0) under a TrainConfig's schedule."""
+def scheduled_learning_rate(config, step, global_batch=1):
+    """The learning rate of applied optimizer step `step` (from 0) under a TrainConfig's schedule;
+    global_batch: the samples a step counts (Megatron's scheduler steps in samples)."""
     return learning_rate(step, config.lr, config.min_lr, config.warmup_iters, config.decay_iters,
-                         config.lr_decay_style, config.lr_wsd_decay_iters, config.lr_wsd_decay_style)
+                         config.lr_decay_style, config.lr_wsd_decay_iters, config.lr_wsd_decay_style,
+                         config.lr_warmup_init, global_batch)
 
 
 def grad_norm_squared(params, group=None, skip=()):
@@ -331,11 +342,13 @@ def square_sum(xp, g):
 
 def gradient_factor(norm, max_norm, loss_scale=1.0):
     """What to multiply the gradients by, or None for nothing: 1 / loss_scale to undo loss scaling
-    (norm is already the unscaled one), times max_norm / norm when norm exceeds max_norm. One pass
-    over the gradients does both."""
+    (norm is already the unscaled one), times max_norm / (norm + 1e-6) whenever that is below 1
+    (Megatron's clip_grad_norm_fp32, PyTorch's clip_grad_norm_). One pass over the gradients does
+    both."""
     factor = 1.0 / loss_scale
-    if max_norm and norm > max_norm:
-        factor *= max_norm / (norm + 1e-6)
+    clip = max_norm / (norm + 1e-6) if max_norm else 1.0      # Megatron's and torch's clip_grad_norm_
+    if clip < 1.0:
+        factor *= clip
     return None if factor == 1.0 else factor
 
 
@@ -347,7 +360,8 @@ def gradient_factor_on_device(xp, norm_squared, inverse_scale, loss_scale, max_n
     precision the update takes its factor in: the same number as the host's. max_norm: inf for
     no clipping; inverse_scale: 1 / loss_scale, computed on the host."""
     norm = xp.sqrt(norm_squared) / loss_scale
-    factor = xp.where(norm > max_norm, inverse_scale * (max_norm / (norm + 1e-6)), inverse_scale)
+    clip = max_norm / (norm + 1e-6)
+    factor = xp.where(clip < 1.0, inverse_scale * clip, inverse_scale)
     return xp.where(xp.isfinite(norm), factor, 1.0).astype(xp.float32)
 
 

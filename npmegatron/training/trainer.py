@@ -135,7 +135,7 @@ class Trainer:
         skipped and counted (Megatron's rule), otherwise training stops. As in Megatron, the
         learning-rate schedule counts applied steps only."""
         config = self.config
-        lr = scheduled_learning_rate(config, self.iteration - self.skipped)
+        lr = scheduled_learning_rate(config, self.iteration - self.skipped, self.plan.global_batch)
         if self.graphed is not None:
             return self._graphed_step(lr)
         loss, norm = self.train_step()

@@ -21,7 +21,7 @@ NO_WARMUP_ITERS = {k: v for k, v in SMALL.items() if k != "lr_warmup_iters"}
 
 def test_wsd_holds_the_peak_then_decays_over_its_last_steps():
     lrs = [learning_rate(s, 1.0, 0.1, 10, 100, "WSD", 20, "linear") for s in range(101)]
-    assert lrs[9] == 1.0 and all(lr == 1.0 for lr in lrs[10:81])           # warmup, then stable
+    assert lrs[9] == pytest.approx(0.9) and all(lr == 1.0 for lr in lrs[10:81])     # warmup, then stable
     assert lrs[90] == pytest.approx(0.1 + 0.9 * 0.5) and lrs[100] == pytest.approx(0.1)
     assert all(a >= b for a, b in zip(lrs[80:], lrs[81:]))
     for style, middle in (("cosine", 0.5), ("exponential", 2 * 0.5 ** 0.5 - 1), ("minus_sqrt", 1 - 0.5 ** 0.5)):
@@ -29,15 +29,20 @@ def test_wsd_holds_the_peak_then_decays_over_its_last_steps():
 
 
 def test_inverse_square_root_decays_as_megatrons_and_not_below_the_minimum():
-    assert learning_rate(9, 1.0, 0.01, 10, 100, "inverse-square-root") == pytest.approx(1.0)
+    assert learning_rate(10, 1.0, 0.01, 10, 100, "inverse-square-root") == pytest.approx(1.0)
     assert learning_rate(40, 1.0, 0.01, 10, 100, "inverse-square-root") == pytest.approx(math.sqrt(10 / 40))
-    assert learning_rate(10 ** 6, 1.0, 0.01, 10, 100, "inverse-square-root") == 0.01
+    assert learning_rate(99, 1.0, 0.01, 10, 100, "inverse-square-root") == pytest.approx(math.sqrt(10 / 99))
+    assert learning_rate(101, 1.0, 0.5, 10, 100, "inverse-square-root") == 0.5     # past the decay: the minimum
 
 
 def test_decay_length_and_warmup_fraction():
     config = TrainConfig.from_flat(**NO_WARMUP_ITERS, train_iters=50, lr_decay_iters=40, lr_warmup_fraction=0.25)
     assert (config.decay_iters, config.warmup_iters) == (40, 10)
-    assert scheduled_learning_rate(config, 9) == pytest.approx(3e-3)
+    assert scheduled_learning_rate(config, 10) == pytest.approx(3e-3)
+    # not rounded to whole steps: a warmup of 1.5 steps peaks after the second update
+    short = TrainConfig.from_flat(**NO_WARMUP_ITERS, train_iters=50, lr_warmup_fraction=0.03)
+    assert short.warmup_iters == pytest.approx(1.5)
+    assert scheduled_learning_rate(short, 1) == pytest.approx(3e-3 / 1.5) and scheduled_learning_rate(short, 2) < 3e-3
     assert scheduled_learning_rate(config, 40) == pytest.approx(1e-4) == scheduled_learning_rate(config, 49)
 
 

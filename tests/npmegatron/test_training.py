@@ -11,10 +11,13 @@ from npmegatron.training import TrainConfig, train
 
 
 def test_learning_rate_warmup_then_cosine_to_minimum():
-    lrs = [learning_rate(s, 1.5e-4, 1e-5, 10, 100) for s in range(100)]
-    assert lrs[0] == pytest.approx(1.5e-5) and lrs[9] == pytest.approx(1.5e-4)
-    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
-    assert learning_rate(100, 1.5e-4, 1e-5, 10, 100) == pytest.approx(1e-5)
+    """Megatron's steps: the first update at the warmup's start (0 by default), the peak at update
+    11 (step 10) of a 10-step warmup, then down to the minimum at the decay's end."""
+    lrs = [learning_rate(s, 1.5e-4, 1e-5, 10, 100) for s in range(101)]
+    assert lrs[0] == 0 and lrs[1] == pytest.approx(1.5e-5) and lrs[10] == pytest.approx(1.5e-4)
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+    assert lrs[100] == pytest.approx(1e-5) and learning_rate(101, 1.5e-4, 1e-5, 10, 100) == 1e-5
+    assert learning_rate(0, 1.5e-4, 1e-5, 10, 100, init_lr=1e-6) == 1e-6
 
 
 def test_adamw_matches_the_formula_and_skips_decay_on_1d():
