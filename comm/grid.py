@@ -74,7 +74,7 @@ class ProcessGrid:
 
     def __init__(self, tp=1, pp=1, dp=None, world=None, nccl=False, cp=1, ep=1, etp=None):
         """nccl: the run computes on GPUs, so create every NCCL communicator now (connect_nccl);
-        ep: expert-parallel size, dividing DP; etp: expert-tensor-parallel size, TP (each expert
+        ep: expert-parallel size, dividing DP x CP; etp: expert-tensor-parallel size, TP (each expert
         split over the TP group, the default) or 1 (each TP rank holds its experts whole)."""
         world = world or init()
         if dp is None:

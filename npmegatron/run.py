@@ -49,7 +49,7 @@ def assemble(config: TrainConfig, vocab_size=None, world_size=None):
 
 def build_grid(tp=1, pp=1, nccl=False, cp=1, ep=1, etp=None):
     """A grid of TP x CP x PP x DP ranks under mpirun (DP = world / (TP x CP x PP)), the experts
-    split over EP of the DP ranks and each over ETP (TP or 1) ranks; one rank without it. `nccl`: a GPU run, whose NCCL communicators
+    split over EP of the DP x CP ranks and each over ETP (TP or 1) ranks; one rank without it. `nccl`: a GPU run, whose NCCL communicators
     are all made here (ProcessGrid.connect_nccl)."""
     if not comm.launched_by_mpi():
         return comm.ProcessGrid.single()

@@ -9,9 +9,10 @@ numbers are those of the blocks alone."""
 import numpy
 
 from .. import gemm, precision
-from ..backend import get_array_module, scatter_add
+from ..backend import get_array_module
 from ..errors import InputError
 from ..function import Function, kept_16_bit_copy
+from .arithmetic import constant_vector
 
 
 class RowBlocks:
@@ -144,8 +145,9 @@ class GroupedMatmul(Function):
 
 
 class GroupedBias(Function):
-    """x (rows, m) in blocks + b (groups, m): block i's rows get b[i]; b's gradient sums each
-    block's rows (one scatter-add)."""
+    """x (rows, m) in blocks + b (groups, m): block i's rows get b[i]. b's gradient sums each
+    block's rows as a row of ones times the block (bias_grad_by_gemv's product, in a fixed order:
+    one GEMV a block on NumPy, one batched over the padded blocks on a GPU)."""
 
     @staticmethod
     def forward(ctx, x, b, blocks):
@@ -155,9 +157,14 @@ class GroupedBias(Function):
     @staticmethod
     def backward(ctx, g):
         ctx.mark_fresh(1)
+        blocks = ctx.blocks
         gb = get_array_module(g).zeros(ctx.bias_shape, g.dtype)
-        if ctx.blocks.rows:
-            scatter_add(gb, ctx.blocks.block_of_rows(), g)
+        if _batched(blocks, g):
+            ones = constant_vector(g, blocks.width, g.dtype, 1).reshape(1, 1, -1)
+            gemm.matmul(ones, blocks.pad(g), out=gb.reshape(blocks.groups, 1, -1))
+            return g, gb
+        for i, start, stop in blocks.spans():
+            gemm.matmul(constant_vector(g, stop - start, g.dtype, 1).reshape(1, -1), g[start:stop], out=gb[i:i + 1])
         return g, gb
 
 

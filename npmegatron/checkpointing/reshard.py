@@ -15,6 +15,7 @@ are all stored whole-per-parameter in the same places, and the dropout RNG is a 
 per-rank stream.
 """
 import os
+import re
 
 import numpy
 from safetensors import SafetensorError, safe_open
@@ -86,8 +87,14 @@ def read_parameters(folder, saved, model, kinds):
         except (SafetensorError, OSError) as e:
             raise InputError(f"checkpoint shard {path} cannot be read as safetensors ({e}); it is "
                              "corrupt, load an earlier checkpoint") from None
-    _check_covered(folder, model, mine, covered)
+    _check_covered(folder, model, mine, covered, saved)
     return out
+
+
+def _one_expert_a_tensor(saved):
+    """A saved name of one expert's own tensor ("blocks.0.mlp.experts.3.fc.weight"), or None."""
+    return next((name for records in saved.values() for name in records
+                 if re.search(r"\.experts\.\d+\.", name)), None)
 
 
 def _piece(f, file, key, record, source):
@@ -104,10 +111,14 @@ def _piece(f, file, key, record, source):
     return saved[source]
 
 
-def _check_covered(folder, model, mine, covered):
+def _check_covered(folder, model, mine, covered, saved):
     """Every real (unpadded) element of this rank's parameters was found in some shard."""
     for name, _, spec in model.named_specs():
         real = tuple(slice(0, max(0, min(hi, size) - lo)) for (lo, hi), size in zip(mine[name], spec.shape))
+        if not covered[name][real].all() and ".experts." in name and _one_expert_a_tensor(saved):
+            raise InputError(f"checkpoint {folder} holds its MoE experts one tensor each (such as "
+                             f"{_one_expert_a_tensor(saved)}), as npmegatron saved them before it stacked each "
+                             "layer's experts into one tensor; this version cannot load it, so train again")
         if not covered[name][real].all():
             raise InputError(f"checkpoint {folder} does not hold all of parameter {name}; a shard is "
                              "missing from its manifest, so load an earlier checkpoint")

@@ -1,5 +1,5 @@
 """Gradients and the optimizer under expert parallelism (--expert-model-parallel-size EP): the
-experts are split over EP of the data-parallel ranks (npmegatron/moe/expert_parallel.py), so an
+experts are split over EP of the DP x CP ranks (npmegatron/moe/expert_parallel.py), so an
 expert's weight lives on one rank of each EP group, and its gradient there is already the sum
 over that group's tokens. Summed over the expert-data-parallel ranks (those holding the same
 experts) and divided by the data-parallel size, it is the average every other weight gets over
@@ -45,7 +45,7 @@ class ExpertParallelBuckets:
         for part in self.parts:
             part.finish_sync(timers)
         if self.experts is not None and not self.experts.buckets and self.dp_size > 1:
-            # one rank holds each expert (EP = DP): no reduction, but still the DP average's scale
+            # one rank holds each expert (EP = DP x CP): no reduction, but still the DP average's scale
             for p in self.experts.params:
                 grad = p.grad if p.grad is not None else p.main_grad
                 if grad is not None:

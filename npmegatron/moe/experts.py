@@ -13,6 +13,7 @@ import math
 
 from .. import autograd as ag
 from ..comm import Group
+from ..autograd.ops.arithmetic import constant_vector
 from ..module import Module, ParamSpec, parameter
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.layers import divide
@@ -65,9 +66,11 @@ class GroupedExperts(Module):
             hidden = ag.swiglu(ag.grouped_matmul(rows, both, blocks))
         else:
             hidden = ag.grouped_matmul(rows, self.fc.weight, blocks)
-            if self.fc.bias is not None:
-                hidden = ag.grouped_bias(hidden, self.fc.bias, blocks)
-            hidden = ag.gelu(hidden, self.gelu)
+            if self.fc.bias is None:
+                hidden = ag.gelu(hidden, self.gelu)
+            else:   # the fused bias + GeLU keeps one 16-bit input and recomputes tanh, as the dense MLP's
+                no_bias = ag.Tensor(constant_vector(hidden.data, hidden.shape[1], self.fc.bias.dtype, 0))
+                hidden = ag.bias_gelu(ag.grouped_bias(hidden, self.fc.bias, blocks), no_bias, self.gelu)
         out = ag.grouped_matmul(hidden, self.proj.weight, blocks)
         out = finish(out) if finish else out
         return out if self.proj.bias is None else ag.grouped_bias(out, self.proj.bias, blocks)

@@ -76,7 +76,7 @@ def run_on(xp, host, sizes):
 
 def launches_for(cp, groups):
     """The stand-in's launches for grouped_matmul + grouped_bias each way on `groups` blocks, some
-    empty; checks the numbers against NumPy's and that the three GEMMs are batched over the blocks."""
+    empty; checks the numbers against NumPy's and that the four GEMMs are batched over the blocks."""
     rng = numpy.random.default_rng(groups)
     sizes = [3 * (i % 3) for i in range(groups)]        # 0, 3, 6, 0, ...
     host = [a.data for a in operands(rng, sizes)]
@@ -85,7 +85,8 @@ def launches_for(cp, groups):
     for got, want in zip(on_device, run_on(numpy, host, sizes)):
         numpy.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
     gemms = cp._strict.launches("gemm")
-    assert len(gemms) == 3 and all(r.fields.get("batch") == groups for r in gemms), gemms
+    # the product each way, the weights' gradient and the bias's (a row of ones times each block)
+    assert len(gemms) == 4 and all(r.fields.get("batch") == groups for r in gemms), gemms
     return len(cp._strict.launches())
 
 

@@ -601,3 +601,15 @@ def test_the_fp32_routers_backward_reads_its_own_unrounded_softmax_under_bf16():
             ag.sum(ag.reshape(weights, (20,)) * ag.Tensor(c)).backward()
         grads.append(router.weight.grad.copy())
     np.testing.assert_array_equal(grads[0], grads[1])
+
+
+def test_a_checkpoint_with_one_tensor_an_expert_is_refused_in_one_sentence():
+    """Checkpoints from before the experts were stacked name one tensor an expert; loading one
+    says so, not that a shard is missing."""
+    from npmegatron.checkpointing import reshard
+    model = GPT(GPTConfig(**BASE))
+    covered = {name: np.full(p.shape, ".experts." not in name) for name, p, _ in model.named_specs()}
+    saved = {"mp_rank_00_000.safetensors": {"blocks.0.mlp.experts.3.fc.weight": [[0, 16], [0, 12]]}}
+    with pytest.raises(InputError, match="holds its MoE experts one tensor each \\(such as "
+                                         "blocks.0.mlp.experts.3.fc.weight\\)"):
+        reshard._check_covered("ck", model, reshard.places(model), covered, saved)

@@ -285,7 +285,7 @@ def test_cli_plan_prints_an_moe_models_parameters_experts_and_all_to_alls():
 
 
 def test_search_tries_each_expert_parallel_size():
-    """An MoE model's search ranks every EP dividing DP and the experts; a given EP is kept."""
+    """An MoE model's search ranks every EP dividing DP x CP and the experts; a given EP is kept."""
     cfg = GPTConfig(**SMALL)
     profile = load_profile("dgx2h")
     base = ParallelShape(seq=32, micro_batch=2, global_batch=16)
