@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 
 import click
 
@@ -88,14 +89,16 @@ def evaluate(**options):
 @click.option("--json-keys", multiple=True, help="JSON fields to tokenize, each its own dataset "
               "(default: text); repeat the flag or separate keys with commas.")
 @click.option("--append-eod", is_flag=True, help="Append the tokenizer's <|endoftext|> to every document.")
+@click.option("--workers", type=int, default=None, help="Processes that tokenize with a subword tokenizer "
+              "(default: every core this process may use); the output is the same for any number.")
 @user_errors
 def preprocess(inputs, input_files, output, tokenizer_file, tokenizer_type, vocab_file, merge_file,
-               embedded_corpus, output_format, json_keys, append_eod):
+               embedded_corpus, output_format, json_keys, append_eod, workers):
     """Tokenize text files or folders, or Megatron's JSONL, into a memory-mapped token file for
-    --data-path."""
+    --data-path. The last line is the throughput."""
     inputs = corpus_inputs(list(inputs) + list(input_files), embedded_corpus)
     with tokenizer_json(tokenizer_file, tokenizer_type, vocab_file, merge_file) as tokenizer_file:
-        run_preprocessing(inputs, output, tokenizer_file, output_format, json_keys, append_eod)
+        run_preprocessing(inputs, output, tokenizer_file, output_format, json_keys, append_eod, workers)
 
 
 def corpus_inputs(inputs, embedded_corpus):
@@ -133,17 +136,31 @@ def tokenizer_json(tokenizer_file, tokenizer_type, vocab_file, merge_file):
         yield path
 
 
-def run_preprocessing(inputs, output, tokenizer_file, output_format, json_keys, append_eod):
+def run_preprocessing(inputs, output, tokenizer_file, output_format, json_keys, append_eod, workers):
     from .data import choose_output_format, preprocess as run_preprocess, preprocess_megatron
+    from .data.preprocessing import input_files
+    from .data.tokenizing import check_workers, default_workers, processes_for
     keys = [key for value in json_keys for key in value.replace(",", " ").split()]
+    workers = default_workers() if workers is None else workers
+    check_workers(workers)
+    start = time.perf_counter()
     if choose_output_format(inputs, output_format, keys) == "npmegatron":
-        index = run_preprocess(inputs, output, tokenizer_file, append_eod)
+        index = run_preprocess(inputs, output, tokenizer_file, append_eod, workers)
         click.echo(f"{output}.bin: {index['num_tokens']:,} tokens ({index['dtype']}) from "
                    f"{len(index['sources'])} documents, vocabulary {index['vocab_size']:,}")
-        return
-    for made in preprocess_megatron(inputs, output, tokenizer_file, keys, append_eod):
-        click.echo(f"{made['prefix']}.bin/.idx: {made['num_tokens']:,} tokens ({made['dtype']}) from "
-                   f"{made['num_documents']} documents, vocabulary {made['vocab_size']:,}")
+        tokens = index["num_tokens"]
+    else:
+        made = preprocess_megatron(inputs, output, tokenizer_file, keys, append_eod, workers)
+        for dataset in made:
+            click.echo(f"{dataset['prefix']}.bin/.idx: {dataset['num_tokens']:,} tokens ({dataset['dtype']}) "
+                       f"from {dataset['num_documents']} documents, vocabulary {dataset['vocab_size']:,}")
+        tokens = sum(dataset["num_tokens"] for dataset in made)
+    seconds = max(time.perf_counter() - start, 1e-6)
+    files = input_files(inputs)
+    megabytes = sum(os.path.getsize(path) for path in files) / 1e6
+    processes = processes_for(files, tokenizer_file, workers)
+    click.echo(f"{megabytes:,.1f} MB in {seconds:.2f} s on {processes} process{'es' if processes > 1 else ''}: "
+               f"{megabytes / seconds:,.2f} MB/s, {tokens / seconds:,.0f} tokens/s")
 
 
 @main.command("train-tokenizer")

@@ -1,5 +1,5 @@
 """Data: the embedded default corpus (corpus.py), tokenizers (tokenizer.py), `npmegatron preprocess`
-(preprocessing.py), Megatron's indexed format (indexed.py), the datasets, splits and weighted blends
+(preprocessing.py, its documents tokenized over --workers processes in tokenizing.py), Megatron's indexed format (indexed.py), the datasets, splits and weighted blends
 a run reads (datasets.py), and the deterministic window samplers (sampling.py).
 
 A preprocessed dataset is two files, as Megatron's indexed datasets and nanoGPT's train.bin:

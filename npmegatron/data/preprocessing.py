@@ -1,7 +1,8 @@
 """`npmegatron preprocess`: text files, folders and JSONL into token files, in npmegatron's format
 (PREFIX.bin + PREFIX.json) or Megatron's (PREFIX.bin + PREFIX.idx, indexed.py, with the sidecar
-PREFIX.npmegatron.json), as Megatron's tools/preprocess_data.py does. Named preprocessing.py so that
-`npmegatron.data.preprocess` stays the function."""
+PREFIX.npmegatron.json), as Megatron's tools/preprocess_data.py does; the documents are tokenized
+on --workers processes by tokenizing.py. Named preprocessing.py so that `npmegatron.data.preprocess`
+stays the function."""
 import contextlib
 import json
 import os
@@ -12,7 +13,8 @@ import numpy
 from ..autograd import InputError
 from . import indexed
 from .datasets import INDEX_FORMAT, SIDECAR_FORMAT
-from .tokenizer import ByteTokenizer, HFTokenizer, end_of_document_id, utf8_bytes
+from .tokenizer import ByteTokenizer, HFTokenizer, end_of_document_id
+from .tokenizing import tokenized
 
 JSONL_SUFFIXES = (".jsonl", ".json")
 
@@ -49,67 +51,10 @@ def _check_output(output_prefix):
     except OSError as e:
         raise InputError(f"output folder {folder} cannot be created ({e.strerror}); choose another --output") from None
 
-def encode_document(tokenizer, text, eod=None):
-    """A document's token ids, with `eod` after a non-empty one as Megatron's preprocess_data.py
-    does. Under the byte tokenizer, a file's bytes are its ids as they are (nothing decoded)."""
-    if isinstance(tokenizer, ByteTokenizer):
-        ids = numpy.frombuffer(text if isinstance(text, bytes) else utf8_bytes(text), numpy.uint8)
-    else:
-        text = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
-        ids = numpy.asarray(tokenizer.encode(text), numpy.int64)
-    return numpy.append(ids, eod) if ids.size and eod is not None else ids
-
 
 def is_jsonl(path):
     """Megatron's --input: a .jsonl (or .json) file of one JSON object per line."""
     return os.path.isfile(path) and path.lower().endswith(JSONL_SUFFIXES)
-
-
-def _jsonl_records(path, keys):
-    """(line number, object) of each line of a JSONL file that holds a string under every key;
-    blank lines are skipped."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except (ValueError, RecursionError) as error:      # RecursionError: nested too deeply to parse
-                raise InputError(f"{path} line {number} is not JSON ({error}); give one JSON object "
-                                 "per line") from None
-            if not isinstance(record, dict):
-                raise InputError(f"{path} line {number} is a JSON {type(record).__name__}, not an "
-                                 "object; give one JSON object per line")
-            for key in keys:
-                if not isinstance(record.get(key), str):
-                    found = "no" if key not in record else f"a {type(record[key]).__name__} under the"
-                    raise InputError(f"{path} line {number} has {found} {key!r} key, not text; pass "
-                                     "--json-keys naming its text fields")
-            yield number, record
-
-
-def _documents(files, keys):
-    """(source, key, text) of every document: each text file is one (key None), each JSONL
-    line one per key."""
-    for path in files:
-        if keys == [None]:
-            with open(path, "rb") as f:
-                yield path, None, f.read()
-        else:
-            for number, record in _jsonl_records(path, keys):
-                for key in keys:
-                    yield f"{path} line {number}", key, record[key]
-
-
-def _tokenized(files, keys, tokenizer, eod):
-    """(source, key, ids) of every non-empty document; text that cannot be encoded names its place."""
-    for source, key, text in _documents(files, keys):
-        try:
-            ids = encode_document(tokenizer, text, eod)
-        except InputError as error:
-            raise InputError(f"{source}: {error}") from None
-        if ids.size:
-            yield source, key, ids
 
 
 def choose_output_format(inputs, output_format=None, json_keys=()):
@@ -128,16 +73,17 @@ def choose_output_format(inputs, output_format=None, json_keys=()):
     return "megatron" if jsonl or output_format == "megatron" else "npmegatron"
 
 
-def preprocess(inputs, output_prefix, tokenizer_file=None, append_eod=False):
+def preprocess(inputs, output_prefix, tokenizer_file=None, append_eod=False, workers=1):
     """Tokenize text files (folders are walked in sorted order; each file is a document) into
-    PREFIX.bin and PREFIX.json. Returns the index. Nothing is left half-written on failure."""
+    PREFIX.bin and PREFIX.json, on `workers` processes (the files are the same for any number).
+    Returns the index. Nothing is left half-written on failure."""
     tokenizer = HFTokenizer(tokenizer_file) if tokenizer_file else ByteTokenizer()
     eod = end_of_document_id(tokenizer, tokenizer_file) if append_eod else None
     files = input_files(inputs)
     _check_output(output_prefix)
     try:
-        index = _write_dataset(_tokenized(files, [None], tokenizer, eod), output_prefix, tokenizer,
-                               tokenizer_file)
+        with tokenized(files, [None], tokenizer, tokenizer_file, eod, workers) as documents:
+            index = _write_dataset(documents, output_prefix, tokenizer, tokenizer_file)
     except OSError as e:
         raise _unwritable(e, output_prefix) from None
     finally:
@@ -186,11 +132,12 @@ def _write_dataset(documents, output_prefix, tokenizer, tokenizer_file):
     return index
 
 
-def preprocess_megatron(inputs, output_prefix, tokenizer_file=None, json_keys=(), append_eod=False):
+def preprocess_megatron(inputs, output_prefix, tokenizer_file=None, json_keys=(), append_eod=False, workers=1):
     """Tokenize into Megatron's PREFIX.bin + PREFIX.idx, with the sidecar PREFIX.npmegatron.json.
     JSONL inputs give one dataset per JSON key (default 'text'), named PREFIX_KEY_document as
     Megatron's preprocess_data.py names them; text files and folders give PREFIX, a file per
-    document. Returns a summary per dataset; nothing is left half-written on failure."""
+    document. `workers` processes tokenize (the files are the same for any number). Returns a
+    summary per dataset; nothing is left half-written on failure."""
     tokenizer = HFTokenizer(tokenizer_file) if tokenizer_file else ByteTokenizer()
     eod = end_of_document_id(tokenizer, tokenizer_file) if append_eod else None
     files = input_files(inputs)
@@ -201,9 +148,10 @@ def preprocess_megatron(inputs, output_prefix, tokenizer_file=None, json_keys=()
     dtype = indexed.megatron_token_dtype(tokenizer.vocab_size)
     try:
         with contextlib.ExitStack() as stack:
+            documents = stack.enter_context(tokenized(files, keys, tokenizer, tokenizer_file, eod, workers))
             writers = {key: stack.enter_context(indexed.IndexedDatasetWriter(prefix, dtype))
                        for key, prefix in prefixes.items()}
-            for _, key, ids in _tokenized(files, keys, tokenizer, eod):
+            for _, key, ids in documents:
                 writers[key].add_document(ids)
             _commit_megatron(writers, inputs, tokenizer, tokenizer_file, eod)
     except OSError as e:

@@ -128,6 +128,8 @@ CASES = [
     ("preprocess-tokenizer-bad", 0, PREPROCESS + ["{d}/a.txt", "--output", "{d}/out", "--tokenizer", "{d}/bad_tokenizer.json"],
      "tokenizer file {d}/bad_tokenizer.json could not be read", 1),
     ("preprocess-no-output", 0, PREPROCESS + ["{d}/a.txt"], "Missing option '--output'", USAGE),
+    ("preprocess-workers-0", 0, PREPROCESS + ["{d}/a.txt", "--output", "{d}/out", "--workers", "0"],
+     "--workers is 0; it must be a positive integer", 1),
     ("convert-hf-config-missing", 0, CLI + ["convert", "--from-hf", "{d}/hf_noconfig", "--save", "{d}/hf_ck"],
      "{d}/hf_noconfig/config.json does not exist", 1),
     ("convert-hf-config-disagrees", 0, CLI + ["convert", "--from-hf", "{d}/hf_layers", "--save", "{d}/hf_ck"],

@@ -1,19 +1,24 @@
 """Byte-level BPE: `npmegatron train-tokenizer` learns one and writes vocab.json, merges.txt and
 tokenizer.json; `preprocess --tokenizer-type GPT2BPETokenizer --vocab-file --merge-file` reads
 GPT-2's pair of files into the same tokenizer; a run trains and evaluates on the tokens, its loss
-per byte counted over the bytes the tokens stand for."""
+per byte counted over the bytes the tokens stand for; --workers processes tokenize, the files the
+same for any number."""
 import json
 import os
+import re
 import subprocess
 import sys
 
 import numpy
 import pytest
+from click.testing import CliRunner
 
 tokenizers = pytest.importorskip("tokenizers")
 
 from npmegatron.autograd import InputError  # noqa: E402
-from npmegatron.data import HFTokenizer  # noqa: E402
+from npmegatron.cli import main  # noqa: E402
+from npmegatron.data import HFTokenizer, open_dataset, preprocess, preprocess_megatron  # noqa: E402
+from npmegatron.data import tokenizing  # noqa: E402
 from npmegatron.data.bpe import gpt2_tokenizer_json, train_bpe  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -112,3 +117,84 @@ def test_the_embedded_corpus_is_an_input(tmp_path):
     assert json.loads((tmp_path / "stdlib.json").read_text())["vocab_size"] == 256
     both = run(["preprocess", "--embedded-corpus", str(tmp_path / "x"), "--output", str(tmp_path / "y")])
     assert both.returncode != 0 and "--embedded-corpus takes the standard library's files" in both.stderr
+
+
+
+def written(folder, prefix):
+    """{file name less the prefix: its bytes} of every file `prefix` names in `folder`."""
+    return {name[len(prefix):]: (folder / name).read_bytes() for name in os.listdir(folder) if name.startswith(prefix)}
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of 2 KB, so that small inputs take the workers' path."""
+    monkeypatch.setattr(tokenizing, "CHUNK_BYTES", 2048)
+
+
+def test_two_workers_write_megatrons_files_as_one_then_the_throughput(learnt, tmp_path, small_chunks):
+    """JSONL cut into many chunks, tokenized on two processes and taken back in order: both keys'
+    .bin, .idx, sidecar and tokenizer are byte for byte one worker's (skipped empty records and
+    --append-eod included), and the command's last line is its throughput."""
+    docs = sorted((os.path.join(DOCS, name) for name in os.listdir(DOCS)), key=os.path.getsize)[:2]
+    records = [{"text": part, "title": f"{os.path.basename(path)} {n}"} for path in docs
+               for n, part in enumerate(open(path, encoding="utf-8").read().split("\n\n")) if part.strip()]
+    records[3]["text"] = ""                                # an empty document is skipped
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in records[:40]) + "\n\n" +      # and a blank line
+                     "".join(json.dumps(r) + "\n" for r in records[40:]))
+    for workers in ("1", "2"):
+        result = CliRunner().invoke(main, ["preprocess", "--input", str(jsonl), "-o", str(tmp_path / f"m{workers}"),
+                                           "--tokenizer", str(learnt / "tok" / "tokenizer.json"), "--json-keys",
+                                           "text,title", "--append-eod", "--workers", workers])
+        assert result.exit_code == 0, result.output
+        assert f"from {len(records) - 1} documents" in result.output and f"from {len(records)} documents" in result.output
+        processes = "1 process" if workers == "1" else "2 processes"
+        last = result.output.splitlines()[-1]
+        assert re.fullmatch(rf"[\d,.]+ MB in [\d.]+ s on {processes}: [\d,.]+ MB/s, [\d,]+ tokens/s", last), last
+    one = written(tmp_path, "m1")
+    assert one == written(tmp_path, "m2") and len(one) == 8, sorted(one)
+    data = open_dataset(str(tmp_path / "m2_text_document"))
+    first = data.tokens[data.document_offsets[0]:data.document_offsets[1] - 1]      # less <|endoftext|>
+    assert data.tokenizer().decode(first) == records[0]["text"]
+
+
+def test_two_workers_write_npmegatrons_files_as_one(learnt, tmp_path, small_chunks, monkeypatch):
+    """Spawned workers (macOS's) too, and forked ones (Linux's) under a script read from stdin,
+    whose __main__ has no file to run again."""
+    docs = sorted((os.path.join(DOCS, name) for name in os.listdir(DOCS)), key=os.path.getsize)[:3]
+    tokenizer = str(learnt / "tok" / "tokenizer.json")
+    assert preprocess(docs, str(tmp_path / "one"), tokenizer)["sources"] == docs
+    monkeypatch.setattr(tokenizing, "START_METHOD", "spawn")
+    preprocess(docs, str(tmp_path / "spawned"), tokenizer, workers=2)
+    script = ("from npmegatron.data import preprocess, tokenizing\ntokenizing.CHUNK_BYTES = 2048\n"
+              f"preprocess({docs!r}, {str(tmp_path / 'stdin')!r}, {tokenizer!r}, workers=2)\n")
+    made = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert made.returncode == 0, made.stderr
+    one = written(tmp_path, "one")
+    assert one == written(tmp_path, "spawned") == written(tmp_path, "stdin")
+    assert sorted(one) == [".bin", ".json", ".tokenizer.json"]
+
+
+def test_two_workers_report_the_first_bad_line_as_one_does(learnt, tmp_path, small_chunks):
+    jsonl = tmp_path / "bad.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": f"line {n} of the text " * 20}) + "\n" for n in range(60)) +
+                     "{oops\n" + json.dumps({"body": "a later error"}) + "\n")
+    for workers in (1, 2):
+        with pytest.raises(InputError, match=f"^{jsonl} line 61 is not JSON"):
+            preprocess_megatron([str(jsonl)], str(tmp_path / "out"), str(learnt / "tok" / "tokenizer.json"),
+                                workers=workers)
+        assert not [p for p in os.listdir(tmp_path) if p.startswith("out")]      # nothing half-written
+
+
+@pytest.mark.parametrize("workers,message,status", [
+    ("0", "Error: --workers is 0; it must be a positive integer (the processes that tokenize; the default", 1),
+    ("-2", "Error: --workers is -2; it must be a positive integer", 1),
+    ("two", "Error: Invalid value for '--workers': 'two' is not a valid integer.", 2),
+], ids=["zero", "negative", "not-a-number"])
+def test_a_bad_workers_is_refused_in_one_sentence(tmp_path, workers, message, status):
+    (tmp_path / "a.txt").write_text("hello")
+    result = CliRunner().invoke(main, ["preprocess", str(tmp_path / "a.txt"), "-o", str(tmp_path / "x"),
+                                       "--workers", workers])
+    assert result.exit_code == status and result.output.splitlines()[-1].startswith(message), result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("x")]

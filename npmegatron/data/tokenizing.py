@@ -1,0 +1,179 @@
+"""preprocess's documents as token ids: each text file whole, each JSONL line one document per
+--json-keys key, tokenized a chunk at a time on --workers processes and taken back in input order,
+as Megatron's tools/preprocess_data.py spreads documents over its --workers. Every chunk goes
+through the same `encode_chunk`, so the tokens do not depend on how many workers there are."""
+import collections
+import contextlib
+import json
+import math
+import multiprocessing
+import os
+import signal
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+
+import numpy
+
+from ..autograd import InputError
+from .tokenizer import ByteTokenizer, HFTokenizer, utf8_bytes
+
+# Text per task: about a tenth of a second of byte-level BPE, so the last tasks leave no core idle
+# for long, yet hundreds of times what sending it to a worker and its tokens back costs.
+CHUNK_BYTES = 1 << 17
+# Linux forks the workers: they start in milliseconds with the modules and tokenizer loaded, and
+# nothing of __main__ runs again, so a script read from stdin works (spawn re-runs __main__ from its
+# file, and stdin has none). Preprocessing starts no MPI and no threads of its own (OpenBLAS's idle
+# ones are fork-safe), so a fork copies no held lock. Elsewhere (macOS's system libraries do not
+# survive a fork) they are spawned.
+START_METHOD = "fork" if sys.platform.startswith("linux") else "spawn"
+
+
+def default_workers():
+    """The cores this process may run on: the machine's, or those mpiexec, taskset or a container
+    binds it to (one rank bound to one core tokenizes on that core alone)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def check_workers(workers):
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise InputError(f"workers is {workers}; it must be a positive integer (the processes that "
+                         f"tokenize; the default, {default_workers()} here, uses every core)")
+
+
+def processes_for(files, tokenizer_file, workers):
+    """How many processes tokenize: --workers, but no more than there are chunks of text, and one for
+    byte-level tokens, whose encoding is the bytes as they are (a worker would only copy them)."""
+    check_workers(workers)
+    if tokenizer_file is None:
+        return 1
+    return max(1, min(workers, math.ceil(sum(os.path.getsize(path) for path in files) / CHUNK_BYTES)))
+
+
+def encode_document(tokenizer, text, eod=None):
+    """A document's token ids, with `eod` after a non-empty one as Megatron's preprocess_data.py
+    does. Under the byte tokenizer, a file's bytes are its ids as they are (nothing decoded)."""
+    if isinstance(tokenizer, ByteTokenizer):
+        ids = numpy.frombuffer(text if isinstance(text, bytes) else utf8_bytes(text), numpy.uint8)
+    else:
+        text = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
+        ids = numpy.asarray(tokenizer.encode(text), numpy.int64)
+    return numpy.append(ids, eod) if ids.size and eod is not None else ids
+
+
+def _pieces(files, keys):
+    """(path, line number, text) of every text file (number None: the file is one document, as
+    bytes) and every non-blank JSONL line, read here; the workers parse and tokenize them."""
+    for path in files:
+        if keys == [None]:
+            with open(path, "rb") as f:
+                yield path, None, f.read()
+        else:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                yield from ((path, number, line) for number, line in enumerate(f, 1) if line.strip())
+
+
+def _chunks(pieces):
+    """Pieces in runs of about CHUNK_BYTES, in order."""
+    chunk, size = [], 0
+    for piece in pieces:
+        chunk.append(piece)
+        size += len(piece[2])
+        if size >= CHUNK_BYTES:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+def _record(path, number, line, keys):
+    """A JSONL line's object, which holds a string under every key."""
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError) as error:      # RecursionError: nested too deeply to parse
+        raise InputError(f"{path} line {number} is not JSON ({error}); give one JSON object "
+                         "per line") from None
+    if not isinstance(record, dict):
+        raise InputError(f"{path} line {number} is a JSON {type(record).__name__}, not an "
+                         "object; give one JSON object per line")
+    for key in keys:
+        if not isinstance(record.get(key), str):
+            found = "no" if key not in record else f"a {type(record[key]).__name__} under the"
+            raise InputError(f"{path} line {number} has {found} {key!r} key, not text; pass "
+                             "--json-keys naming its text fields")
+    return record
+
+
+def encode_chunk(chunk, tokenizer, keys, eod):
+    """(source, key, ids) of every non-empty document of a chunk of pieces; text that cannot be
+    read or encoded names its place."""
+    encoded = []
+    for path, number, raw in chunk:
+        if number is None:
+            documents = [(path, None, raw)]
+        else:
+            record = _record(path, number, raw, keys)
+            documents = [(f"{path} line {number}", key, record[key]) for key in keys]
+        for source, key, text in documents:
+            try:
+                ids = encode_document(tokenizer, text, eod)
+            except InputError as error:
+                raise InputError(f"{source}: {error}") from None
+            if ids.size:
+                encoded.append((source, key, ids))
+    return encoded
+
+
+@contextlib.contextmanager
+def tokenized(files, keys, tokenizer, tokenizer_file, eod, workers):
+    """An iterator of (source, key, ids) of every non-empty document, in input order, tokenized on
+    processes_for(...) processes; leaving the block stops them."""
+    chunks = _chunks(_pieces(files, keys))
+    processes = processes_for(files, tokenizer_file, workers)
+    if processes == 1:
+        yield (document for chunk in chunks for document in encode_chunk(chunk, tokenizer, keys, eod))
+        return
+    pool = ProcessPoolExecutor(processes, multiprocessing.get_context(START_METHOD), initializer=_start_worker,
+                               initargs=(tokenizer_file, keys, eod))
+    try:
+        yield (document for encoded in _in_order(pool, chunks, processes) for document in encoded)
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+def _in_order(pool, chunks, processes):
+    """The workers' encode_chunk of each chunk, in input order; two chunks a worker in flight at
+    most, so memory stays bounded however large the input."""
+    pending = collections.deque()
+    try:
+        while True:
+            try:
+                chunk = next(chunks, None)
+            except OSError:              # reading a later file failed: an earlier document's error first
+                for future in pending:
+                    future.result()
+                raise
+            if chunk is None:
+                break
+            pending.append(pool.submit(_encode_in_worker, chunk))
+            if len(pending) >= 2 * processes:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    except BrokenProcessPool:
+        raise InputError("a --workers process ended abruptly (killed, or out of memory); run again with "
+                         "fewer --workers") from None
+
+
+_worker = {}
+
+
+def _start_worker(tokenizer_file, keys, eod):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C: the parent stops the pool, one message
+    _worker.update(tokenizer=HFTokenizer(tokenizer_file), keys=keys, eod=eod)
+
+
+def _encode_in_worker(chunk):
+    return encode_chunk(chunk, **_worker)
