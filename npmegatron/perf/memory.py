@@ -90,8 +90,9 @@ class ParallelShape:
     element_bytes: int = None        # default: the model's dtype; 2 for the paper's fp16
     mask_bytes: int = 1
     threads_per_rank: int = None     # a CPU rank's threads (default: the cores shared among the ranks)
-    ep: int = 1                      # expert-parallel ranks, carved out of DP: each holds E / EP experts
+    ep: int = 1                      # expert-parallel ranks, carved out of DP x CP: each E / EP experts
     etp: int = None                  # each expert split over TP ranks (None: TP, the default) or whole (1)
+    cuda_graph: bool = False         # a GPU step replayed as one CUDA graph (the host issues nothing)
 
     @property
     def ranks(self):
@@ -169,7 +170,7 @@ def check_shape(cfg, shape):
 
 def _check_experts(cfg, shape):
     """What training refuses of expert parallelism (config.check_expert_parallel and
-    check_expert_tensor_parallel) and of the experts' splits (ColumnParallelLinear), one sentence each."""
+    check_expert_tensor_parallel) and of the experts' splits (GroupedExperts' divide), one sentence each."""
     ep, etp, t = shape.ep, shape.expert_tp, shape.tp
     if cfg.num_experts is None:
         if ep > 1 or etp != t:

@@ -8,8 +8,16 @@
         # "peak_flops" alone is a device's peak, against which plan reports utilisation
       "published": {"gemm": {"2": [[M, N, K, TFLOP/s], ...], "4": [...]},   # or, for a GPU (cuBLAS's M, N)
         "passes": {tensor: [forward, backward]}, "loss_bytes_per_logit": [f, b],     # known from
-        "optimizer_bytes_per_parameter": 64},    # published figures: rates by kind of work
+        "optimizer_bytes_per_parameter": 68,     # published figures: rates by kind of work
+        "ddp_bytes_per_parameter": 12,           # optional: the DP gradients' copies once a step
+        "rng_state_bytes": 824000, "host_link_bytes_per_s": 1.575e10,  # optional, all four or none:
+        "host_round_trip_s": 6.7e-6, "launch_s": 3.8e-6},  # where the code waits for the host
         # (perf/published.py; then memory_bandwidth_bytes_per_s is required and flops unused)
+      "device": {"gemm": {"fp32": [[M, N, K, TFLOP/s], ...], "tf32": ..., "bf16": ..., "fp16": ...},
+        "bandwidth": {"bytes": [...], "bytes_per_s": [...]}, "launch_gap_s": 1.5e-6,   # or, for
+        "host_s_per_layer": {"bf16": ...}, "host_s_per_micro_batch": {...}},  # this engine on a GPU:
+        # the card's measured rates (perf/device.py; `plan calibrate --device gpu`); flops unused
+        # "peak_flops" may then be given by precision: {"fp32": 6.7e13, "bf16": 9.895e14, ...}
       "flops_recompute": "none",             # optional: recomputation the flops were measured with
       "devices_per_node": 16,
       "device_memory_bytes": 34359738368,
@@ -119,7 +127,11 @@ def normalise(raw, path="<profile>"):
     profile.setdefault("name", os.path.splitext(os.path.basename(path))[0])
     if not isinstance(profile["name"], str):
         raise InputError(f"profile {path} has 'name' = {profile['name']!r}; it must be a string")
-    if "published" in raw:            # rates by kind of work instead of one FLOP rate
+    if "device" in raw:               # a GPU's measured rates and this engine's counted work
+        profile["device"] = _device(raw["device"], path)
+        profile.pop("published", None)     # the device section is the one read
+        profile["flops"] = None
+    elif "published" in raw:          # rates by kind of work instead of one FLOP rate
         profile["published"] = _published(raw["published"], path)
         if _number(raw, "memory_bandwidth_bytes_per_s", path) == 0:
             raise InputError(f"profile {path} gives memory_bandwidth_bytes_per_s = 0; a published profile "
@@ -133,7 +145,12 @@ def normalise(raw, path="<profile>"):
         _number(raw, "flops", path)       # names the missing key
     if profile["flops"] == 0:
         raise InputError(f"profile {path} gives a FLOP rate of 0; it must be positive")
-    if "peak_flops" in raw and _number(raw, "peak_flops", path) == 0:
+    peaks = raw.get("peak_flops")
+    if isinstance(peaks, dict):       # by precision (fp32, tf32, bf16, fp16), as a GPU's datasheet
+        if not peaks or min(_number(peaks, key, path, "peak_flops.") for key in peaks) == 0:
+            raise InputError(f"profile {path} has 'peak_flops' = {peaks!r}; give positive FLOP/s by precision, "
+                             "e.g. {\"bf16\": 9.895e14}")
+    elif "peak_flops" in raw and _number(raw, "peak_flops", path) == 0:
         raise InputError(f"profile {path} gives peak_flops = 0; it is a device's peak FLOP/s, the "
                          "denominator of model-FLOP utilisation, so it must be positive")
     profile["devices_per_node"] = _count(raw, "devices_per_node", path)
@@ -263,6 +280,53 @@ def _published(raw, path):
     _grid(loss, [2], path, f"{where}loss_bytes_per_logit")
     if _number(raw, "optimizer_bytes_per_parameter", path, where) <= 0:
         raise InputError(f"profile {path} gives {where}optimizer_bytes_per_parameter = 0; it must be positive")
+    if "ddp_bytes_per_parameter" in raw:
+        _number(raw, "ddp_bytes_per_parameter", path, where)
+    given = [key for key in HOST_KEYS if key in raw]
+    if given and len(given) < len(HOST_KEYS):
+        raise InputError(f"profile {path} gives {where}{given[0]} but not all of {', '.join(HOST_KEYS)}; give the "
+                         "host's four figures together or none (perf/published.py)")
+    if given and {key: _number(raw, key, path, where) for key in HOST_KEYS}["host_link_bytes_per_s"] == 0:
+        raise InputError(f"profile {path} gives {where}host_link_bytes_per_s = 0; the state copies divide by it, "
+                         "so it must be positive")
+    return raw
+
+
+#: A published profile's optional host figures (perf/published.py: host_seconds, optimizer_round_trips).
+HOST_KEYS = ("rng_state_bytes", "host_link_bytes_per_s", "host_round_trip_s", "launch_s")
+
+
+GPU_PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+
+
+def _device(raw, path):
+    """The "device" section, checked: GEMM points by precision, a copy's bandwidth by array bytes
+    and the launch gap, all positive where perf/device.py divides by them; the host's seconds a
+    layer and a micro-batch optional."""
+    where = "device."
+    if not isinstance(raw, dict):
+        raise InputError(f"profile {path} has 'device' = {raw!r}; it must be an object (see "
+                         "npmegatron/perf/profiles.py)")
+    gemm = raw.get("gemm")
+    if not isinstance(gemm, dict) or not gemm:
+        raise InputError(f"profile {path} lacks '{where}gemm', an object of [M, N, K, TFLOP/s] lists keyed by "
+                         f"precision ({', '.join(GPU_PRECISIONS)}); run `npmegatron plan calibrate --device gpu`")
+    for precision, points in gemm.items():
+        if precision not in GPU_PRECISIONS or not isinstance(points, list) or not points or not all(
+                isinstance(p, list) and len(p) == 4 and all(_real(v) and v > 0 for v in p) for p in points):
+            raise InputError(f"profile {path} has {where}gemm.{precision} = {points!r}; give precisions "
+                             f"{', '.join(GPU_PRECISIONS)} each a non-empty list of [M, N, K, TFLOP/s], positive")
+    table = raw.get("bandwidth")
+    _grid(table.get("bytes_per_s") if isinstance(table, dict) else None,
+          [len(_axis(table, "bytes", path, where + "bandwidth."))], path, where + "bandwidth.bytes_per_s")
+    _number(raw, "launch_gap_s", path, where)
+    for key in ("host_s_per_layer", "host_s_per_micro_batch"):        # optional: once or by precision
+        value = raw.get(key)
+        if isinstance(value, dict):
+            for precision in value:
+                _number(value, precision, path, f"{where}{key}.")
+        elif key in raw:
+            _number(raw, key, path, where)
     return raw
 
 

@@ -20,13 +20,27 @@
   dispatch (work.moe_layer_gemms, DISPATCH_PASSES) and its experts' inner tensors passed over as
   the dense MLP's.
 
-No engine cost is added: a GPU's kernels run asynchronously behind the host, and at these shapes
-each lasts far longer than its launch.
+No engine cost is added for launching kernels: a GPU's kernels run asynchronously behind the host,
+and at these shapes each lasts far longer than its launch. What the host cannot hide is where the
+modelled code waits for the device, and a profile's optional host section times those (host_seconds,
+optimizer_round_trips), as the 2019 code has them:
+
+- the CUDA random-number generator's state read and written around attention's dropout (the
+  model-parallel RNG tracker's fork) and by each checkpointed layer (mpu/random.py): PyTorch's state
+  then held 200 MTGP32 generators on the device, and every read or write was a synchronous copy of
+  them over the host's link (rng_state_bytes at host_link_bytes_per_s), after which the device
+  waits a round trip (host_round_trip_s) for its next kernel;
+- the fp16 optimizer's loops over the parameters that read a number back per tensor (the overflow
+  check's sum, the gradient norm): two round trips and one launch more a tensor;
+- the data-parallel gradients copied into a flat buffer, averaged and copied back
+  (ddp_bytes_per_parameter over the bandwidth, once a step), in both DistributedDataParallels the
+  2019 code could run.
 """
 import math
 
 from ..autograd import InputError
 from ..tensor_parallel import pad_vocab_size
+from .memory import rank_layers, rank_parameters
 from .work import DISPATCH_PASSES, busiest_stage, forward_backward, layer_gemms, moe_layer_gemms, pipeline_stages
 
 
@@ -137,7 +151,8 @@ def stage_seconds(cfg, shape, profile, again, w):
 
     def per_layer(moe):
         seconds = layer_seconds(cfg, shape, published, bandwidth, w, moe)
-        return {part: forward + backward + again * forward for part, (forward, backward) in seconds.items()}
+        parts = {part: forward + backward + again * forward for part, (forward, backward) in seconds.items()}
+        return parts | ({"host": host_seconds(published, again)} if "rng_state_bytes" in published else {})
 
     moe_layer = per_layer(True) if cfg.num_experts else None
     stages = pipeline_stages(cfg, shape, per_layer(False), *end_seconds(cfg, shape, published, bandwidth, w),
@@ -147,6 +162,55 @@ def stage_seconds(cfg, shape, profile, again, w):
     return [parts for parts, _ in stages]
 
 
+#: Copies of the CUDA generator's state per layer and micro-batch in the 2019 code (mpu/random.py):
+#: the RNG tracker's fork around attention's dropout reads it, writes the tracker's, reads that back
+#: and writes the first back (4), in the forward and again in a recomputed one; a checkpointed layer
+#: also reads it forward, and backward reads it, writes the forward's and writes it back (4).
+FORK_COPIES, CHECKPOINT_COPIES = 4, 4
+
+
+def host_seconds(published, again):
+    """Seconds one layer's micro-batch waits for the generator's state to cross the host's link, the
+    recomputed share (`again`) forking twice and checkpointing (FORK_COPIES, CHECKPOINT_COPIES)."""
+    copies = FORK_COPIES * (1 + again) + CHECKPOINT_COPIES * again
+    one = published["rng_state_bytes"] / published["host_link_bytes_per_s"] + published["host_round_trip_s"]
+    return copies * one
+
+
+def parameter_tensors(cfg, shape):
+    """The most parameter tensors a pipeline rank holds: each layer's two norms (gain, and bias for
+    LayerNorm) and four linears (weight, and bias where the model has them; an MoE layer counted
+    as a dense one), the first stage's embedding tables, the last's final norm and untied output."""
+    norm = 1 if cfg.normalization == "RMSNorm" else 2
+    per_layer = 2 * norm + 4 * (2 if cfg.add_bias_linear else 1)
+    tables = 1 + (cfg.position_embedding_type == "learned_absolute")
+    ends = [tables * (rank == 0) + (norm + cfg.untie_embeddings_and_output_weights) * (rank == shape.pp - 1)
+            for rank in range(shape.pp)]
+    return max(per_layer * len(rank_layers(cfg, shape, rank)) + ends[rank] for rank in range(shape.pp))
+
+
+def optimizer_round_trips(cfg, shape, published):
+    """Seconds the fp16 optimizer's per-tensor reads of a number add (abe36e2 fp16/loss_scaler.py's
+    overflow check, float(x.float().sum()) for each gradient; mpu/grads.py's clip_grad_norm,
+    norm().item() for each): two round trips and the cast's launch a tensor."""
+    if "host_round_trip_s" not in published:
+        return 0.0
+    return parameter_tensors(cfg, shape) * (2 * published["host_round_trip_s"] + published["launch_s"])
+
+
+def ddp_seconds(cfg, shape, published, bandwidth):
+    """Seconds a step's data-parallel gradients spend copied into the flat buffer, averaged and
+    copied back, on the rank with the most parameters (0 without DP)."""
+    if shape.dp * shape.cp == 1:
+        return 0.0
+    params = max(rank_parameters(cfg, shape, rank) for rank in range(shape.pp))
+    return params * published.get("ddp_bytes_per_parameter", 0) / bandwidth
+
+
 def published_compute(cfg, shape, profile, again, w):
-    """(compute, bubble, compute by part) seconds of a step (work.busiest_stage)."""
-    return busiest_stage(stage_seconds(cfg, shape, profile, again, w), shape)
+    """(compute, bubble, compute by part) seconds of a step (work.busiest_stage), with the
+    data-parallel gradients' copies once a step."""
+    compute, bubble, parts = busiest_stage(stage_seconds(cfg, shape, profile, again, w), shape)
+    copies = ddp_seconds(cfg, shape, profile["published"], profile["memory_bandwidth_bytes_per_s"])
+    parts["memory_bound"] += copies
+    return compute + copies, bubble, parts

@@ -7,6 +7,7 @@ from ..autograd import InputError
 from ..config import GPTConfig
 from ..model import gpt_num_parameters
 from .memory import ParallelShape, check_shape, memory_plan
+from .device import peak
 from .time_model import step_time
 
 
@@ -18,16 +19,15 @@ def plan(cfg, shape, profile, device_memory=None):
             # every parameter, and those a token's forward uses (an MoE layer's k experts of E)
             "parameters": gpt_num_parameters(cfg), "active_parameters": gpt_num_parameters(cfg, active=True),
             "memory": memory_plan(cfg, shape, device_memory), "time": timing,
-            "throughput": throughput(timing, shape, profile)}
+            "throughput": throughput(timing, shape, peak(profile, cfg))}
 
 
-def throughput(timing, shape, profile):
+def throughput(timing, shape, peak_flops):
     """What a step of this shape yields: tokens a step and a second, and the model-FLOP utilisation
-    against the profile's peak FLOP/s per device (None where the profile gives no peak)."""
+    against `peak_flops` per device (the profile's in the run's precision; None where it gives none)."""
     tokens_per_step = shape.global_batch * shape.seq
-    peak = profile.get("peak_flops")
     return {"tokens_per_step": tokens_per_step, "tokens_per_s": tokens_per_step / timing["total"],
-            "peak_flops": peak, "mfu": None if peak is None else timing["flops_per_device"] / peak}
+            "peak_flops": peak_flops, "mfu": None if peak_flops is None else timing["flops_per_device"] / peak_flops}
 
 
 def training_time(planned, shape, steps=None, tokens=None):
@@ -94,23 +94,41 @@ def paper_weak_scaling(profile):
     rows, base = [], None
     for dp, global_batch, overlap in ((1, 8, False), (64, 512, False), (64, 512, True)):
         for h, a, layers, t in PAPER_MODELS:
-            cfg = GPTConfig(num_layers=layers, hidden_size=h, num_attention_heads=a, vocab_size=51200,
-                            max_position_embeddings=1024, hidden_dropout=0.1, attention_dropout=0.1)
-            shape = ParallelShape(tp=t, pp=1, dp=dp, micro_batch=8, global_batch=global_batch, seq=1024,
-                                  recompute="full", element_bytes=2, overlap_grad_reduce=overlap)
-            timing = step_time(cfg, shape, profile)
-            memory = memory_plan(cfg, shape, profile["device_memory_bytes"])
-            if base is None:
-                base = timing["flops_per_device"]
-            rows.append({"hidden": h, "heads": a, "layers": layers, "tp": t, "dp": dp, "gpus": t * dp,
-                         "overlap_grad_reduce": overlap, "parameters": cfg_params(cfg), "step_s": timing["total"],
-                         "tflops_per_gpu": timing["flops_per_device"] / 1e12,
-                         "mfu": throughput(timing, shape, profile)["mfu"],
-                         "efficiency": timing["flops_per_device"] / base,
-                         "paper_efficiency": PAPER_EFFICIENCY.get((t, dp, overlap)),
-                         "mixed_precision_memory_gb": memory["ranks"][0]["mixed_precision_total"] / 1e9,
-                         "time": timing})
+            row = paper_row(profile, h, a, layers, t, dp, global_batch, overlap, base)
+            base = base or row["tflops_per_gpu"]
+            rows.append(row | {"paper_efficiency": PAPER_EFFICIENCY.get((t, dp, overlap))})
     return rows
+
+
+#: The appendix's 8.3 B model at 8-way TP with 16, 24 and 32 heads (Shoeybi et al. 2019, Table 7):
+#: heads and the weak-scaling efficiency measured against the 1-GPU baseline.
+PAPER_HEADS = ((16, 0.82), (24, 0.80), (32, 0.77))
+
+
+def paper_attention_heads(profile):
+    """The appendix's table: the 8.3 B model on 8-way TP with 16, 24 and 32 heads, each predicted
+    against the predicted 1-GPU baseline, beside the efficiency the paper measured."""
+    base = paper_row(profile, *PAPER_MODELS[0], 1, 8, False, None)["tflops_per_gpu"]
+    h, _, layers, t = PAPER_MODELS[-1]
+    return [paper_row(profile, h, heads, layers, t, 1, 8, False, base) | {"paper_efficiency": measured}
+            for heads, measured in PAPER_HEADS]
+
+
+def paper_row(profile, h, a, layers, t, dp, global_batch, overlap, base):
+    """One of the paper's runs predicted on the profile, its efficiency against `base` TFLOP/s per
+    GPU (itself where None)."""
+    cfg = GPTConfig(num_layers=layers, hidden_size=h, num_attention_heads=a, vocab_size=51200,
+                    max_position_embeddings=1024, hidden_dropout=0.1, attention_dropout=0.1)
+    shape = ParallelShape(tp=t, pp=1, dp=dp, micro_batch=8, global_batch=global_batch, seq=1024,
+                          recompute="full", element_bytes=2, overlap_grad_reduce=overlap)
+    timing = step_time(cfg, shape, profile)
+    memory = memory_plan(cfg, shape, profile["device_memory_bytes"])
+    tflops = timing["flops_per_device"] / 1e12
+    return {"hidden": h, "heads": a, "layers": layers, "tp": t, "dp": dp, "gpus": t * dp,
+            "overlap_grad_reduce": overlap, "parameters": cfg_params(cfg), "step_s": timing["total"],
+            "tflops_per_gpu": tflops, "mfu": throughput(timing, shape, peak(profile, cfg))["mfu"],
+            "efficiency": tflops / (base or tflops),
+            "mixed_precision_memory_gb": memory["ranks"][0]["mixed_precision_total"] / 1e9, "time": timing}
 
 
 def cfg_params(cfg):

@@ -14,6 +14,8 @@ A step on one rank, M micro-batches, V virtual stages, L layers on the rank:
   the busiest stage's GEMMs, attention, memory-bound bytes and engine overhead (work.py); for a
   GPU profile with published rates ("published", as dgx2h has): the same parts from a published
   GEMM benchmark, the device's bandwidth and the modelled implementation's kernels (published.py);
+  for a GPU profile with measured rates ("device", as h200 has): this engine's counted work on a
+  GPU at the card's measured GEMM rates, copy bandwidth and launch costs (device.py);
   otherwise model_flops(global batch) / (TP PP DP) / one rank's FLOP/s (the profile's, or on a
   CPU profile its share of the machine: rank_flops), times 4/3 for full
   recomputation (one more forward) unless the profile's rate was measured with it; model FLOPs
@@ -22,7 +24,9 @@ A step on one rank, M micro-batches, V virtual stages, L layers on the rank:
 - TP comm (TP > 1): per layer and micro-batch 4 all-reduces of s*b*h elements (2 forward,
   2 backward; 6 with full recomputation), or with SP as many all-gathers plus reduce-scatters;
   an MoE layer half of those (its attention's) and its MLP part's (moe_tp_collectives); plus
-  the embedding's and the output layer's all-reduce, 2 per micro-batch spread over the PP ranks;
+  the embedding's and the output layer's all-reduce, 2 per micro-batch, and the vocabulary-parallel
+  loss's three of one float32 number a token (the rows' maximum, the target's logit, the sum of
+  exponentials), spread over the PP ranks;
 - EP comm (EP > 1): per MoE layer and micro-batch 2 all-to-alls of the k T routed rows forward
   and 2 backward, and 1 of the E counts forward (3 more forward for a recomputed layer), exposed;
   routing is taken as balanced: each rank receives as many rows as it sends, k T EP / E an
@@ -46,7 +50,8 @@ A step on one rank, M micro-batches, V virtual stages, L layers on the rank:
   memory_bandwidth_bytes_per_s (memory bound; 0 for a profile without one): float32 reads the
   parameter, gradient and two moments and writes three (28 B); under --fp16/--bf16 the float32
   master, gradient and moments and the 16-bit parameter written back (30 B); a "published"
-  profile gives its implementation's own count.
+  profile gives its implementation's own count, and the round trips its per-tensor loops make
+  (published.optimizer_round_trips).
 
 Which link parameters a group uses: ranks are ordered TP fastest, then CP, then DP, then PP
 (comm/grid.py), filling nodes of `devices_per_node`. A group within one node uses "intra". A
@@ -61,7 +66,8 @@ from ..recompute import recompute_segments
 from ..tensor_parallel import pad_vocab_size
 from .memory import (_mlp_parameters, _recompute_config, check_shape, element_bytes, optimizer_parameters,
                      rank_expert_parameters, rank_layers, rank_parameters)
-from .published import published_compute
+from .device import device_compute, optimizer_seconds as device_optimizer_seconds
+from .published import optimizer_round_trips, published_compute
 from .work import measured_compute, measured_rates, nearest_count
 
 RECOMPUTE_COST = {"none": 1.0, "selective": 1.0, "full": 4.0 / 3.0}
@@ -152,17 +158,24 @@ def context_parallel_time(cfg, shape, profile, w, again, place):
 
 def optimizer_time(cfg, shape, profile):
     """AdamW's update on the rank with the most parameters, memory bound (module docstring)."""
+    if "device" in profile:
+        return device_optimizer_seconds(cfg, shape, profile)
     bandwidth = profile.get("memory_bandwidth_bytes_per_s")
     if "measured" in profile:
         bandwidth = measured_rates(profile, shape)[0]["bandwidth_bytes_per_s"]
     if not bandwidth:
         return 0.0
     per_parameter = 30 if cfg.storage_format or shape.element_bytes == 2 else 28
+    round_trips = 0.0
     if "published" in profile:
         per_parameter = profile["published"]["optimizer_bytes_per_parameter"]
+        # and the 2019 code's two numbers all-reduced over the model-parallel group before it reads
+        # them back: the overflow flag and the squared gradient norm
+        scalar = all_reduce_time(shape.tp, 4, *group_links(profile, "all_reduce", *placement(shape, profile)["tp"]))
+        round_trips = optimizer_round_trips(cfg, shape, profile["published"]) + 2 * scalar
     params = max(optimizer_parameters(shape, rank_parameters(cfg, shape, r), rank_expert_parameters(cfg, shape, r))
                  for r in range(shape.pp))
-    return params * per_parameter / bandwidth
+    return params * per_parameter / bandwidth + round_trips
 
 
 def last_bucket_elements(cfg, shape, grad_elements, bucket_elements):
@@ -211,7 +224,9 @@ def tensor_parallel_time(cfg, shape, profile, w, again, place):
         timed = all_gather_time if op == "all_gather" else all_reduce_time
         moe_layer += (forward * (1 + again) + backward) * timed(t, nbytes, *group_links(profile, op, *place["tp"]))
     busiest = max(dense * per_layer_count * one + moe * moe_layer for dense, moe in layer_counts(cfg, shape))
-    return shape.micro_batches * (busiest + 2 / shape.pp * one)
+    loss = all_reduce_time(t, shape.local_seq * shape.micro_batch * 4,
+                           *group_links(profile, "all_reduce", *place["tp"]))
+    return shape.micro_batches * (busiest + (2 * one + 3 * loss) / shape.pp)
 
 
 def moe_tp_collectives(cfg, shape, w):
@@ -306,6 +321,8 @@ def step_time(cfg, shape, profile):
         compute, compute_bubble, parts = measured_compute(cfg, shape, profile, again, w)
     elif "published" in profile:     # a GPU's published rates and the counted kernels (published.py)
         compute, compute_bubble, parts = published_compute(cfg, shape, profile, again, w)
+    elif "device" in profile:        # a GPU's measured rates and this engine's counted work (device.py)
+        compute, compute_bubble, parts = device_compute(cfg, shape, profile, again, w)
     else:
         compute = flat_compute(cfg, shape, profile, flops, again)
         compute_bubble = (p - 1) / (m * v) * compute

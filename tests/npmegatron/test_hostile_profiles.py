@@ -43,6 +43,8 @@ LIES = [
     pytest.param(lambda p: p.update(dp_overlap=3), "'dp_overlap' = 3; it is a share of backward", id="overlap-above-1"),
     pytest.param(lambda p: p.update(name=["x"]), "'name' = ['x']; it must be a string", id="name-type"),
     pytest.param(lambda p: p.update(flops_recompute=["full"]), "flops_recompute ['full']", id="recompute-type"),
+    pytest.param(lambda p: p.update(device={"gemm": {"bf16": [[1, 1, 1, 0]]}}), "device.gemm.bf16", id="device-gemm"),
+    pytest.param(lambda p: p.update(peak_flops={"bf16": float("nan")}), "'peak_flops.bf16' = nan", id="peak-nan"),
 ]
 
 
@@ -70,7 +72,8 @@ def test_a_bad_plan_layout_is_one_sentence(layout):
 @pytest.mark.parametrize("examples", BUDGETS)
 def test_mutated_profiles_plan_or_are_refused_in_one_sentence(tmp_path, examples):
     shipped = json.loads(open(resolve("dgx2h")).read())
-    keys = sorted(set(shipped) | set(CPU_PROFILE))
+    gpu = json.loads(open(resolve("h200")).read())
+    keys = sorted(set(shipped) | set(gpu) | set(CPU_PROFILE))
     values = (st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.floats() | st.text(max_size=6)
               | st.lists(st.floats(), max_size=2) | st.dictionaries(st.text(max_size=3), st.floats(), max_size=2))
 
@@ -88,5 +91,5 @@ def test_mutated_profiles_plan_or_are_refused_in_one_sentence(tmp_path, examples
         except InputError as error:
             one_sentence(error)
 
-    check_property(st.tuples(st.sampled_from([shipped, CPU_PROFILE]), st.sampled_from(keys),
+    check_property(st.tuples(st.sampled_from([shipped, gpu, CPU_PROFILE]), st.sampled_from(keys),
                              st.sampled_from(["replace", "delete"]), values), check, examples)

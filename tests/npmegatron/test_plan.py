@@ -147,9 +147,14 @@ def test_dgx2h_profile_and_paper_weak_scaling():
         (8, 1, False), (8, 64, False), (8, 64, True)]
     assert [r["paper_efficiency"] for r in rows[3::4]] == [0.77, 0.60, 0.74]
     # one V100 from DeepBench's GEMM rates and the 2019 code's kernels at 900 GB/s: within 5 % of
-    # the 39 TFLOP/s the paper measured, which nothing in the profile was fitted to
+    # the 39 TFLOP/s the paper measured, which nothing in the profile was fitted to (the issue's
+    # bands and the profile's sources: test_plan_paper.py)
     assert rows[0]["efficiency"] == 1.0 and rows[0]["tflops_per_gpu"] == pytest.approx(39, rel=0.05)
-    assert rows[0]["time"]["optimizer"] == pytest.approx(1.21e9 * 64 / 9e11, rel=0.01)
+    # the fp16 optimizer's 68 bytes a parameter and its two reads of a number a tensor (12 a layer
+    # and 4 more) at 6.7 us, the cast's launch at 3.8
+    tensors = 12 * 40 + 4
+    assert rows[0]["time"]["optimizer"] == pytest.approx(1.21e9 * 68 / 9e11 + tensors * (2 * 6.7e-6 + 3.8e-6),
+                                                         rel=0.01)
     assert all(0.5 < r["efficiency"] <= 1.0 for r in rows)
     assert rows[3]["efficiency"] < rows[2]["efficiency"] < rows[1]["efficiency"]
     # after backward the whole all-reduce shows; overlapped with it only the last bucket does: the
@@ -160,11 +165,10 @@ def test_dgx2h_profile_and_paper_weak_scaling():
     ring = (6.6e-6, 16 / (8 * 12.2e9) / 2, 8.4e-6)
     assert rows[11]["time"]["dp_comm_exposed"] == pytest.approx(all_reduce_time(64, last_bucket, *ring))
     # with NCCL 2.5.6's own model of its ring over NVSwitch (six 21 GB/s channels, 8.4 us a call,
-    # 5.7 us a ring step on NVLink, 6.6 across nodes), both of the paper's configurations come
-    # within 5 points: 8-way TP 2.3 above its 77 %, 512 GPUs overlapped 4.9 above its 74 %
-    # (docs/benchmarks.md)
-    assert rows[3]["efficiency"] - 0.77 == pytest.approx(0.023, abs=0.002)
-    assert rows[11]["efficiency"] - 0.74 == pytest.approx(0.049, abs=0.002)
+    # 5.7 us a ring step on NVLink, 6.6 across nodes) and the 2019 code's waits for the host:
+    # 8-way TP 1.0 above its 77 %, 512 GPUs overlapped 3.0 above its 74 % (docs/benchmarks.md)
+    assert rows[3]["efficiency"] - 0.77 == pytest.approx(0.010, abs=0.002)
+    assert rows[11]["efficiency"] - 0.74 == pytest.approx(0.030, abs=0.002)
     intra, inter = profile["intra"], profile["inter"]
     assert all(link["beta_s_per_byte"] == pytest.approx(1 / (6 * 21e9)) for link in intra.values())
     assert intra["all_reduce"]["alpha_s"] == 5.7e-6 and inter["all_reduce"]["alpha_s"] == 6.6e-6
@@ -185,11 +189,12 @@ def test_step_time_parts():
     pp = step_time(cfg, ParallelShape(pp=2, seq=256, micro_batch=8, global_batch=32), flat)
     assert pp["bubble"] == pytest.approx((pp["compute"] + pp["pp_comm"]) / 4)
     # six all-reduces a layer under full recomputation (forward's two, again, backward's two) and
-    # the embedding's and output layer's, of s b h elements
+    # the embedding's and output layer's, of s b h elements; the vocabulary-parallel loss's three of
+    # s b float32 numbers (the rows' maximum, the target's logit, the exponentials' sum)
     full = step_time(cfg, ParallelShape(tp=2, seq=256, micro_batch=8, global_batch=8, recompute="full"), flat)
     link = profile["intra"]["all_reduce"]
-    one_reduce = all_reduce_time(2, 256 * 8 * 512 * 4, link["alpha_s"], link["beta_s_per_byte"], link["base_s"])
-    assert full["tp_comm"] == pytest.approx((4 * 6 + 2) * one_reduce)
+    reduce = lambda n: all_reduce_time(2, n, link["alpha_s"], link["beta_s_per_byte"], link["base_s"])
+    assert full["tp_comm"] == pytest.approx((4 * 6 + 2) * reduce(256 * 8 * 512 * 4) + 3 * reduce(256 * 8 * 4))
 
 
 @pytest.mark.parametrize("tp,extra", [(1, {}), (2, {}), (1, {"untie_embeddings_and_output_weights": True}),
@@ -282,7 +287,9 @@ def test_cli_plan_layouts_and_errors():
     # every layout judged against this machine's memory shared by the 4 ranks, and the table says so
     assert "GB over 4 rank(s); --device gpu judges" in result.output.splitlines()[-1]
     result = runner.invoke(main, ["plan", "--weak-scaling", "paper"])
-    assert result.exit_code == 0 and "3072" in result.output
+    assert result.exit_code == 0 and "3072" in result.output and "Table 7" in result.output
+    tables = json.loads(runner.invoke(main, ["plan", "--weak-scaling", "paper", "--json"]).output)
+    assert len(tables["weak_scaling"]) == 12 and [r["heads"] for r in tables["attention_heads"]] == [16, 24, 32]
 
 
 def test_plan_gives_the_throughput_utilisation_and_length_of_a_run(tmp_path):

@@ -198,14 +198,16 @@ def test_the_moe_layers_tp_collectives(options, etp, sp, expected):
 
 def test_tp_communication_of_an_moe_model_by_hand():
     """Llama MoE every other layer at TP 2: a dense layer's four all-reduces of T h, an MoE layer's
-    attention's two, its experts' g of the k T rows and f of the T tokens; the ends' two."""
+    attention's two, its experts' g of the k T rows and f of the T tokens; the ends' two and the
+    loss's three of a float32 number a token."""
     profile = flat_profile()
     cfg = GPTConfig(**{**SMALL, **LLAMA, "moe_layer_freq": "2"})
     shape = ParallelShape(tp=2, micro_batch=2, global_batch=2, seq=32)
     link = profile["intra"]["all_reduce"]
     reduce = lambda n: all_reduce_time(2, n, link["alpha_s"], link["beta_s_per_byte"], link["base_s"])
     tokens = 2 * 32 * 64 * 4
-    by_hand = 2 * 4 * reduce(tokens) + 2 * (3 * reduce(tokens) + reduce(2 * tokens)) + 2 * reduce(tokens)
+    by_hand = (2 * 4 * reduce(tokens) + 2 * (3 * reduce(tokens) + reduce(2 * tokens)) + 2 * reduce(tokens)
+               + 3 * reduce(2 * 32 * 4))
     assert step_time(cfg, shape, profile)["tp_comm"] == pytest.approx(by_hand)
 
 

@@ -6,9 +6,9 @@ import click
 
 from ...autograd import InputError
 from ...cli_support import Group, config_options, model_preset_option, user_errors, with_model_preset
-from ...config import TRAIN_MODEL_DEFAULTS, GPTConfig, ParallelConfig, TrainConfig, check_given
+from ...config import MODEL_PRESETS, TRAIN_MODEL_DEFAULTS, GPTConfig, ParallelConfig, TrainConfig, check_given
 from ...perf import ParallelShape, load_profile
-from ...perf.search import paper_weak_scaling, plan, search, training_time
+from ...perf.search import paper_attention_heads, paper_weak_scaling, plan, search, training_time
 from .against import format_against, predicted_against_measured, read_records
 from .calibrate import calibrate
 
@@ -18,7 +18,7 @@ MODEL_FIELDS = {"num_layers", "hidden_size", "num_attention_heads", "vocab_size"
                 "untie_embeddings_and_output_weights", "disable_bias_linear",
                 # mixture of experts: what sets the experts' parameters, GEMMs and dispatch
                 "num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk",
-                "moe_shared_expert_intermediate_size", "moe_shared_expert_gate"}
+                "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "tf32"}
 GB = 1e9
 
 
@@ -114,7 +114,8 @@ def format_experts(result, cfg):
 
 #: The parts of compute a profile with measured rates splits it into (perf/work.py).
 COMPUTE_PART_NAMES = {"gemm": "GEMMs", "attention": "attention core", "memory_bound": "memory-bound ops",
-                      "engine": "engine (Python, autograd)"}
+                      "engine": "engine (Python, autograd)", "host": "waits for the host (RNG state)",
+                      "launches": "gaps between kernels", "host_issue": "waiting for the host to issue"}
 
 
 #: The step time's terms in plan's output, in the order of a step (time_model.step_time's keys).
@@ -145,11 +146,18 @@ def format_search(results):
     return "\n".join(lines)
 
 
-def format_weak(rows):
-    lines = ["weak scaling (Shoeybi et al. 2019 configurations, fp16, full recomputation), predicted, with the "
-             "efficiency measured where published:",
-             f"{'hidden':>6}{'heads':>6}{'layers':>7}{'params':>8}{'TP':>4}{'DP':>4}{'GPUs':>6}{'DP all-reduce':>15}"
-             f"{'step s':>8}{'TFLOP/s/GPU':>13}{'MFU':>7}{'efficiency':>12}{'measured':>10}"]
+WEAK_HEADER = (f"{'hidden':>6}{'heads':>6}{'layers':>7}{'params':>8}{'TP':>4}{'DP':>4}{'GPUs':>6}{'DP all-reduce':>15}"
+               f"{'step s':>8}{'TFLOP/s/GPU':>13}{'MFU':>7}{'efficiency':>12}{'measured':>10}")
+
+
+def format_heads(rows):
+    return format_weak(rows, "the 8.3 B model at 8-way TP by attention heads (the paper's Table 7), predicted "
+                             "against the predicted 1-GPU baseline, beside the efficiency measured:")
+
+
+def format_weak(rows, title=None):
+    lines = [title or "weak scaling (Shoeybi et al. 2019 configurations, fp16, full recomputation), predicted, "
+                      "with the efficiency measured where published:", WEAK_HEADER]
     for r in rows:
         reduce = "-" if r["dp"] == 1 else ("overlapped" if r["overlap_grad_reduce"] else "after")
         paper = "" if r["paper_efficiency"] is None else f"{r['paper_efficiency'] * 100:.0f}%"
@@ -181,7 +189,7 @@ def format_weak(rows):
                    "(Megatron-LM's flag); without it the whole all-reduce follows backward, as the 2019 "
                    "implementation did.")
 @click.option("--profile", default="dgx2h", show_default=True,
-              help="Profile JSON file, or a shipped profile's name (dgx2h).")
+              help="Profile JSON file, or a shipped profile's name (dgx2h, h200).")
 @click.option("--device", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True,
               help="Where the run trains, as train's flag: on cpu its ranks share this machine's memory, on "
                    "gpu each has the profile's device memory.")
@@ -199,12 +207,14 @@ def format_weak(rows):
 @click.option("--train-tokens", type=float, default=None,
               help="Tokens to train on, e.g. 300e9: plan adds the steps they take (global batch x seq-length "
                    "tokens a step, rounded up to whole steps) and how long.")
+@click.option("--cuda-graph", is_flag=True, help="The step replayed as one CUDA graph (train's flag; a GPU "
+              "profile then counts no time for the host to issue it).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
 @user_errors
 def plan_command(ctx, preset, layout, recompute, recompute_method, recompute_num_layers, distributed_optimizer,
                  overlap_grad_reduce, profile, device, device_memory, search_ranks, weak_scaling, against,
-                 train_iters, train_tokens, as_json, **options):
+                 train_iters, train_tokens, cuda_graph, as_json, **options):
     """Predict memory per rank and step time of a model on a layout from a machine profile."""
     if ctx.invoked_subcommand is not None:
         return
@@ -214,8 +224,9 @@ def plan_command(ctx, preset, layout, recompute, recompute_method, recompute_num
         click.echo(json.dumps(rows) if as_json else format_against(rows))
         return
     if weak_scaling:
-        rows = paper_weak_scaling(machine)
-        click.echo(json.dumps(rows) if as_json else format_weak(rows))
+        rows, heads = paper_weak_scaling(machine), paper_attention_heads(machine)
+        click.echo(json.dumps({"weak_scaling": rows, "attention_heads": heads}) if as_json
+                   else format_weak(rows) + "\n" + format_heads(heads))
         return
     if device_memory is not None and not device_memory > 0:
         raise InputError(f"--device-memory {device_memory} must be a positive number of GB")
@@ -231,7 +242,8 @@ def plan_command(ctx, preset, layout, recompute, recompute_method, recompute_num
     cp = options.pop("context_parallel_size")
     bucket = options.pop("ddp_bucket_size")
     ep, etp = options.pop("expert_model_parallel_size"), options.pop("expert_tensor_parallel_size")
-    cfg = GPTConfig(**options, max_position_embeddings=seq)
+    # --tf32 is a GPU's: the config refuses it elsewhere in one sentence naming --device gpu
+    cfg = GPTConfig(**options, max_position_embeddings=seq, **({"device": device} if options.get("tf32") else {}))
     t, p, d = parse_grid_shape(layout)
     if search_ranks is not None and layout != "1x1x1":
         if t * p * d * cp != search_ranks:
@@ -252,7 +264,7 @@ def plan_command(ctx, preset, layout, recompute, recompute_method, recompute_num
                   sequence_parallel=cfg.sequence_parallel, recompute=recompute, schedule=schedule,
                   recompute_method=recompute_method, recompute_num_layers=recompute_num_layers,
                   distributed_optimizer=distributed_optimizer, overlap_grad_reduce=overlap_grad_reduce,
-                  bucket_elements=bucket, ep=ep, etp=etp)
+                  bucket_elements=bucket, ep=ep, etp=etp, cuda_graph=cuda_graph)
     ranks = search_ranks or t * p * d * cp
     if memory is None and device == "cpu":
         memory = machine_memory_bytes() / ranks         # the ranks of a CPU run share this machine
@@ -308,25 +320,32 @@ def machine_memory_bytes():
 
 @plan_command.command("calibrate")
 @click.option("--output", "-o", required=True, help="Profile JSON to write.")
+@click.option("--device", type=click.Choice(["cpu", "gpu"]), default="cpu", show_default=True,
+              help="Profile this machine's CPU, or its GPU (GEMM rates by precision, copy bandwidth, launch and "
+                   "host costs: the profile plan --device gpu reads).")
 @click.option("--ranks", type=click.IntRange(min=2), default=2, show_default=True, help="bench comm ranks.")
 @click.option("--max-bytes", type=click.IntRange(min=4096), default=2 ** 20, show_default=True,
               help="Largest bench comm message (from 1 KiB, by factors of 4).")
 @click.option("--iters", type=click.IntRange(min=1), default=2, show_default=True, help="bench step timed steps.")
 @user_errors
-def calibrate_command(output, ranks, max_bytes, iters):
+def calibrate_command(output, device, ranks, max_bytes, iters):
     """Write a profile of this machine: `bench step` (on the plan's model), `bench comm`, and the rates
     of plan's work model (GEMMs by shape, attention, memory-bound ops, AdamW, the engine), about 2 min."""
     parent = click.get_current_context().parent.params
+    if parent.get("preset"):
+        parent = {**parent, **MODEL_PRESETS[parent["preset"]]}
     model_args = []
     for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "dtype",
                  "seq_length", "micro_batch_size"):
         model_args += ["--" + name.replace("_", "-"), parent[name]]
-    profile = calibrate(model_args + ["--warmup", 1, "--iters", iters], ranks, 1024, max_bytes)
+    profile = calibrate(model_args + ["--warmup", 1, "--iters", iters], ranks, 1024, max_bytes, device)
     try:
         with open(output, "w", encoding="utf-8") as f:
             json.dump(profile, f, indent=2)
     except OSError as error:
         raise InputError(f"cannot write the profile {output} ({error.strerror}); choose another --output") from None
-    click.echo(f"{output}: {profile['flops'] / 1e9:.2f} GFLOP/s model, links " + ", ".join(
+    rate = (f"GEMMs {', '.join(f'{p} {v[0][3]:.1f}' for p, v in profile['device']['gemm'].items())} TFLOP/s"
+            if device == "gpu" else f"{profile['flops'] / 1e9:.2f} GFLOP/s model")
+    click.echo(f"{output}: {rate}, links " + ", ".join(
         f"{op} alpha {v['alpha_s'] * 1e6:.1f} us beta {1 / v['beta_s_per_byte'] / 1e9 if v['beta_s_per_byte'] else float('inf'):.2f} GB/s"
         for op, v in profile["intra"].items()))
