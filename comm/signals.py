@@ -126,4 +126,7 @@ class ExitSignal:
         return signal.Signals(self.signum).name
 
     def restore(self):
-        signal.signal(self.signum, self.previous)
+        """The handler before, or the watchdog's where it was installed after this (a SIGTERM then
+        ends every rank, as without the flag)."""
+        watched = _installed and self.signum == signal.SIGTERM and self.previous == signal.SIG_DFL
+        signal.signal(self.signum, _note_only if watched else self.previous)

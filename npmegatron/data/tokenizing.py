@@ -4,6 +4,7 @@ as Megatron's tools/preprocess_data.py spreads documents over its --workers. Eve
 through the same `encode_chunk`, so the tokens do not depend on how many workers there are."""
 import collections
 import contextlib
+import ctypes
 import json
 import math
 import multiprocessing
@@ -21,17 +22,22 @@ from .tokenizer import ByteTokenizer, HFTokenizer, utf8_bytes
 # Text per task: about a tenth of a second of byte-level BPE, so the last tasks leave no core idle
 # for long, yet hundreds of times what sending it to a worker and its tokens back costs.
 CHUNK_BYTES = 1 << 17
+# Text sent to the workers and not yet taken back, at most (or one larger file, a document whole):
+# the results in flight hold up to 8 bytes of token ids per byte of text.
+BYTES_IN_FLIGHT = 32 << 20
 # Linux forks the workers: they start in milliseconds with the modules and tokenizer loaded, and
 # nothing of __main__ runs again, so a script read from stdin works (spawn re-runs __main__ from its
 # file, and stdin has none). Preprocessing starts no MPI and no threads of its own (OpenBLAS's idle
 # ones are fork-safe), so a fork copies no held lock. Elsewhere (macOS's system libraries do not
 # survive a fork) they are spawned.
 START_METHOD = "fork" if sys.platform.startswith("linux") else "spawn"
+PR_SET_PDEATHSIG = 1        # <linux/prctl.h>: the signal a process gets when its parent dies
 
 
 def default_workers():
-    """The cores this process may run on: the machine's, or those mpiexec, taskset or a container
-    binds it to (one rank bound to one core tokenizes on that core alone)."""
+    """The cores this process may run on: the machine's, or those mpiexec, taskset or a cpuset binds
+    it to (one rank bound to one core tokenizes on that core alone). A container's CPU quota is not
+    seen: give --workers there."""
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
@@ -136,7 +142,7 @@ def tokenized(files, keys, tokenizer, tokenizer_file, eod, workers):
         yield (document for chunk in chunks for document in encode_chunk(chunk, tokenizer, keys, eod))
         return
     pool = ProcessPoolExecutor(processes, multiprocessing.get_context(START_METHOD), initializer=_start_worker,
-                               initargs=(tokenizer_file, keys, eod))
+                               initargs=(tokenizer_file, keys, eod, os.getpid()))
     try:
         yield (document for encoded in _in_order(pool, chunks, processes) for document in encoded)
     finally:
@@ -144,24 +150,28 @@ def tokenized(files, keys, tokenizer, tokenizer_file, eod, workers):
 
 
 def _in_order(pool, chunks, processes):
-    """The workers' encode_chunk of each chunk, in input order; two chunks a worker in flight at
-    most, so memory stays bounded however large the input."""
-    pending = collections.deque()
+    """The workers' encode_chunk of each chunk, in input order; in flight at most two chunks a
+    worker and BYTES_IN_FLIGHT of text (or one chunk, however large), so memory stays bounded."""
+    pending, in_flight = collections.deque(), 0
     try:
         while True:
             try:
                 chunk = next(chunks, None)
             except OSError:              # reading a later file failed: an earlier document's error first
-                for future in pending:
+                for future, _ in pending:
                     future.result()
                 raise
             if chunk is None:
                 break
-            pending.append(pool.submit(_encode_in_worker, chunk))
-            if len(pending) >= 2 * processes:
-                yield pending.popleft().result()
+            size = sum(len(piece[2]) for piece in chunk)
+            while pending and (len(pending) >= 2 * processes or in_flight + size > BYTES_IN_FLIGHT):
+                future, done = pending.popleft()
+                in_flight -= done
+                yield future.result()
+            pending.append((pool.submit(_encode_in_worker, chunk), size))
+            in_flight += size
         while pending:
-            yield pending.popleft().result()
+            yield pending.popleft()[0].result()
     except BrokenProcessPool:
         raise InputError("a --workers process ended abruptly (killed, or out of memory); run again with "
                          "fewer --workers") from None
@@ -170,8 +180,12 @@ def _in_order(pool, chunks, processes):
 _worker = {}
 
 
-def _start_worker(tokenizer_file, keys, eod):
+def _start_worker(tokenizer_file, keys, eod, parent):
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C: the parent stops the pool, one message
+    if sys.platform.startswith("linux"):             # a parent killed outright takes its workers with it
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:                   # it died before prctl took effect
+            os._exit(1)
     _worker.update(tokenizer=HFTokenizer(tokenizer_file), keys=keys, eod=eod)
 
 

@@ -39,7 +39,8 @@ from .work import busiest_stage, forward_backward, layer_gemms, log_interpolate,
 #:     add, the final LayerNorm), 17 and 23; table_passes: float32 passes over the tied table's
 #:     gradient (under --bf16 its zeros, the lookup's scatter and the head's gradient added: 4; in
 #:     float32 the head's GEMM writes it in place: 0);
-#:   launches: a layer's kernels, attention's core included (26 fused, 63 blockwise), and those
+#:   launches: a layer's kernels, attention's core included (16-bit: fused attention's 26; float32:
+#:     the blockwise kernels' 63; a 16-bit run with attention dropout, blockwise, is not told apart), and those
 #:     outside the layers and of the optimizer step (25 + 7, 24 + 6);
 #:   optimizer_bytes: the optimizer step's bytes per parameter (AdamW over float32 masters and
 #:     moments, the gradient norm and clip; under --bf16 the 16-bit copy written: 39, float32 33).

@@ -118,7 +118,7 @@ def paper_row(profile, h, a, layers, t, dp, global_batch, overlap, base):
     """One of the paper's runs predicted on the profile, its efficiency against `base` TFLOP/s per
     GPU (itself where None)."""
     cfg = GPTConfig(num_layers=layers, hidden_size=h, num_attention_heads=a, vocab_size=51200,
-                    max_position_embeddings=1024, hidden_dropout=0.1, attention_dropout=0.1)
+                    max_position_embeddings=1024, hidden_dropout=0.1, attention_dropout=0.1, fp16=True)
     shape = ParallelShape(tp=t, pp=1, dp=dp, micro_batch=8, global_batch=global_batch, seq=1024,
                           recompute="full", element_bytes=2, overlap_grad_reduce=overlap)
     timing = step_time(cfg, shape, profile)

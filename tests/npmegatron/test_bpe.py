@@ -127,8 +127,10 @@ def written(folder, prefix):
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    """Chunks of 2 KB, so that small inputs take the workers' path."""
+    """Chunks of 2 KB, so that small inputs take the workers' path, and at most three of them in
+    flight (fewer than two workers' two each: the bytes' bound binds, and the order still holds)."""
     monkeypatch.setattr(tokenizing, "CHUNK_BYTES", 2048)
+    monkeypatch.setattr(tokenizing, "BYTES_IN_FLIGHT", 3 * 2048)
 
 
 def test_two_workers_write_megatrons_files_as_one_then_the_throughput(learnt, tmp_path, small_chunks):
