@@ -115,9 +115,10 @@ def _check_covered(folder, model, mine, covered, saved):
     """Every real (unpadded) element of this rank's parameters was found in some shard."""
     for name, _, spec in model.named_specs():
         real = tuple(slice(0, max(0, min(hi, size) - lo)) for (lo, hi), size in zip(mine[name], spec.shape))
-        if not covered[name][real].all() and ".experts." in name and _one_expert_a_tensor(saved):
+        old = ".experts." in name and not covered[name][real].all() and _one_expert_a_tensor(saved)
+        if old:
             raise InputError(f"checkpoint {folder} holds its MoE experts one tensor each (such as "
-                             f"{_one_expert_a_tensor(saved)}), as npmegatron saved them before it stacked each "
+                             f"{old}), as npmegatron saved them before it stacked each "
                              "layer's experts into one tensor; this version cannot load it, so train again")
         if not covered[name][real].all():
             raise InputError(f"checkpoint {folder} does not hold all of parameter {name}; a shard is "

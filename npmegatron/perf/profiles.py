@@ -243,6 +243,12 @@ def _measured(raw, path):
     return raw
 
 
+def _check_object(raw, path, section):
+    if not isinstance(raw, dict):
+        raise InputError(f"profile {path} has '{section}' = {raw!r}; it must be an object (see "
+                         "npmegatron/perf/profiles.py)")
+
+
 PASS_TABLES = ("hidden", "qkv", "context", "ffn", "scores", "dropout", "embedding", "norm")
 
 
@@ -250,9 +256,7 @@ def _published(raw, path):
     """The "published" section, checked: a GEMM point list per element width, [forward, backward]
     passes for every tensor perf/published.py counts, the loss's and the optimizer's bytes."""
     where = "published."
-    if not isinstance(raw, dict):
-        raise InputError(f"profile {path} has 'published' = {raw!r}; it must be an object (see "
-                         "npmegatron/perf/profiles.py)")
+    _check_object(raw, path, "published")
     gemm = raw.get("gemm")
     if not isinstance(gemm, dict) or not gemm:
         raise InputError(f"profile {path} lacks '{where}gemm', an object of [rows, cols, inner, TFLOP/s] "
@@ -304,9 +308,7 @@ def _device(raw, path):
     and the launch gap, all positive where perf/device.py divides by them; the host's seconds a
     layer and a micro-batch optional."""
     where = "device."
-    if not isinstance(raw, dict):
-        raise InputError(f"profile {path} has 'device' = {raw!r}; it must be an object (see "
-                         "npmegatron/perf/profiles.py)")
+    _check_object(raw, path, "device")
     gemm = raw.get("gemm")
     if not isinstance(gemm, dict) or not gemm:
         raise InputError(f"profile {path} lacks '{where}gemm', an object of [M, N, K, TFLOP/s] lists keyed by "
