@@ -11,7 +11,8 @@
         "optimizer_bytes_per_parameter": 68,     # published figures: rates by kind of work
         "ddp_bytes_per_parameter": 12,           # optional: the DP gradients' copies once a step
         "rng_state_bytes": 824000, "host_link_bytes_per_s": 1.575e10,  # optional, all four or none:
-        "host_round_trip_s": 6.7e-6, "launch_s": 3.8e-6},  # where the code waits for the host
+        "host_round_trip_s": 6.7e-6, "launch_s": 3.8e-6,  # where the code waits for the host
+        "sm_count": 80, "nccl_channels": 2},  # optional, both or none: an overlapped all-reduce's SMs
         # (perf/published.py; then memory_bandwidth_bytes_per_s is required and flops unused)
       "device": {"gemm": {"fp32": [[M, N, K, TFLOP/s], ...], "tf32": ..., "bf16": ..., "fp16": ...},
         "bandwidth": {"bytes": [...], "bytes_per_s": [...]}, "launch_gap_s": 1.5e-6,   # or, for
@@ -293,7 +294,23 @@ def _published(raw, path):
     if given and {key: _number(raw, key, path, where) for key in HOST_KEYS}["host_link_bytes_per_s"] == 0:
         raise InputError(f"profile {path} gives {where}host_link_bytes_per_s = 0; the state copies divide by it, "
                          "so it must be positive")
+    _sm_figures(raw, path, where)
     return raw
+
+
+def _sm_figures(raw, path, where):
+    """The optional SM figures of an overlapped all-reduce (perf/published.py): both or neither,
+    whole numbers, and fewer channels than SMs."""
+    given = [key for key in ("sm_count", "nccl_channels") if key in raw]
+    if not given:
+        return
+    if len(given) == 1:
+        raise InputError(f"profile {path} gives {where}{given[0]} without the other of sm_count and nccl_channels; "
+                         "give both or neither (perf/published.py: overlap_contention_seconds)")
+    sms, channels = raw["sm_count"], raw["nccl_channels"]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (sms, channels)) or not 0 <= channels < sms:
+        raise InputError(f"profile {path} has {where}sm_count = {sms!r} and {where}nccl_channels = {channels!r}; "
+                         "give whole numbers with 0 <= nccl_channels < sm_count")
 
 
 #: A published profile's optional host figures (perf/published.py: host_seconds, optimizer_round_trips).

@@ -35,6 +35,10 @@ optimizer_round_trips), as the 2019 code has them:
 - the data-parallel gradients copied into a flat buffer, averaged and copied back
   (ddp_bytes_per_parameter over the bandwidth, once a step), in both DistributedDataParallels the
   2019 code could run.
+
+Where the gradients' all-reduce overlaps backward (torch's DistributedDataParallel), NCCL's kernel
+holds some of the device's SMs while it runs, and the backward's GEMMs run on the rest
+(overlap_contention_seconds, from the profile's sm_count and nccl_channels).
 """
 import math
 
@@ -205,6 +209,21 @@ def ddp_seconds(cfg, shape, published, bandwidth):
         return 0.0
     params = max(rank_parameters(cfg, shape, rank) for rank in range(shape.pp))
     return params * published.get("ddp_bytes_per_parameter", 0) / bandwidth
+
+
+def overlap_contention_seconds(published, overlapped, parts):
+    """Seconds the backward loses to a data-parallel all-reduce it overlaps for `overlapped` seconds
+    (0 without the profile's SM figures): NCCL runs a collective as one kernel of a block a channel,
+    each held on its own SM for as long as the all-reduce lasts, and the backward's GEMMs (their
+    share of the compute, `parts`) run on the device's other SMs meanwhile, so that share takes
+    sm_count / (sm_count - nccl_channels) as long (a whole SM charged for each block: the profile's
+    description says why). The memory-bound kernels, which the all-reduce's own traffic slows, and
+    attention's batched products are not charged."""
+    if "nccl_channels" not in published or overlapped <= 0:
+        return 0.0
+    channels, sms = published["nccl_channels"], published["sm_count"]
+    gemm_share = parts.get("gemm", 0.0) / sum(parts.values())
+    return overlapped * gemm_share * channels / (sms - channels)
 
 
 def published_compute(cfg, shape, profile, again, w):

@@ -44,8 +44,9 @@ A step on one rank, M micro-batches, V virtual stages, L layers on the rank:
   when that backward ends (last_bucket_elements: at least the embedding's tables); the
   whole all-reduce without overlap_grad_reduce (Megatron's --no-overlap-grad-reduce, and what
   the 2019 implementation did); under EP the dense gradients over DP x CP and the experts' over
-  their DP x CP / EP ranks; plus, with PP > 1, the tied embedding's all-reduce between the
-  first and last stage, exposed;
+  their DP x CP / EP ranks; a published profile with SM figures adds what the overlapped part
+  takes from backward's GEMMs (published.overlap_contention_seconds); plus, with PP > 1, the
+  tied embedding's all-reduce between the first and last stage, exposed;
 - optimizer = the bytes AdamW reads and writes per parameter this rank updates / the profile's
   memory_bandwidth_bytes_per_s (memory bound; 0 for a profile without one): float32 reads the
   parameter, gradient and two moments and writes three (28 B); under --fp16/--bf16 the float32
@@ -67,7 +68,7 @@ from ..tensor_parallel import pad_vocab_size
 from .memory import (_mlp_parameters, _recompute_config, check_shape, element_bytes, optimizer_parameters,
                      rank_expert_parameters, rank_layers, rank_parameters)
 from .device import device_compute, optimizer_seconds as device_optimizer_seconds
-from .published import optimizer_round_trips, published_compute
+from .published import optimizer_round_trips, overlap_contention_seconds, published_compute
 from .work import measured_compute, measured_rates, nearest_count
 
 RECOMPUTE_COST = {"none": 1.0, "selective": 1.0, "full": 4.0 / 3.0}
@@ -339,6 +340,8 @@ def step_time(cfg, shape, profile):
     exchanged = tp_comm + ep_comm + pp_comm + cp_comm
     bubble = compute_bubble + (p - 1) / (m * v) * exchanged
     dp_total, dp_exposed = data_parallel_time(cfg, shape, profile, w, compute, place)
+    if "published" in profile:       # the SMs NCCL's kernel holds while the overlapped part runs
+        dp_exposed += overlap_contention_seconds(profile["published"], dp_total - dp_exposed, parts)
     embedding = 0.0
     if p > 1 and not cfg.untie_embeddings_and_output_weights:     # the tied embedding's two copies
         padded = pad_vocab_size(cfg.vocab_size, t, cfg.make_vocab_size_divisible_by)

@@ -157,18 +157,22 @@ def test_dgx2h_profile_and_paper_weak_scaling():
                                                          rel=0.01)
     assert all(0.5 < r["efficiency"] <= 1.0 for r in rows)
     assert rows[3]["efficiency"] < rows[2]["efficiency"] < rows[1]["efficiency"]
-    # after backward the whole all-reduce shows; overlapped with it only the last bucket does: the
+    # after backward the whole all-reduce shows; overlapped with it the last bucket does: the
     # word embedding's shard and the position table (3072 x (51200 / 8 + 1024) fp16 values), in
-    # rings of 64 that cross 32 nodes, two members a node (one adapter's 12.2 GB/s a ring)
+    # rings of 64 that cross 32 nodes, two members a node (one adapter's 12.2 GB/s a ring), and
+    # the rest of it slows the backward's GEMMs by the 2 SMs of 80 that NCCL's blocks hold
     assert rows[7]["time"]["dp_comm_exposed"] == rows[7]["time"]["dp_comm"] > 0
     last_bucket = 3072 * (51200 // 8 + 1024) * 2
     ring = (6.6e-6, 16 / (8 * 12.2e9) / 2, 8.4e-6)
-    assert rows[11]["time"]["dp_comm_exposed"] == pytest.approx(all_reduce_time(64, last_bucket, *ring))
+    bucket = all_reduce_time(64, last_bucket, *ring)
+    overlapped, parts = rows[11]["time"]["dp_comm"] - bucket, rows[11]["time"]["compute_parts"]
+    contention = overlapped * parts["gemm"] / sum(parts.values()) * 2 / 78
+    assert rows[11]["time"]["dp_comm_exposed"] == pytest.approx(bucket + contention)
     # with NCCL 2.5.6's own model of its ring over NVSwitch (six 21 GB/s channels, 8.4 us a call,
     # 5.7 us a ring step on NVLink, 6.6 across nodes) and the 2019 code's waits for the host:
-    # 8-way TP 1.0 above its 77 %, 512 GPUs overlapped 3.0 above its 74 % (docs/benchmarks.md)
+    # 8-way TP 1.0 above its 77 %, 512 GPUs overlapped 2.8 above its 74 % (docs/benchmarks.md)
     assert rows[3]["efficiency"] - 0.77 == pytest.approx(0.010, abs=0.002)
-    assert rows[11]["efficiency"] - 0.74 == pytest.approx(0.030, abs=0.002)
+    assert rows[11]["efficiency"] - 0.74 == pytest.approx(0.028, abs=0.002)
     intra, inter = profile["intra"], profile["inter"]
     assert all(link["beta_s_per_byte"] == pytest.approx(1 / (6 * 21e9)) for link in intra.values())
     assert intra["all_reduce"]["alpha_s"] == 5.7e-6 and inter["all_reduce"]["alpha_s"] == 6.6e-6
