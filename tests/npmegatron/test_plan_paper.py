@@ -40,7 +40,7 @@ def test_the_dgx2h_profile_holds_its_cited_figures():
     # 2.9 us kernel, 3.8 us a kernel launched back to back
     assert published["host_round_trip_s"] == pytest.approx(9.6e-6 - 2.9e-6)
     assert published["launch_s"] == 3.8e-6
-    # the V100's 80 SMs; NCCL 2.4.8's rings doubled across nodes with NVLink (rings.cc), a block each
+    # the V100's 80 SMs; NCCL 2.4.7's rings doubled across nodes with NVLink (rings.cc), a block each
     assert (published["sm_count"], published["nccl_channels"]) == (80, 2 * 1)
     # DeepBench's V100 sheets (DGX-1, CUDA 10.1): a few of the rows as published
     assert [4096, 7000, 4096, 112.3] in published["gemm"]["2"]
