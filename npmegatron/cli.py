@@ -90,7 +90,8 @@ def evaluate(**options):
               "(default: text); repeat the flag or separate keys with commas.")
 @click.option("--append-eod", is_flag=True, help="Append the tokenizer's <|endoftext|> to every document.")
 @click.option("--workers", type=int, default=None, help="Processes that tokenize with a subword tokenizer "
-              "(default: every core this process may use); the output is the same for any number.")
+              "(default: every core this process may use, within a container's CPU quota); the output is the "
+              "same for any number.")
 @user_errors
 def preprocess(inputs, input_files, output, tokenizer_file, tokenizer_type, vocab_file, merge_file,
                embedded_corpus, output_format, json_keys, append_eod, workers):

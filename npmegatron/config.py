@@ -572,10 +572,7 @@ class TrainConfig:
 
     def __post_init__(self):
         check_minimums(self)
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise InputError(f"--lr is {self.lr}; the learning rate must be positive, e.g. 1e-3")
-        if not self.min_lr <= self.lr:
-            raise InputError(f"--min-lr is {self.min_lr}; it must be between 0 and --lr ({self.lr})")
+        self._check_learning_rates()
         if self.seq_length > self.model.max_position_embeddings:
             raise InputError(f"--seq-length {self.seq_length} is longer than the position table "
                              f"(--max-position-embeddings {self.model.max_position_embeddings}); raise "
@@ -593,6 +590,17 @@ class TrainConfig:
         if self.log_file and (not os.path.isdir(log_folder) or os.path.isdir(self.log_file)):
             raise InputError(f"--log-file {self.log_file}: the folder {log_folder} must exist and "
                              f"{self.log_file} must not be a folder; choose another file")
+
+    def _check_learning_rates(self):
+        """Megatron's OptimizerParamScheduler asserts 0 <= min_lr <= lr and init_lr <= lr: the
+        warmup rises from --lr-warmup-init to --lr, and the decay falls from --lr to --min-lr."""
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise InputError(f"--lr is {self.lr}; the learning rate must be positive, e.g. 1e-3")
+        if not self.min_lr <= self.lr:
+            raise InputError(f"--min-lr is {self.min_lr}; it must be between 0 and --lr ({self.lr})")
+        if self.lr_warmup_init > self.lr:
+            raise InputError(f"--lr-warmup-init {self.lr_warmup_init:g} is above --lr {self.lr:g}, but the "
+                             f"warmup rises from it to --lr; lower it to at most {self.lr:g} or raise --lr")
 
     def _check_betas(self):
         for flag, beta in (("--adam-beta1", self.adam_beta1), ("--adam-beta2", self.adam_beta2)):
@@ -621,9 +629,11 @@ class TrainConfig:
         """The learning-rate schedule's flags, which only make sense together."""
         if self.lr_warmup_fraction is not None and self.lr_warmup_iters != field_default(TrainConfig, "lr_warmup_iters"):
             raise InputError("--lr-warmup-fraction and --lr-warmup-iters both set the warmup; give one of them")
-        if self.lr_warmup_fraction is not None and self.lr_warmup_fraction > 1:
-            raise InputError(f"--lr-warmup-fraction is {self.lr_warmup_fraction}; it is a fraction of "
-                             "--lr-decay-iters, between 0 and 1")
+        if self.lr_warmup_fraction is not None and self.lr_warmup_fraction >= 1:
+            raise InputError(f"--lr-warmup-fraction is {self.lr_warmup_fraction}; it is the part of the decay's "
+                             "steps spent warming up, and the warmup must end before the decay: give a "
+                             "fraction below 1, e.g. 0.01")
+        self._check_warmup_ends_before_decay()
         if (self.lr_decay_style == "WSD") != (self.lr_wsd_decay_iters is not None):
             raise InputError("--lr-decay-style WSD needs --lr-wsd-decay-iters (its decaying steps), and "
                              "--lr-wsd-decay-iters needs --lr-decay-style WSD; give both or neither")
@@ -634,6 +644,19 @@ class TrainConfig:
             flag = "--finetune" if self.finetune else "--no-load-optim" if self.no_load_optim else "--no-load-rng"
             raise InputError(f"{flag} says what to take from the checkpoint --load names, but no --load was "
                              "given; add --load DIR")
+
+    def _check_warmup_ends_before_decay(self):
+        """Megatron asserts warmup < decay. A decay given by --lr-decay-iters that ends inside the
+        warmup would drop the rate from its peak straight to --min-lr, so it is refused. A decay
+        left at --train-iters is not: the run is then all warmup (the training log warns), and
+        this warmup's default of 100 steps must not refuse short runs (Megatron's default is 0)."""
+        if self.lr_decay_iters is None or self.lr_warmup_fraction is not None:
+            return
+        if self.lr_warmup_iters >= self.lr_decay_iters:
+            default = " (the default)" if self.lr_warmup_iters == field_default(TrainConfig, "lr_warmup_iters") else ""
+            raise InputError(f"--lr-warmup-iters {self.lr_warmup_iters}{default} is not shorter than "
+                             f"--lr-decay-iters {self.lr_decay_iters}, but the warmup must end before the "
+                             "decay does; shorten the warmup or lengthen the decay")
 
     @property
     def decay_iters(self):

@@ -32,21 +32,56 @@ BYTES_IN_FLIGHT = 32 << 20
 # survive a fork) they are spawned.
 START_METHOD = "fork" if sys.platform.startswith("linux") else "spawn"
 PR_SET_PDEATHSIG = 1        # <linux/prctl.h>: the signal a process gets when its parent dies
+CGROUP_ROOT = "/sys/fs/cgroup"      # a container's own cgroup, where it has a namespace of its own
 
 
-def default_workers():
+def default_workers(cgroup_root=CGROUP_ROOT):
     """The cores this process may run on: the machine's, or those mpiexec, taskset or a cpuset binds
-    it to (one rank bound to one core tokenizes on that core alone). A container's CPU quota is not
-    seen: give --workers there."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+    it to (one rank bound to one core tokenizes on that core alone); and no more than a container's
+    CPU quota (`cpu_quota`), which a container's scheduler enforces while every core stays visible,
+    so that more workers would only take turns."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    quota = cpu_quota(cgroup_root)
+    return cores if quota is None else min(cores, quota)
+
+
+def cpu_quota(cgroup_root=CGROUP_ROOT):
+    """The CPUs a cgroup's quota allows, rounded up: cgroup v2's cpu.max ("QUOTA PERIOD", "max
+    PERIOD" for none), else v1's cpu.cfs_quota_us over cpu.cfs_period_us (-1 for none); None for no
+    quota, and where the files are missing or cannot be read."""
+    v2 = _read_cgroup_file(os.path.join(cgroup_root, "cpu.max"))
+    if v2 is not None:
+        return _cpus(*v2.split()) if len(v2.split()) == 2 else None
+    for controller in ("cpu", "cpu,cpuacct"):
+        folder = os.path.join(cgroup_root, controller)
+        quota = _read_cgroup_file(os.path.join(folder, "cpu.cfs_quota_us"))
+        if quota is not None:
+            return _cpus(quota, _read_cgroup_file(os.path.join(folder, "cpu.cfs_period_us")))
+    return None
+
+
+def _cpus(quota, period):
+    """ceil(quota / period) CPUs, or None: "max", -1, a missing period or anything not a count."""
+    try:
+        quota, period = int(quota), int(period)
+    except (TypeError, ValueError):
+        return None
+    return -(-quota // period) if quota > 0 and period > 0 else None
+
+
+def _read_cgroup_file(path):
+    try:
+        with open(path, encoding="ascii") as f:
+            return f.read().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def check_workers(workers):
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise InputError(f"workers is {workers}; it must be a positive integer (the processes that "
-                         f"tokenize; the default, {default_workers()} here, uses every core)")
+                         f"tokenize; the default, {default_workers()} here, uses every core this process may "
+                         "use)")
 
 
 def processes_for(files, tokenizer_file, workers):

@@ -135,6 +135,28 @@ def test_h200_predictions_beside_the_rows():
     assert planned_ms(["--bf16", "--cuda-graph"]) == pytest.approx(28.4, abs=0.5)
 
 
+CPU_PROFILE = {"name": "laptop", "flops": 1e11, "devices_per_node": 1, "device_memory_bytes": 8e9,
+               "intra": LINK, "inter": LINK}
+
+
+@pytest.mark.parametrize("flag, prices", [("--cuda-graph", "a GPU step replayed as one graph"),
+                                          ("--tf32", "float32 GEMMs on a GPU's tensor cores")])
+@pytest.mark.parametrize("profile", ["dgx2h", "cpu"])
+def test_gpu_flags_on_a_profile_that_cannot_price_them_are_one_sentence(tmp_path, flag, prices, profile):
+    """Only a profile's "device" section prices --cuda-graph and --tf32; the published dgx2h and a
+    CPU's profile would leave them out of the plan without a word."""
+    if profile == "cpu":
+        profile = str(tmp_path / "laptop.json")
+        (tmp_path / "laptop.json").write_text(json.dumps(CPU_PROFILE))
+    name = "laptop" if profile.endswith(".json") else profile
+    result = CliRunner().invoke(main, ["plan", "--device", "gpu", "--profile", profile, flag])
+    assert result.exit_code == 1, result.output
+    assert result.output == (f"Error: {flag} prices {prices}, but profile {name!r} has no GPU's measured rates "
+                             "(a \"device\" section) to price it with; use a GPU profile (e.g. --device gpu "
+                             f"--profile h200) or drop {flag}\n")
+    assert CliRunner().invoke(main, ["plan", "--device", "gpu", "--profile", "h200", flag]).exit_code == 0
+
+
 def fake_gpu_bench(args, threads=None):
     if args[0] == "step":
         tiny = "64" in map(str, args)
@@ -167,6 +189,28 @@ def test_calibrate_on_a_gpu_writes_a_profile_plan_reads(tmp_path, monkeypatch):
     assert device["host_s_per_micro_batch"]["fp32"] == pytest.approx(4e-3)
     assert len(device["bandwidth"]["bytes_per_s"]) == 2 and device["launch_gap_s"] > 0
     assert step_time(GPT2, ParallelShape(micro_batch=8, global_batch=8, seq=1024), profile)["total"] > 0
+
+
+def test_calibrate_copies_only_what_the_card_s_free_memory_holds(tmp_path, monkeypatch):
+    """A card with 1 MiB free: copies whose source and target fit in half of it (4 KiB and 64 KiB,
+    not 1 MiB); one with 8 KiB free, not even the smallest: one sentence, before any benchmark."""
+    monkeypatch.setattr(calibrate_module, "run_bench", fake_gpu_bench)
+    from npmegatron.bench.plan import measure_gpu
+    monkeypatch.setattr(measure_gpu, "COPY_BYTES", (4096, 65536, 1 << 20))
+    monkeypatch.setattr(measure_gpu, "GRAPH_KERNELS", 4)
+    calibrate = ["plan", "--model", "gpt2-124m", "--micro-batch-size", "8", "calibrate", "--device", "gpu",
+                 "--output", str(tmp_path / "gpu.json")]
+    with strict_cupy():
+        monkeypatch.setenv("STRICT_CUPY_DEVICE_BYTES", str(1 << 20))
+        result = CliRunner().invoke(main, calibrate)
+        assert result.exit_code == 0, result.output
+        assert load_profile(str(tmp_path / "gpu.json"))["device"]["bandwidth"]["bytes"] == [4096, 65536]
+        monkeypatch.setenv("STRICT_CUPY_DEVICE_BYTES", str(8192))
+        monkeypatch.setattr(calibrate_module, "run_bench", lambda *a, **k: pytest.fail("benchmarked"))
+        result = CliRunner().invoke(main, calibrate)
+    assert result.exit_code == 1 and result.output == (
+        "Error: GPU 0 has 8.0 KiB free, but measuring its copy bandwidth needs 16.0 KiB (two arrays of 4.0 KiB "
+        "and as much again spare); end what else holds the card's memory and calibrate again\n")
 
 
 @pytest.mark.slow

@@ -52,12 +52,27 @@ def test_decay_length_and_warmup_fraction():
     ({"lr_wsd_decay_iters": 5}, "--lr-decay-style WSD needs --lr-wsd-decay-iters"),
     ({"lr_decay_style": "WSD", "lr_wsd_decay_iters": 2000}, "--lr-wsd-decay-iters 2000 is longer than the decay"),
     ({"lr_warmup_fraction": 1.5, "lr_warmup_iters": 100}, "--lr-warmup-fraction is 1.5"),
+    # Megatron's OptimizerParamScheduler asserts init_lr <= lr and warmup < decay
+    ({"lr_warmup_fraction": 1.0, "lr_warmup_iters": 100}, "--lr-warmup-fraction is 1.0; .* below 1"),
+    ({"lr_warmup_init": 0.01}, r"--lr-warmup-init 0.01 is above --lr 0.003, .*; lower it to at most 0.003"),
+    ({"lr_warmup_iters": 40, "lr_decay_iters": 40}, "--lr-warmup-iters 40 is not shorter than --lr-decay-iters 40"),
+    ({"lr_warmup_iters": 100, "lr_decay_iters": 50},
+     r"--lr-warmup-iters 100 \(the default\) is not shorter than --lr-decay-iters 50"),
     ({"finetune": True}, "--finetune says what to take from the checkpoint --load names"),
     ({"no_load_optim": True}, "--no-load-optim says what to take"),
 ])
 def test_schedule_and_load_flags_that_do_not_fit_are_one_sentence(options, message):
     with pytest.raises(InputError, match=message):
         TrainConfig.from_flat(**{**SMALL, **options})
+
+
+def test_schedules_megatron_accepts_are_accepted():
+    """The edges Megatron allows: a warmup starting at --lr, --min-lr equal to --lr, a warmup one
+    step shorter than the decay, and a run all warmup whose decay is left at --train-iters (warned)."""
+    TrainConfig.from_flat(**{**SMALL, "lr_warmup_init": 3e-3, "min_lr": 3e-3})
+    TrainConfig.from_flat(**{**SMALL, "lr_warmup_iters": 39, "lr_decay_iters": 40})
+    TrainConfig.from_flat(**{**SMALL, "lr_warmup_iters": 5, "train_iters": 2})
+    TrainConfig.from_flat(**{**NO_WARMUP_ITERS, "train_iters": 20})
 
 
 def test_adam_settings_mlp_size_and_initialisation_reach_the_run():

@@ -219,6 +219,7 @@ def plan_command(ctx, preset, layout, recompute, recompute_method, recompute_num
     if ctx.invoked_subcommand is not None:
         return
     machine = load_profile(profile)
+    check_gpu_flags(machine, cuda_graph=cuda_graph, tf32=options.get("tf32"))
     if against:
         rows = predicted_against_measured(read_records(against), machine)
         click.echo(json.dumps(rows) if as_json else format_against(rows))
@@ -281,6 +282,24 @@ def plan_command(ctx, preset, layout, recompute, recompute_method, recompute_num
         click.echo(json.dumps(result) if as_json else format_plan(result, cfg, machine))
     if device == "cpu" and device_memory is None and not as_json:
         click.echo(memory_note(machine, ranks))
+
+
+#: What each GPU-only flag prices, for the sentence refusing it on a profile that cannot.
+GPU_FLAGS = {"cuda_graph": "--cuda-graph prices a GPU step replayed as one graph",
+             "tf32": "--tf32 prices float32 GEMMs on a GPU's tensor cores"}
+
+
+def check_gpu_flags(machine, **given):
+    """--cuda-graph and --tf32 change only a GPU profile's step (its measured "device" section,
+    perf/device.py); any other profile would leave them out of the plan without a word."""
+    if "device" in machine:
+        return
+    for name, flag_prices in GPU_FLAGS.items():
+        if given.get(name):
+            flag = "--" + name.replace("_", "-")
+            raise InputError(f"{flag_prices}, but profile {machine['name']!r} has no GPU's measured rates (a "
+                             f"\"device\" section) to price it with; use a GPU profile (e.g. --device gpu "
+                             f"--profile h200) or drop {flag}")
 
 
 def check_run_length(train_iters, train_tokens):

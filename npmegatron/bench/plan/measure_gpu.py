@@ -4,14 +4,21 @@ kernels) and through `npmegatron bench step` in subprocesses (TF32 is process-wi
 
 - GEMMs: the model's own GEMMs timed alone by bench step's rounds, their FLOP/s in each precision
   (float32, TF32, bfloat16, float16), one point a precision at the model's MLP shape;
-- bandwidth: what a device-to-device copy reads and writes a second, by the bytes of the array;
+- bandwidth: what a device-to-device copy reads and writes a second, by the bytes of the array
+  (up to 1 GiB, or what half the card's free memory holds twice);
 - launch_gap_s: a replayed graph's seconds per kernel, kernels that do next to nothing;
 - the host: seconds a layer and a micro-batch of a tiny model's eager step, which waits only for
   the host to issue its kernels, by precision.
 Every time is the best of a few after a warm-up, the device synchronised around it."""
 import time
 
+from ...autograd import InputError
+from ...perf.fit import size
+
 COPY_BYTES = (1 << 22, 1 << 24, 1 << 26, 1 << 28, 1 << 30)
+#: The share of the card's free memory a copy's source and target may take together: the rest is
+#: headroom for CuPy's pool, cuBLAS's workspace and whatever else the card is running.
+COPY_MEMORY_SHARE = 0.5
 GRAPH_KERNELS = 256
 PRECISION_FLAGS = {"fp32": [], "tf32": ["--tf32"], "bf16": ["--bf16"], "fp16": ["--fp16"]}
 TINY = ["--hidden-size", 64, "--num-attention-heads", 1, "--seq-length", 64, "--micro-batch-size", 1,
@@ -30,10 +37,25 @@ def best_seconds(xp, run, repeats=5):
     return best
 
 
+def copy_sizes(xp, sizes=None):
+    """The array bytes of COPY_BYTES (or `sizes`) whose copy, source and target, fits in
+    COPY_MEMORY_SHARE of the card's free memory: a smaller or busier card measures fewer sizes
+    instead of running out of memory."""
+    sizes = sizes or COPY_BYTES
+    free = xp.cuda.runtime.memGetInfo()[0]
+    fitting = [nbytes for nbytes in sizes if 2 * nbytes <= COPY_MEMORY_SHARE * free]
+    if not fitting:
+        need = 2 * min(sizes) / COPY_MEMORY_SHARE
+        raise InputError(f"GPU {xp.cuda.Device().id} has {size(free)} free, but measuring its copy bandwidth "
+                         f"needs {size(need)} (two arrays of {size(min(sizes))} and as much again spare); end what "
+                         "else holds the card's memory and calibrate again")
+    return fitting
+
+
 def copy_bandwidth(xp, sizes=None):
     """{"bytes", "bytes_per_s"}: bytes a device copy reads and writes a second, by array bytes
-    (COPY_BYTES unless `sizes` is given)."""
-    sizes, rates = sizes or COPY_BYTES, []
+    (those of COPY_BYTES the card's free memory holds, unless `sizes` is given)."""
+    sizes, rates = sizes or copy_sizes(xp), []
     for nbytes in sizes:
         source = xp.ones(nbytes // 4, xp.float32)
         target = xp.empty_like(source)
@@ -80,8 +102,10 @@ def host_seconds(runner):
 
 
 def measure_device(xp, runner, model_args):
-    """The profile's "device" section, measured on the current GPU."""
+    """The profile's "device" section, measured on the current GPU (the copies' sizes chosen
+    first, so a card without room for any is told before minutes of benchmarks)."""
+    sizes = copy_sizes(xp)
     per_layer, per_micro_batch = host_seconds(runner)
-    return {"gemm": gemm_points(runner, model_args), "bandwidth": copy_bandwidth(xp),
+    return {"gemm": gemm_points(runner, model_args), "bandwidth": copy_bandwidth(xp, sizes),
             "launch_gap_s": launch_gap(xp), "host_s_per_layer": per_layer,
             "host_s_per_micro_batch": per_micro_batch}
