@@ -63,7 +63,10 @@ class GroupedExperts(Module):
             return rows
         if self.swiglu:
             both = ag.concatenate([self.gate.weight, self.up.weight], axis=-1)
-            hidden = ag.swiglu(ag.grouped_matmul(rows, both, blocks))
+            hidden = ag.grouped_matmul(rows, both, blocks)
+            if self.gate.bias is not None:  # (--swiglu with biases) gate's and up's, the columns' order
+                hidden = ag.grouped_bias(hidden, ag.concatenate([self.gate.bias, self.up.bias], axis=-1), blocks)
+            hidden = ag.swiglu(hidden)
         else:
             hidden = ag.grouped_matmul(rows, self.fc.weight, blocks)
             if self.fc.bias is None:

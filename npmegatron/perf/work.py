@@ -14,7 +14,7 @@
 - the engine's own cost, measured on a tiny model: seconds per layer and per micro-batch;
 - an MoE layer as its own GEMMs (moe_layer_gemms: the router's, the rank's experts' on their
   share of the routed rows, balanced) and memory-bound ops (moe_layer_traffic: the experts'
-  activations and the dispatch's passes over the routed rows).
+  activations, their grouped bias passes and the dispatch's passes over the routed rows).
 
 Each rank of a CPU layout gets max(1, cores // ranks) threads unless the shape says otherwise
 (the tables measured with the nearest thread count), and the whole is slowed by ranks x threads /
@@ -182,12 +182,16 @@ def moe_layer_traffic(cfg, shape, w):
     """The memory-bound ops of one MoE layer on a rank for one micro-batch: a dense layer's but its
     MLP's activation; the experts' activations on the k T routed rows (their columns split over
     ETP), the shared expert's on the tokens; the dispatch over the routed rows of h (and the
-    regroup under EP); each expert's output bias, added apart."""
+    regroup under EP); with biases, the experts' two grouped bias passes (moe/experts.py), each
+    added apart: the first projection's on its columns (fc's before the fused GeLU, or gate's and
+    up's before SwiGLU) and the output projection's on h."""
     tokens, h = shape.micro_batch * shape.local_seq, cfg.hidden_size
     rows, kind = cfg.moe_router_topk * tokens, "swiglu" if cfg.swiglu else "activation"
-    ops = [(kind, rows * cfg.moe_ffn_hidden_size // shape.expert_tp), ("dispatch", rows * h)]
+    columns = rows * cfg.moe_ffn_hidden_size // shape.expert_tp
+    ops = [(kind, columns), ("dispatch", rows * h)]
     ops += [("regroup", rows * h)] if shape.ep > 1 else []
-    ops += [("stream", rows * h)] if cfg.add_bias_linear else []
+    if cfg.add_bias_linear:
+        ops += [("stream", 2 * columns if cfg.swiglu else columns), ("stream", rows * h)]
     if cfg.moe_shared_expert_intermediate_size:
         ops.append((kind, tokens * cfg.moe_shared_expert_intermediate_size // shape.tp))
     attention = [op for op in layer_traffic(cfg, shape, w) if op[0] not in ("activation", "swiglu")]

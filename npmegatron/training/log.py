@@ -14,7 +14,7 @@ from ..autograd import InputError, precision
 from ..autograd.ops.fused_attention import attention_path
 from ..model import gpt_num_parameters, model_flops
 from ..moe.metrics import interval_metrics
-from ..perf.memory import ParallelShape, chunk_activation_bytes
+from ..perf.memory import ParallelShape, chunk_activation_bytes, optimizer_parameters
 from .metrics import format_layers, format_memory, format_phases, layer_times, peak_flops_per_rank, phases
 from .trackers import Trackers
 
@@ -131,13 +131,13 @@ def memory_note(trainer):
     the run's precision, optimizer and recomputation imply (perf/memory.py's formulas)."""
     cfg, grid, config = trainer.cfg, trainer.grid, trainer.config
     w = numpy.dtype(cfg.dtype).itemsize
-    shard = grid.dp_size * grid.cp_size if config.parallel.use_distributed_optimizer else 1
     granularity = cfg.recompute_granularity or "none"
     layout = ParallelShape(tp=grid.tp_size, cp=grid.cp_size, dp=grid.dp_size, ep=grid.ep_size,
                            etp=grid.expert_tp_group.size, seq=config.seq_length,
                            micro_batch=config.micro_batch_size, sequence_parallel=cfg.sequence_parallel,
                            recompute=granularity, recompute_method=cfg.recompute_method or "uniform",
-                           recompute_num_layers=cfg.recompute_num_layers or 1)
+                           recompute_num_layers=cfg.recompute_num_layers or 1,
+                           distributed_optimizer=config.parallel.use_distributed_optimizer)
     layers = cfg.num_layers // (grid.pp_size * trainer.model.virtual_size)
     # --fp16/--bf16: 16-bit weights and activations, float32 gradients, masters and moments.
     # On the CPU this project holds the 16-bit values in float32 arrays, on a GPU only the weights
@@ -145,16 +145,34 @@ def memory_note(trainer):
     # are the bytes 16-bit storage implies.
     stored = 2 if cfg.storage_format else w
     per_layer = chunk_activation_bytes(cfg, layout, stored, layers)[0] / layers
-    kept = "2 moments" + (" + float32 master" if cfg.storage_format else "")
-    optimizer = (f"{(3 if cfg.storage_format else 2) * w / shard:g} B AdamW state ({kept}"
-                 + (f", 1/{shard}: distributed)" if shard > 1 else ")"))
+    expert_ids = {id(p) for _, p, spec in trainer.model.named_specs() if spec.expert}
+    params = sum(p.size for p in trainer.params)
+    experts = sum(p.size for p in trainer.params if id(p) in expert_ids)
     implied = ""
     if stored != w:
         held = ("the weights forward reads and the activations kept are 16-bit arrays" if cfg.device == "gpu"
                 else "float32 arrays here")
         implied = f" ({cfg.storage_format} as stored by a 16-bit backend; {held})"
-    return (f"memory: {stored} B weight + {w} B gradient + {optimizer} per parameter; "
-            f"{per_layer / 2 ** 20:.2f} MiB of activations kept per layer and micro-batch{implied}")
+    return (f"memory: {stored} B weight + {w} B gradient + {adamw_state_note(cfg, layout, params, experts)} per "
+            f"parameter; {per_layer / 2 ** 20:.2f} MiB of activations kept per layer and micro-batch{implied}")
+
+
+def adamw_state_note(cfg, layout, params, experts):
+    """AdamW's state bytes per parameter of the `params` a rank holds, `experts` of them routed
+    experts', and how they are kept. Under the distributed optimizer the planner's share
+    (perf/memory.py optimizer_parameters): the dense weights' state over DP x CP, the experts' over
+    the DP x CP / EP ranks holding the same experts, so the figure is their mean on this rank."""
+    w = numpy.dtype(cfg.dtype).itemsize
+    per_element = (3 if cfg.storage_format else 2) * w      # m and v, and the float32 master
+    held = optimizer_parameters(layout, params, experts) / params
+    kept = "2 moments" + (" + float32 master" if cfg.storage_format else "")
+    dense = layout.dp * layout.cp
+    if layout.distributed_optimizer and experts and layout.ep > 1:
+        shard = f"1/{layout.expert_dp}" if layout.expert_dp > 1 else "whole (one rank holds each)"
+        kept += f", distributed: the dense weights' 1/{dense}, the experts' {shard}"
+    elif layout.distributed_optimizer and dense > 1:
+        kept += f", 1/{dense}: distributed"
+    return f"{per_element * held:.4g} B AdamW state ({kept})"
 
 
 def attention_note(trainer):

@@ -28,7 +28,7 @@ ROUTINGS = {
     "capacity 0.7, probs": {"moe_expert_capacity_factor": 0.7},
     "capacity 0.5, position": {"moe_expert_capacity_factor": 0.5, "moe_token_drop_policy": "position"},
 }
-FAMILIES = {"gpt2": {}, "llama": {"model_family": "llama"},
+FAMILIES = {"gpt2": {}, "llama": {"model_family": "llama"}, "swiglu, biases": {"swiglu": True},
             "shared, gated": {"moe_shared_expert_intermediate_size": 20, "moe_shared_expert_gate": True}}
 
 
@@ -75,11 +75,12 @@ def reference_choice(logits, cfg, bias):
 def reference_mlp(x, mlp, cfg, expert=None):
     """The MLP on one row: the shared expert's, or routed expert `expert` of the stacked weights."""
     weight = lambda p: p.data if expert is None else p.data[expert]  # noqa: E731
+    biased = lambda part: x @ weight(part.weight) + (0 if part.bias is None else weight(part.bias))  # noqa: E731
     if cfg.swiglu:
-        gate, up = x @ weight(mlp.gate.weight), x @ weight(mlp.up.weight)
+        gate, up = biased(mlp.gate), biased(mlp.up)
         hidden = gate / (1 + np.exp(-gate)) * up
-        return hidden @ weight(mlp.proj.weight)
-    h = x @ weight(mlp.fc.weight) + weight(mlp.fc.bias)
+        return hidden @ weight(mlp.proj.weight) + (0 if mlp.proj.bias is None else weight(mlp.proj.bias))
+    h = biased(mlp.fc)
     hidden = 0.5 * h * (1 + np.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3)))
     return hidden @ weight(mlp.proj.weight) + weight(mlp.proj.bias)
 

@@ -120,6 +120,32 @@ def test_the_experts_optimizer_state_is_sharded_over_their_data_parallel_ranks()
     assert whole["optimizer"] == 2 * 4 * params
 
 
+@pytest.mark.parametrize("dp,ep,bf16", [(4, 2, False), (4, 2, True), (4, 4, True), (2, 1, False)])
+def test_the_run_header_counts_the_experts_adamw_state_as_the_plan_does(dp, ep, bf16):
+    """The training header's AdamW bytes per parameter (training/log.py memory_note), times the
+    rank's parameters, are the plan's optimizer bytes: under --use-distributed-optimizer the dense
+    state over DP, the experts' over DP / EP, not all of it over DP. The trainer is the model of
+    one rank of the layout on a fake grid, with the header's other inputs beside it."""
+    import re
+    from npmegatron.perf.memory import rank_memory
+    from npmegatron.training.log import memory_note
+    cfg = GPTConfig(**{**SMALL, "num_layers": 2, "vocab_size": 64, "bf16": bf16})
+    grid = fake_grid(1, 0, 1, 0, ep, 0)
+    grid.dp_size, grid.cp_size, grid.ep_size = dp, 1, ep
+    model = build_model(cfg, grid)
+    config = SimpleNamespace(seq_length=32, micro_batch_size=2,
+                             parallel=SimpleNamespace(use_distributed_optimizer=True))
+    trainer = SimpleNamespace(cfg=cfg, grid=grid, config=config, model=model, params=model.parameters())
+    note = memory_note(trainer)
+    per_parameter = float(re.search(r"\+ ([\d.]+) B AdamW state", note).group(1))
+    shape = ParallelShape(dp=dp, ep=ep, seq=32, micro_batch=2, global_batch=2 * dp, distributed_optimizer=True)
+    planned = rank_memory(cfg, shape, 0)
+    assert per_parameter * planned["parameter_count"] == pytest.approx(planned["optimizer"], rel=1e-3)
+    experts = f"1/{dp // ep}" if dp > ep else "whole (one rank holds each)"
+    sharing = f"the dense weights' 1/{dp}, the experts' {experts})" if ep > 1 else f"1/{dp}: distributed)"
+    assert sharing in note
+
+
 @pytest.mark.parametrize("options", [{}, {"moe_router_topk": 1}, LLAMA,
                                      {**LLAMA, "moe_shared_expert_intermediate_size": 40,
                                       "moe_shared_expert_gate": True},
@@ -326,6 +352,44 @@ def test_measured_rates_time_an_moe_layers_gemms_and_dispatch():
     assert parts["gemm"] == pytest.approx(2 * by_hand / gemm)
     passes = {kind: n for kind, n, _, _ in moe_layer_traffic(cfg, shape, 4)}
     assert passes["dispatch"] == passes["regroup"] == 2 * 256 * 64 and passes["activation"] == 2 * 256 * 48
+
+
+def grouped_bias_elements(out):
+    """The elements of every GroupedBias on the tape behind `out`: its rows times its bias's width."""
+    sizes, seen, stack = [], set(), [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.name == "GroupedBias":
+            sizes.append(node.ctx.blocks.rows * node.ctx.bias_shape[1])
+        stack.extend(edge[0] for edge in node.edges if edge is not None)
+    return sorted(sizes)
+
+
+@pytest.mark.parametrize("options", [{}, {"swiglu": True}, LLAMA])
+@pytest.mark.parametrize("etp", [None, 1])
+def test_the_experts_bias_passes_are_the_grouped_biases_on_the_tape(options, etp):
+    """moe_layer_traffic's expert bias passes (streams beyond the attention's) are the GroupedBias
+    ops the routed experts record on the tape of their k T rows: GPT-2's two (fc's before the
+    fused GeLU, proj's), SwiGLU with biases gate's and up's and proj's, none without biases; on
+    one TP rank of two, the first projection's columns split (ETP = TP) or whole (ETP 1)."""
+    from collections import Counter
+    from npmegatron import autograd as ag
+    from npmegatron.moe.experts import GroupedExperts
+    from npmegatron.perf.work import layer_traffic, moe_layer_traffic
+    cfg = GPTConfig(**{**SMALL, "dtype": "float64", **options})
+    shape = ParallelShape(tp=2, seq=8, micro_batch=2, etp=etp)
+    experts = GroupedExperts(cfg, numpy, numpy.float64, 0, cfg.num_experts, FakeGroup(shape.expert_tp, 0))
+    experts.initialize(cfg.seed, None)
+    rows = cfg.moe_router_topk * shape.micro_batch * shape.seq         # routing balanced, as the plan's
+    blocks = ag.RowBlocks([rows // cfg.num_experts] * cfg.num_experts, numpy)
+    out = experts(ag.Tensor(numpy.ones((rows, cfg.hidden_size)), requires_grad=True), blocks)
+    streams = lambda traffic: Counter(n for kind, n, *_ in traffic if kind == "stream")  # noqa: E731
+    planned = streams(moe_layer_traffic(cfg, shape, 8)) - streams(layer_traffic(cfg, shape, 8))
+    assert sorted(planned.elements()) == grouped_bias_elements(out)
+    assert len(grouped_bias_elements(out)) == (2 if cfg.add_bias_linear else 0)
 
 
 def test_expert_gradients_and_whole_experts_by_hand():
