@@ -275,7 +275,7 @@ def family_of(layout):
 @pytest.mark.parametrize("layout", [["--tp", "2"], pytest.param(["--pp", "2"], marks=pytest.mark.slow),
                                     pytest.param([], marks=pytest.mark.slow),
                                     pytest.param(["--pp", "2", "--tp", "2"], marks=pytest.mark.slow),
-                                    ["--tp", "2", "--sequence-parallel"],
+                                    pytest.param(["--tp", "2", "--sequence-parallel"], marks=pytest.mark.slow),
                                     pytest.param(["--tp", "2", "--model-family", "llama"], marks=pytest.mark.slow),
                                     ["--cp", "2"],
                                     pytest.param(["--cp", "2", "--moe-router-load-balancing-type", "seq_aux_loss"],
@@ -311,7 +311,7 @@ def test_experts_split_over_ranks_equal_the_whole_layer(mpirun, ranks, case):
 
 
 @pytest.mark.parametrize("ranks,layout", [(2, ["--expert-model-parallel-size", "2"]),
-                                          (4, ["--expert-model-parallel-size", "2"]),
+                                          pytest.param(4, ["--expert-model-parallel-size", "2"], marks=pytest.mark.slow),
                                           pytest.param(4, ["--expert-model-parallel-size", "2", "--pp", "2"],
                                                        marks=pytest.mark.slow),
                                           pytest.param(4, ["--expert-model-parallel-size", "2", "--tp", "2"],
@@ -323,12 +323,14 @@ def test_experts_split_over_ranks_equal_the_whole_layer(mpirun, ranks, case):
                                           pytest.param(4, ["--expert-model-parallel-size", "2", "--tp", "2",
                                                            "--expert-tensor-parallel-size", "1"],
                                                        marks=pytest.mark.slow),
-                                          (2, ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]),
+                                          pytest.param(2, ["--expert-model-parallel-size", "2",
+                                                           "--use-distributed-optimizer"], marks=pytest.mark.slow),
                                           pytest.param(4, ["--expert-model-parallel-size", "2",
                                                            "--use-distributed-optimizer"], marks=pytest.mark.slow),
                                           pytest.param(4, ["--expert-model-parallel-size", "2", "--cp", "2"],
                                                        marks=pytest.mark.slow),
-                                          (2, ["--expert-model-parallel-size", "2", "--cp", "2"]),
+                                          pytest.param(2, ["--expert-model-parallel-size", "2", "--cp", "2"],
+                                                       marks=pytest.mark.slow),
                                           pytest.param(4, ["--expert-model-parallel-size", "4", "--cp", "2"],
                                                        marks=pytest.mark.slow),
                                           pytest.param(2, ["--expert-model-parallel-size", "2",
@@ -372,7 +374,7 @@ def test_expert_parallel_training_follows_the_serial_trajectory(tmp_path, ranks,
     assert norms["layout"] == pytest.approx(norms["serial"], rel=1e-10, abs=0)
 
 
-@pytest.mark.parametrize("storage", ["--bf16", "--fp16"])
+@pytest.mark.parametrize("storage", ["--bf16", pytest.param("--fp16", marks=pytest.mark.slow)])
 def test_expert_parallel_training_under_16_bit_storage_follows_the_serial_run(tmp_path, storage):
     """Under --bf16 (and --fp16, with its loss scaling) EP 2 follows the serial run's losses to
     1e-4: each expert's block holds its rows in the same order, so the GEMMs round alike, and the
@@ -448,7 +450,8 @@ def test_training_logs_the_moe_losses_and_expert_load_under_megatrons_names(tmp_
 
 
 @pytest.mark.parametrize("ranks,ep,pad", [(2, "2", []), pytest.param(4, "2", [], marks=pytest.mark.slow),
-                                          (2, "2", ["--moe-pad-expert-input-to-capacity"])],
+                                          pytest.param(2, "2", ["--moe-pad-expert-input-to-capacity"],
+                                                       marks=pytest.mark.slow)],
                          ids=["ep2", "ep2xdp2", "ep2-padded"])
 def test_expert_parallel_drops_the_tokens_its_data_parallel_layout_drops(tmp_path, ranks, ep, pad):
     """Under a capacity factor each rank drops over its own tokens' choices, so EP 2 follows the
@@ -468,7 +471,8 @@ def test_expert_parallel_drops_the_tokens_its_data_parallel_layout_drops(tmp_pat
     assert [l for l, _ in curves["ep"]] == pytest.approx([l for l, _ in curves["dp"]], rel=1e-10, abs=0)
 
 
-@pytest.mark.parametrize("ranks,layout", [(0, []), (2, ["--expert-model-parallel-size", "2"]),
+@pytest.mark.parametrize("ranks,layout", [pytest.param(0, [], marks=pytest.mark.slow),
+                                          (2, ["--expert-model-parallel-size", "2"]),
                                           pytest.param(4, ["--expert-model-parallel-size", "2",
                                                            "--use-distributed-optimizer"], marks=pytest.mark.slow),
                                           pytest.param(4, ["--expert-model-parallel-size", "4", "--cp", "2"],
@@ -497,6 +501,7 @@ def test_a_moe_run_resumes_bitwise(tmp_path, ranks, layout):
     assert [json.loads(line)["loss"] for line in open(resumed)] == expected
 
 
+@pytest.mark.slow
 def test_a_checkpoint_saved_at_ep4_loads_at_ep1_and_at_ep2_x_tp2(tmp_path):
     """Saved at step 3 of 6 by EP 4 (each rank writes its expert's shard, rank 0 the dense weights
     and the routers' expert biases too), the checkpoint resumes on one rank and at EP 2 x TP 2
