@@ -4,6 +4,7 @@ Each parameter is drawn whole (its master shape) from a generator seeded by (see
 and then sliced to this rank's part, so weights depend neither on construction order nor on the
 tensor-parallel size: TP=1 and TP=k start from identical parameters (Megatron's CPU init path).
 """
+import weakref
 import zlib
 from dataclasses import dataclass
 from typing import Optional
@@ -123,8 +124,22 @@ def set_slice(param, host, storage=None):
     precision.round_(param.data, storage)
 
 
-def parameter(xp, shape, dtype):
-    """An uninitialised trainable tensor; Module.initialize gives it values."""
+def parameter(xp, shape, dtype, decayed=True):
+    """An uninitialised trainable tensor; Module.initialize gives it values. decayed=False: a
+    matrix AdamW spares weight decay all the same (weight_decayed), such as a stack of biases,
+    an expert a row."""
     param = Tensor(xp.empty(shape, dtype=dtype), requires_grad=True)
     param.is_parameter = True       # its gradient adds up in float32 under --fp16/--bf16
+    if not decayed:
+        _SPARED_MATRICES[id(param)] = param
     return param
+
+
+#: The matrices parameter(decayed=False) made, by id, for as long as each lives.
+_SPARED_MATRICES = weakref.WeakValueDictionary()
+
+
+def weight_decayed(param):
+    """Whether AdamW decays `param`: its matrices, not biases, norms' gains or a stack of biases
+    (Megatron decays neither a 1-D parameter nor one named *.bias)."""
+    return param.ndim >= 2 and _SPARED_MATRICES.get(id(param)) is not param

@@ -30,7 +30,7 @@ class _Stacked(Module):
         self.bias = None
         if bias:        # columns split where the weight's are; rows split: whole, added after the sum
             bias_index = (index[0], index[2]) if len(index) > 2 else index[:1]
-            self.bias = parameter(xp, (local[0], local[2]), dtype)
+            self.bias = parameter(xp, (local[0], local[2]), dtype, decayed=False)   # a bias an expert
             self.specs["bias"] = ParamSpec("zeros", (shape[0], shape[2]), bias_index,
                                            tp_axis=1 if tp_axis == 2 else None, expert=True)
 

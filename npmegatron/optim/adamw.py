@@ -7,6 +7,7 @@ import numpy
 from .. import comm
 from ..autograd import cpu_blocks, get_array_module, precision
 from ..autograd.fusion import fused, fused_reduction
+from ..module import weight_decayed
 from .flat import FlatLayout
 
 
@@ -103,7 +104,7 @@ class AdamW:
         self._m, self._v = xp.zeros(size, dtype), xp.zeros(size, dtype)
         self._master = xp.zeros(size, dtype) if self.storage else None
         self.master = None
-        self.decayed = self.layout.mask(lambda p: p.ndim >= 2)
+        self.decayed = self.layout.mask(weight_decayed)
 
     def scale_gradients(self, factor):
         """Multiply the gradients by `factor` in the next step's update itself (clip_gradients):

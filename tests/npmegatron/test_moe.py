@@ -36,12 +36,28 @@ def layer_and_input(seed=0, **options):
     cfg = GPTConfig(**{**BASE, **options})
     layer = MoELayer(cfg, np, np.float64, 0)
     layer.initialize(cfg.seed, None)
-    for p in layer.parameters():            # biases away from zero, so they are checked too
-        p.data += np.random.default_rng(seed).normal(0, 0.05, p.shape)
+    for i, p in enumerate(layer.parameters()):      # biases away from zero and unlike each other,
+        p.data += np.random.default_rng((seed, i)).normal(0, 0.05, p.shape)     # so each is checked
     if layer.router.expert_bias is not None:
         layer.router.expert_bias[...] = np.random.default_rng(seed + 1).normal(0, 0.3, cfg.num_experts)
     x = np.random.default_rng(seed + 2).standard_normal((2, 5, cfg.hidden_size))
     return cfg, layer, x
+
+
+def test_adamw_spares_the_experts_biases_weight_decay_as_every_other_bias():
+    """A stacked bias is 2-D (an expert a row), but a bias: AdamW decays the experts' weights only,
+    as Megatron spares every bias (and, in the model, every 1-D parameter)."""
+    from npmegatron.optim.adamw import AdamW
+    for family in ("gpt2", "swiglu, biases"):
+        cfg, layer, _ = layer_and_input(**FAMILIES[family])
+        named = dict(layer.named_parameters())
+        optimizer = AdamW(list(named.values()), weight_decay=0.1)
+        mask = np.asarray(optimizer.decayed)
+        decayed = {name for name, p in named.items() if mask[optimizer.layout.where[id(p)]].all()}
+        spared = {name for name, p in named.items() if not mask[optimizer.layout.where[id(p)]].any()}
+        assert decayed | spared == set(named)
+        assert {name for name in named if name.startswith("experts.") and name.endswith(".bias")} <= spared
+        assert {name for name in named if name.endswith(".weight") and named[name].ndim >= 2} == decayed, family
 
 
 def reference_choice(logits, cfg, bias):
@@ -323,14 +339,12 @@ def test_experts_split_over_ranks_equal_the_whole_layer(mpirun, ranks, case):
                                           pytest.param(4, ["--expert-model-parallel-size", "2", "--tp", "2",
                                                            "--expert-tensor-parallel-size", "1"],
                                                        marks=pytest.mark.slow),
-                                          pytest.param(2, ["--expert-model-parallel-size", "2",
-                                                           "--use-distributed-optimizer"], marks=pytest.mark.slow),
+                                          (2, ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]),
                                           pytest.param(4, ["--expert-model-parallel-size", "2",
                                                            "--use-distributed-optimizer"], marks=pytest.mark.slow),
                                           pytest.param(4, ["--expert-model-parallel-size", "2", "--cp", "2"],
                                                        marks=pytest.mark.slow),
-                                          pytest.param(2, ["--expert-model-parallel-size", "2", "--cp", "2"],
-                                                       marks=pytest.mark.slow),
+                                          (2, ["--expert-model-parallel-size", "2", "--cp", "2"]),
                                           pytest.param(4, ["--expert-model-parallel-size", "4", "--cp", "2"],
                                                        marks=pytest.mark.slow),
                                           pytest.param(2, ["--expert-model-parallel-size", "2",
@@ -450,8 +464,7 @@ def test_training_logs_the_moe_losses_and_expert_load_under_megatrons_names(tmp_
 
 
 @pytest.mark.parametrize("ranks,ep,pad", [(2, "2", []), pytest.param(4, "2", [], marks=pytest.mark.slow),
-                                          pytest.param(2, "2", ["--moe-pad-expert-input-to-capacity"],
-                                                       marks=pytest.mark.slow)],
+                                          (2, "2", ["--moe-pad-expert-input-to-capacity"])],
                          ids=["ep2", "ep2xdp2", "ep2-padded"])
 def test_expert_parallel_drops_the_tokens_its_data_parallel_layout_drops(tmp_path, ranks, ep, pad):
     """Under a capacity factor each rank drops over its own tokens' choices, so EP 2 follows the
@@ -501,7 +514,6 @@ def test_a_moe_run_resumes_bitwise(tmp_path, ranks, layout):
     assert [json.loads(line)["loss"] for line in open(resumed)] == expected
 
 
-@pytest.mark.slow
 def test_a_checkpoint_saved_at_ep4_loads_at_ep1_and_at_ep2_x_tp2(tmp_path):
     """Saved at step 3 of 6 by EP 4 (each rank writes its expert's shard, rank 0 the dense weights
     and the routers' expert biases too), the checkpoint resumes on one rank and at EP 2 x TP 2
