@@ -3,6 +3,7 @@ sys.path because tests/conftest.py lives there): where mpiexec is, the environme
 runs in, running a tests/ranks/ module on N ranks, and launching scripts/train.py.
 
 No test module imports another test module: what several of them share lives here."""
+import functools
 import json
 import os
 import shutil
@@ -77,6 +78,17 @@ def run_ranks(n, module, args=(), timeout=120, env=None, check=True):
     if check and result.returncode != 0:
         pytest.fail(f"mpiexec -n {n} {module} {' '.join(map(str, args))} failed: {result}")
     return result
+
+
+@functools.lru_cache(maxsize=None)
+def counted_gpu_work(args):
+    """scripts/count_gpu_work.py's JSON text for `args` (a tuple), run once per session: the
+    count tests and the planner's test read the same counts, and at GPT-2 124M's shapes a run
+    takes about a minute on two cores."""
+    command = [sys.executable, "scripts/count_gpu_work.py", "--json", "/dev/stdout", *args]
+    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    assert run.returncode == 0, run.stderr
+    return run.stdout[run.stdout.index("\n{") + 1:]
 
 
 def launch(n, args, timeout=180):

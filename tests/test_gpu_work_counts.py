@@ -2,7 +2,6 @@
 one launch per kernel CuPy runs, none for a view, each cuBLAS call with its dtypes, compute type
 and transposes as CuPy 14 chooses them (cupy/_core/_routines_linalg.pyx), the copies CuPy makes
 inside a call, and device bytes; and scripts/count_gpu_work.py reports them per layer and step."""
-import functools
 import json
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import numpy
 import pytest
 
 from fakes.strict_cupy import strict_cupy
-from helpers import ROOT
+from helpers import ROOT, counted_gpu_work
 
 
 @pytest.fixture
@@ -214,17 +213,7 @@ SMALL_MODEL = ("--hidden-size", "64", "--num-attention-heads", "4", "--seq-lengt
 
 def count(*flags):
     """The counting script's JSON for the small model with `flags`, each a fresh dict."""
-    return json.loads(_counted(SMALL_MODEL + flags))
-
-
-@functools.lru_cache(maxsize=None)
-def _counted(args):
-    """The script's run per set of arguments, once per session: several tests read the same counts
-    (at GPT-2 124M's shapes a run takes about 25 s on two cores)."""
-    command = [sys.executable, "scripts/count_gpu_work.py", "--json", "/dev/stdout", *args]
-    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr
-    return run.stdout[run.stdout.index("\n{") + 1:]
+    return json.loads(counted_gpu_work(SMALL_MODEL + flags))
 
 
 def test_the_counting_script_reports_per_layer_counts_that_do_not_depend_on_depth():
@@ -289,7 +278,7 @@ def count_gpt2(*flags):
     """The counts at GPT-2 124M's layer shapes (the script's defaults: hidden 768, 12 heads,
     seq 1024, vocab 50,304, micro-batch 1), each a fresh dict; the float32 run's counts serve
     both its budget test and the 16-bit one's."""
-    return json.loads(_counted(flags))
+    return json.loads(counted_gpu_work(flags))
 
 
 #: Launches per transformer layer (forward + backward) outside attention's core at GPT-2 124M's

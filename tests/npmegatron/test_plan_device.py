@@ -3,15 +3,13 @@ rates, the shipped h200 profile held to the measurements and datasheet it cites 
 predictions beside docs/benchmarks.md's H200 rows, `plan calibrate --device gpu` on the strict
 CuPy stand-in, and (slow) the engine's counted work against scripts/count_gpu_work.py."""
 import json
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
 from click.testing import CliRunner
 
 from fakes.strict_cupy import strict_cupy
-from helpers import ROOT
+from helpers import counted_gpu_work
 from npmegatron.autograd import InputError
 from npmegatron.bench.plan import calibrate as calibrate_module
 from npmegatron.cli import main
@@ -217,10 +215,7 @@ def test_calibrate_copies_only_what_the_card_s_free_memory_holds(tmp_path, monke
 @pytest.mark.parametrize("flags,kind", [(["--bf16"], "16-bit"), ([], "float32")])
 def test_the_engine_s_gpu_work_is_the_stand_in_s_count(flags, kind):
     """WORK against scripts/count_gpu_work.py at GPT-2 124M's shapes, micro-batch 1 (minutes)."""
-    run = subprocess.run([sys.executable, "scripts/count_gpu_work.py", "--json", "/dev/stdout", *flags], cwd=ROOT,
-                         capture_output=True, text=True, timeout=1200)
-    assert run.returncode == 0, run.stderr
-    counts, work, e = json.loads(run.stdout[run.stdout.index("\n{") + 1:]), WORK[kind], 2 if flags else 4
+    counts, work, e = json.loads(counted_gpu_work(tuple(flags))), WORK[kind], 2 if flags else 4
     tokens, h, layer_params = 1024, 768, 12 * 768 ** 2 + 13 * 768
     assert counts["layer"]["bytes_outside_gemms_and_attention"] == work["passes"] * tokens * h * e + 120 * tokens
     assert counts["layer"]["launches"] == work["launches"]
