@@ -64,6 +64,11 @@ def build_model(cfg, grid, layout=None):
     return PipelineModel(cfg, grid, plan_stages(parse_layout(layout), cfg.num_layers, grid.pp_size, layout))
 
 
+def expert_parameter_ids(model):
+    """The ids of the routed experts' parameters, which EP shards and its optimizer keeps apart."""
+    return {id(p) for _, p, spec in model.named_specs() if spec.expert}
+
+
 def build_optimizer(model, params, grid, config):
     """(gradient buckets, optimizer): AdamW over DP all-reduced buckets, or with
     --use-distributed-optimizer each DP rank's share of AdamW over reduce-scattered buckets."""
@@ -74,7 +79,7 @@ def build_optimizer(model, params, grid, config):
     sharded = config.parallel.use_distributed_optimizer
     tied = getattr(model, "tied", None)
     if grid.ep_size > 1:
-        experts = {id(p) for _, p, spec in model.named_specs() if spec.expert}
+        experts = expert_parameter_ids(model)
         buckets = ExpertParallelBuckets(params, experts, grid, bucket_size, storage, sharded,
                                         alone=[tied.weight] if tied and sharded else [])
         if sharded:

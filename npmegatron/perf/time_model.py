@@ -318,10 +318,12 @@ def step_time(cfg, shape, profile):
     # model FLOPs count the active parameters: model_flops leaves out the experts a token skips
     flops = model_flops(cfg, gpt_num_parameters(cfg), shape.global_batch, shape.seq)
     again = recomputed_share(cfg, shape)
+    modelled = None                  # the 2019 implementation's published figures, where they time compute
     if "measured" in profile:        # this machine's rates by kind of work (work.py)
         compute, compute_bubble, parts = measured_compute(cfg, shape, profile, again, w)
     elif "published" in profile:     # a GPU's published rates and the counted kernels (published.py)
         compute, compute_bubble, parts = published_compute(cfg, shape, profile, again, w)
+        modelled = profile["published"]
     elif "device" in profile:        # a GPU's measured rates and this engine's counted work (device.py)
         compute, compute_bubble, parts = device_compute(cfg, shape, profile, again, w)
     else:
@@ -340,8 +342,8 @@ def step_time(cfg, shape, profile):
     exchanged = tp_comm + ep_comm + pp_comm + cp_comm
     bubble = compute_bubble + (p - 1) / (m * v) * exchanged
     dp_total, dp_exposed = data_parallel_time(cfg, shape, profile, w, compute, place)
-    if "published" in profile:       # the SMs NCCL's kernel holds while the overlapped part runs
-        dp_exposed += overlap_contention_seconds(profile["published"], dp_total - dp_exposed, parts)
+    if modelled:                     # the SMs NCCL's kernel holds while the overlapped part runs
+        dp_exposed += overlap_contention_seconds(modelled, dp_total - dp_exposed, parts)
     embedding = 0.0
     if p > 1 and not cfg.untie_embeddings_and_output_weights:     # the tied embedding's two copies
         padded = pad_vocab_size(cfg.vocab_size, t, cfg.make_vocab_size_divisible_by)

@@ -15,6 +15,7 @@ from ..autograd.ops.fused_attention import attention_path
 from ..model import gpt_num_parameters, model_flops
 from ..moe.metrics import interval_metrics
 from ..perf.memory import ParallelShape, chunk_activation_bytes, optimizer_parameters
+from ..run import expert_parameter_ids
 from .metrics import format_layers, format_memory, format_phases, layer_times, peak_flops_per_rank, phases
 from .trackers import Trackers
 
@@ -145,7 +146,7 @@ def memory_note(trainer):
     # are the bytes 16-bit storage implies.
     stored = 2 if cfg.storage_format else w
     per_layer = chunk_activation_bytes(cfg, layout, stored, layers)[0] / layers
-    expert_ids = {id(p) for _, p, spec in trainer.model.named_specs() if spec.expert}
+    expert_ids = expert_parameter_ids(trainer.model)
     params = sum(p.size for p in trainer.params)
     experts = sum(p.size for p in trainer.params if id(p) in expert_ids)
     implied = ""
